@@ -1,0 +1,26 @@
+"""jlora: multi-LoRA inference for JAX on NVIDIA GPUs.
+
+One base model serves many LoRA adapters in the same batch, each token using its own adapter, inside
+`jax.jit` with static shapes. The public API:
+
+- `LoRABatchInfo`: the batch's static-shape metadata (tokens grouped by adapter slot, segments, ranks).
+- `lora_shrink`, `lora_expand`, `lora_linear`, `lora_embedding`: the multi-LoRA ops, each with
+  `backend=` in {"auto", "reference", "ragged", "pallas"}.
+"""
+
+from jlora.batch_info import LoRABatchInfo, num_segments, token_slots_from_requests
+from jlora.ops import BACKENDS, Backend, lora_embedding, lora_expand, lora_linear, lora_shrink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "LoRABatchInfo",
+    "lora_embedding",
+    "lora_expand",
+    "lora_linear",
+    "lora_shrink",
+    "num_segments",
+    "token_slots_from_requests",
+]

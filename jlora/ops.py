@@ -1,0 +1,255 @@
+"""The public multi-LoRA ops, their argument checks and backend dispatch.
+
+Semantics shared by every backend: token t with slot s >= 0 gets, per slice i,
+`scalings[s] * (x[t] @ A[s, i*R : i*R + r_s]ᵀ) @ B[s, slice_i, :r_s]ᵀ` added to `base[t, slice_i]`; slot -1
+tokens keep `base[t]`; rows and columns of a slot beyond its rank `r_s` contribute nothing, whatever the
+stored weights hold there.
+
+Backends: "reference" (one-hot einsum), "ragged" (`jax.lax.ragged_dot`), "pallas" (the kernels in
+`jlora.pallas`; on CPU they run in interpret mode) and "auto" (pallas on GPU, reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jlora import pallas, reference
+from jlora.batch_info import LoRABatchInfo
+
+__all__ = ["Backend", "BACKENDS", "lora_shrink", "lora_expand", "lora_linear", "lora_embedding"]
+
+Backend = Literal["auto", "reference", "ragged", "pallas"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "pallas")
+
+
+def _resolve(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return backend
+
+
+def _is_concrete(x: jax.Array) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_info(info: LoRABatchInfo, num_tokens: int, num_slots: int, max_rank: int, what: str) -> None:
+    """Checks `info` against T and the weight stack's L and R; values only when not traced."""
+    if not isinstance(info, LoRABatchInfo):
+        raise TypeError(f"info must be a LoRABatchInfo, got {type(info).__name__}")
+    if info.num_tokens != num_tokens:
+        raise ValueError(f"info is built for T={info.num_tokens} tokens but {what} has {num_tokens} rows")
+    if info.num_slots != num_slots:
+        raise ValueError(f"info has L={info.num_slots} slots but the weight stack {what} has {num_slots}")
+    if _is_concrete(info.ranks) and int(jnp.max(info.ranks)) > max_rank:
+        raise ValueError(
+            f"adapter rank {int(jnp.max(info.ranks))} exceeds the weight stack's max rank R={max_rank}"
+        )
+    if _is_concrete(info.token_slot) and int(jnp.max(info.token_slot)) >= num_slots:
+        raise ValueError(f"slot id {int(jnp.max(info.token_slot))} >= number of slots L={num_slots}")
+
+
+def _check_float(name: str, arr: jax.Array, ndim: int) -> None:
+    if not hasattr(arr, "shape") or arr.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D array, got shape {getattr(arr, 'shape', None)}")
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got dtype {arr.dtype}")
+
+
+def _check_same_dtype(**arrays: jax.Array) -> None:
+    dtypes = {name: a.dtype for name, a in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"dtype mismatch: {', '.join(f'{n}={d}' for n, d in dtypes.items())}")
+
+
+def _check_shrink(x: jax.Array, a: jax.Array, info: LoRABatchInfo, num_slices: int) -> int:
+    """Checks shrink arguments; returns R."""
+    _check_float("x", x, 2)
+    _check_float("A", a, 3)
+    _check_same_dtype(x=x, A=a)
+    if not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+    if a.shape[2] != x.shape[1]:
+        raise ValueError(f"A {a.shape} has input dim K={a.shape[2]} but x {x.shape} has K={x.shape[1]}")
+    if a.shape[1] % num_slices:
+        raise ValueError(f"A's dim 1 ({a.shape[1]}) is not num_slices ({num_slices}) x max rank")
+    rank = a.shape[1] // num_slices
+    _check_info(info, x.shape[0], a.shape[0], rank, "A")
+    return rank
+
+
+def _check_expand(
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, slice_sizes: tuple[int, ...]
+) -> None:
+    _check_float("s", s, 2)
+    _check_float("B", b, 3)
+    _check_float("base", base, 2)
+    _check_same_dtype(s=s, B=b, base=base)
+    if not slice_sizes or not all(isinstance(n, int) and n > 0 for n in slice_sizes):
+        raise ValueError(f"slice_sizes must be a non-empty tuple of positive ints, got {slice_sizes!r}")
+    n_total, rank = b.shape[1], b.shape[2]
+    if sum(slice_sizes) != n_total:
+        raise ValueError(f"slice_sizes {slice_sizes} sum to {sum(slice_sizes)} but B {b.shape} has N={n_total}")
+    if base.shape != (s.shape[0], n_total):
+        raise ValueError(f"base {base.shape} must be [T, N] = {(s.shape[0], n_total)} (s {s.shape}, B {b.shape})")
+    if s.shape[1] != len(slice_sizes) * rank:
+        raise ValueError(
+            f"s {s.shape} must have {len(slice_sizes)} slices x R={rank} = {len(slice_sizes) * rank} columns"
+        )
+    _check_info(info, s.shape[0], b.shape[0], rank, "B")
+
+
+def lora_shrink(
+    x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int = 1, backend: Backend = "auto"
+) -> jax.Array:
+    """The LoRA A side: per token, its slot's scaled down-projection.
+
+    Args:
+      x: [T, K] activations.
+      a: [L, S·R, K] stacked A weights (PEFT's `lora_A.weight` [r, K] per slice, zero-padded to R rows).
+      info: the batch's `LoRABatchInfo` (T tokens, L slots).
+      num_slices: S, the number of fused projections sharing x (3 for q|k|v).
+      backend: "auto", "reference", "ragged" or "pallas".
+
+    Returns:
+      [T, S·R] in x.dtype: `scalings[slot] * x @ A[slot]ᵀ`, columns at or beyond the slot's rank 0,
+      rows of slot -1 tokens 0.
+    """
+    _check_shrink(x, a, info, num_slices)
+    return _shrink(x, a, info, num_slices=num_slices, backend=_resolve(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("num_slices", "backend"))
+def _shrink(x, a, info, *, num_slices, backend):
+    if backend == "pallas":
+        return pallas.shrink(x, a, info, num_slices=num_slices)
+    impl = reference.shrink_ragged if backend == "ragged" else reference.shrink_reference
+    return impl(x, a, info, num_slices=num_slices)
+
+
+def lora_expand(
+    s: jax.Array,
+    b: jax.Array,
+    info: LoRABatchInfo,
+    base: jax.Array,
+    *,
+    slice_sizes: tuple[int, ...],
+    backend: Backend = "auto",
+) -> jax.Array:
+    """The LoRA B side: adds each token's slot's up-projection of `s` to `base`, slice by slice.
+
+    Args:
+      s: [T, S·R] shrink output (already scaled).
+      b: [L, N, R] stacked B weights (PEFT's `lora_B.weight` [n_i, r] per slice, stacked along N,
+        zero-padded to R columns).
+      info: the batch's `LoRABatchInfo`.
+      base: [T, N] base-layer output.
+      slice_sizes: static output widths (n_1, ..., n_S), summing to N; e.g. (4096, 1024, 1024) for q|k|v.
+      backend: "auto", "reference", "ragged" or "pallas".
+
+    Returns:
+      [T, N] in base.dtype: `base + s_i @ B[slot, slice_i, :rank]ᵀ` per slice; slot -1 rows equal `base`.
+      The pallas backend adds in place into `base`'s buffer when `base` is donated or an intermediate.
+    """
+    slice_sizes = tuple(slice_sizes)
+    _check_expand(s, b, info, base, slice_sizes)
+    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=_resolve(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
+def _expand(s, b, info, base, *, slice_sizes, backend):
+    if backend == "pallas":
+        return pallas.expand(s, b, info, base, slice_sizes=slice_sizes)
+    impl = reference.expand_ragged if backend == "ragged" else reference.expand_reference
+    return impl(s, b, info, base, slice_sizes=slice_sizes)
+
+
+def lora_linear(
+    x: jax.Array,
+    base: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    info: LoRABatchInfo,
+    *,
+    slice_sizes: tuple[int, ...],
+    backend: Backend = "auto",
+) -> jax.Array:
+    """A (fused) linear layer's LoRA: `lora_expand(lora_shrink(x), ...)`, the one call layers make.
+
+    Args:
+      x: [T, K] layer input.
+      base: [T, N] base-layer output, N = sum(slice_sizes).
+      a: [L, S·R, K] and b: [L, N, R] stacked weights, S = len(slice_sizes).
+      info: the batch's `LoRABatchInfo`.
+      slice_sizes: static output widths of the fused projections, e.g. (q, k, v) or (gate, up).
+      backend: "auto", "reference", "ragged" or "pallas".
+
+    Returns:
+      [T, N] in base.dtype, base plus each token's adapter delta.
+    """
+    slice_sizes = tuple(slice_sizes)
+    _check_shrink(x, a, info, len(slice_sizes))
+    if x.shape[0] != base.shape[0]:
+        raise ValueError(f"x {x.shape} and base {base.shape} must have the same number of tokens")
+    _check_expand(jax.ShapeDtypeStruct((x.shape[0], a.shape[1]), x.dtype), b, info, base, slice_sizes)
+    if a.shape[1] // len(slice_sizes) != b.shape[2]:
+        raise ValueError(f"A {a.shape} and B {b.shape} disagree on the max rank R")
+    return _linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=_resolve(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
+def _linear(x, base, a, b, info, *, slice_sizes, backend):
+    if backend == "pallas":
+        return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes)
+    s = _shrink(x, a, info, num_slices=len(slice_sizes), backend=backend)
+    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=backend)
+
+
+def lora_embedding(
+    token_ids: jax.Array,
+    a_emb: jax.Array,
+    b_emb: jax.Array,
+    info: LoRABatchInfo,
+    base: jax.Array,
+    *,
+    backend: Backend = "auto",
+) -> jax.Array:
+    """Embedding LoRA: adds `scaling · B_emb[slot] @ A_emb[slot, :, token_id]` to the base embedding.
+
+    Args:
+      token_ids: [T] int token ids.
+      a_emb: [L, R, V] stacked `lora_embedding_A` (PEFT's [r, V]), zero-padded to R rows.
+      b_emb: [L, H, R] stacked `lora_embedding_B` (PEFT's [H, r]), zero-padded to R columns.
+      info: the batch's `LoRABatchInfo`.
+      base: [T, H] base embeddings of `token_ids`.
+      backend: "auto", "reference", "ragged" or "pallas" (the A side is a gather in every backend).
+
+    Returns:
+      [T, H] in base.dtype.
+    """
+    if not hasattr(token_ids, "shape") or token_ids.ndim != 1 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"token_ids must be a 1-D int array, got {getattr(token_ids, 'dtype', None)} "
+                         f"{getattr(token_ids, 'shape', None)}")
+    _check_float("A_emb", a_emb, 3)
+    if a_emb.shape[:2] != (b_emb.shape[0], b_emb.shape[2]):
+        raise ValueError(f"A_emb {a_emb.shape} must be [L, R, V] to match B_emb {b_emb.shape} [L, H, R]")
+    if token_ids.shape[0] != base.shape[0]:
+        raise ValueError(f"token_ids {token_ids.shape} and base {base.shape} must have the same T")
+    _check_same_dtype(A_emb=a_emb, B_emb=b_emb, base=base)
+    s_spec = jax.ShapeDtypeStruct((base.shape[0], b_emb.shape[2]), base.dtype)
+    _check_expand(s_spec, b_emb, info, base, (b_emb.shape[1],))
+    return _embedding(token_ids, a_emb, b_emb, info, base, backend=_resolve(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _embedding(token_ids, a_emb, b_emb, info, base, *, backend):
+    # The A side of an embedding LoRA is a lookup: row `token_id` of Aᵀ, scaled and rank-masked.
+    slot = jnp.maximum(info.token_slot, 0)
+    rows = a_emb[slot, :, jnp.clip(token_ids, 0, a_emb.shape[2] - 1)]  # [T, R]
+    s = (rows.astype(jnp.float32) * reference.column_scale(info, a_emb.shape[1], 1, scaled=True)).astype(base.dtype)
+    return _expand(s, b_emb, info, base, slice_sizes=(b_emb.shape[1],), backend=backend)

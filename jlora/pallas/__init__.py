@@ -1,0 +1,18 @@
+"""Pallas (Triton-lowered) kernels for the multi-LoRA ops; on CPU they run with `interpret=True`."""
+
+from jlora.pallas.config import ExpandConfig, ShrinkConfig, expand_config, shrink_config
+from jlora.pallas.dispatch import expand, kernel_rank, linear, shrink, supported
+from jlora.pallas.shrink import shrink_partials
+
+__all__ = [
+    "ExpandConfig",
+    "ShrinkConfig",
+    "expand",
+    "expand_config",
+    "kernel_rank",
+    "linear",
+    "shrink",
+    "shrink_config",
+    "shrink_partials",
+    "supported",
+]

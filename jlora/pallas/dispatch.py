@@ -1,0 +1,84 @@
+"""Entry points of the Pallas backend: shape requirements, rank padding, split-K finishing.
+
+The kernels need R to be a power of two >= 16 (a `dot` dimension), K and every output slice a multiple of
+16, and `block_m` a power of two >= 16. A smaller or odd R is zero-padded here per slice, which copies the
+weights on every call; the adapter pool stores weights already padded, so the model never pays it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jlora.batch_info import LoRABatchInfo
+from jlora.pallas.expand import expand as _expand
+from jlora.pallas.shrink import shrink_partials
+
+__all__ = ["kernel_rank", "supported", "shrink", "expand", "linear"]
+
+
+def kernel_rank(rank: int) -> int:
+    """The rank the kernels run at: the next power of two >= max(rank, 16)."""
+    return max(16, 1 << (rank - 1).bit_length())
+
+
+def supported(k: int | None, slice_sizes: tuple[int, ...], block_m: int) -> str | None:
+    """Why the kernels cannot run these shapes, or None when they can."""
+    if block_m < 16 or block_m & (block_m - 1):
+        return f"info.block_m={block_m} must be a power of two >= 16 for the pallas backend"
+    if k is not None and k % 16:
+        return f"input dim K={k} must be a multiple of 16 for the pallas backend"
+    if any(n % 16 for n in slice_sizes):
+        return f"slice_sizes={slice_sizes} must be multiples of 16 for the pallas backend"
+    return None
+
+
+def _require(k: int | None, slice_sizes: tuple[int, ...], info: LoRABatchInfo) -> None:
+    reason = supported(k, slice_sizes, info.block_m)
+    if reason:
+        raise NotImplementedError(reason + "; use backend='reference' or 'ragged'")
+
+
+def _pad_slices(w: jax.Array, axis: int, num_slices: int, rank: int) -> jax.Array:
+    """Zero-pads each of the `num_slices` rank blocks of `w` along `axis` from R to kernel_rank(R)."""
+    extra = kernel_rank(rank) - rank
+    if not extra:
+        return w
+    shape = w.shape[:axis] + (num_slices, rank) + w.shape[axis + 1 :]
+    pad = [(0, 0)] * (len(shape))
+    pad[axis + 1] = (0, extra)
+    w = jnp.pad(w.reshape(shape), pad)
+    return w.reshape(w.shape[:axis] + (num_slices * kernel_rank(rank),) + w.shape[axis + 2 :])
+
+
+def shrink(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
+    """[T, S·R] in x.dtype (see `jlora.lora_shrink`)."""
+    _require(x.shape[1], (), info)
+    rank = a.shape[1] // num_slices
+    a = _pad_slices(a, 1, num_slices, rank)
+    y = shrink_partials(x, a, info, num_slices=num_slices).sum(0)  # [T, S·R']
+    y = y.reshape(y.shape[0], num_slices, -1)[:, :, :rank].reshape(y.shape[0], num_slices * rank)
+    return jnp.where((info.token_slot >= 0)[:, None], y, 0.0).astype(x.dtype)
+
+
+def expand(
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+) -> jax.Array:
+    """[T, N] (see `jlora.lora_expand`)."""
+    _require(None, slice_sizes, info)
+    rank = b.shape[2]
+    s = _pad_slices(s, 1, len(slice_sizes), rank)
+    b = _pad_slices(b, 2, 1, rank)
+    return _expand(s[None], b, info, base, slice_sizes=slice_sizes)
+
+
+def linear(
+    x: jax.Array, base: jax.Array, a: jax.Array, b: jax.Array, info: LoRABatchInfo, *, slice_sizes: tuple[int, ...]
+) -> jax.Array:
+    """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly."""
+    _require(x.shape[1], slice_sizes, info)
+    rank = b.shape[2]
+    a = _pad_slices(a, 1, len(slice_sizes), rank)
+    b = _pad_slices(b, 2, 1, rank)
+    partials = shrink_partials(x, a, info, num_slices=len(slice_sizes))
+    return _expand(partials, b, info, base, slice_sizes=slice_sizes)

@@ -1,0 +1,112 @@
+"""Segmented multi-LoRA expand: out[t, slice_i] = base[t, slice_i] + s_i[t] @ B[slot(t), slice_i, :rank]ᵀ.
+
+One launch covers every slice (q 4096 | k 1024 | v 1024): the grid's column axis enumerates the blocks of
+all slices, and each program finds its slice from static block offsets. Only the first `rank` columns of
+B are read (masked loads fetch nothing). The sum is written into `base`'s buffer (`input_output_aliases`),
+so rows of slot -1 tokens are never touched and there is no extra pass over [T, N].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jlora.batch_info import LoRABatchInfo
+from jlora.pallas.config import ExpandConfig, expand_config
+from jlora.pallas.shrink import _precision, segment_rows
+
+__all__ = ["expand"]
+
+
+def _expand_kernel(
+    idx_ref,  # [T] int32 token indices sorted by slot
+    seg_start_ref,  # [S] int32
+    seg_len_ref,  # [S] int32
+    seg_slot_ref,  # [S] int32
+    ranks_ref,  # [L] int32
+    s_ref,  # [P, T, num_slices * R] shrink output as P partial sums (P = 1 for a finished s)
+    b_ref,  # [L, N, R]
+    base_ref,  # [T, N], the same buffer as o_ref
+    o_ref,  # [T, N]
+    *,
+    slice_start: tuple[int, ...],  # first column of each slice
+    block_start: tuple[int, ...],  # first column block of each slice
+    rank: int,
+    block_m: int,
+    block_n: int,
+    precision,
+):
+    seg, col_block = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(seg_len_ref[seg] > 0)
+    def _():
+        slot = seg_slot_ref[seg]
+        rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m)  # [BM]
+        # The slice of this column block: the last whose first block is <= col_block (static offsets).
+        sl = sum((col_block >= b).astype(jnp.int32) for b in block_start[1:])
+        col0, blk0 = slice_start[0], block_start[0]
+        for i in range(1, len(slice_start)):
+            col0 = jnp.where(sl == i, slice_start[i], col0)
+            blk0 = jnp.where(sl == i, block_start[i], blk0)
+        cols = pl.ds(pl.multiple_of(col0 + (col_block - blk0) * block_n, block_n), block_n)
+        r = pl.ds(pl.multiple_of(sl * rank, rank), rank)
+
+        s = s_ref[0, rows, r]  # [BM, R]
+        for p in range(1, s_ref.shape[0]):  # split-K partials of the shrink
+            s += s_ref[p, rows, r]
+        in_rank = (jnp.arange(rank) < ranks_ref[slot])[None, :]  # [1, R]: columns of B past the rank unread
+        b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)  # [BN, R]
+        delta = pltriton.dot(s.astype(b.dtype), b, trans_b=True, precision=precision)  # [BM, BN] f32
+        o_ref[rows, cols] = (base_ref[rows, cols].astype(jnp.float32) + delta).astype(o_ref.dtype)
+
+
+def expand(
+    s: jax.Array,
+    b: jax.Array,
+    info: LoRABatchInfo,
+    base: jax.Array,
+    *,
+    slice_sizes: tuple[int, ...],
+    config: ExpandConfig | None = None,
+) -> jax.Array:
+    """[T, N] `base` plus the expand of `s`, computed in place in base's buffer.
+
+    Args:
+      s: [P, T, S·R] shrink output as P partial sums to add (P = 1 for a finished s).
+      b: [L, N, R] with R a power of two >= 16.
+      info: the batch's metadata.
+      base: [T, N].
+      slice_sizes: static widths of the S slices; each a multiple of 16.
+      config: tiles; default from `expand_config`.
+    """
+    num_tokens, rank = base.shape[0], b.shape[2]
+    config = config or expand_config(num_tokens, slice_sizes)
+    if any(n % config.block_n for n in slice_sizes):
+        raise ValueError(f"{config} does not tile slice_sizes={slice_sizes}")
+    slice_start, block_start, col, blk = [], [], 0, 0
+    for n in slice_sizes:
+        slice_start.append(col)
+        block_start.append(blk)
+        col, blk = col + n, blk + n // config.block_n
+    kernel = functools.partial(
+        _expand_kernel,
+        slice_start=tuple(slice_start),
+        block_start=tuple(block_start),
+        rank=rank,
+        block_m=info.block_m,
+        block_n=config.block_n,
+        precision=_precision(b.dtype),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
+        grid=(info.num_segments, blk),
+        input_output_aliases={7: 0},
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=jax.default_backend() != "gpu",
+        name="jlora_expand",
+    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, base)

@@ -1,0 +1,116 @@
+"""Segmented multi-LoRA shrink: y[t] = scaling · x[t] @ A[slot(t)]ᵀ, for 1..3 slices sharing x.
+
+Each program takes one segment (<= block_m tokens of one slot, gathered through `sorted_idx`) and one
+K-split, and writes f32 partial sums [k_splits, T, S·R]. The consumer adds the splits: `jlora.pallas.shrink`
+for the public op, or the expand kernel directly inside `lora_linear`, so split-K costs no launch there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jlora.batch_info import LoRABatchInfo
+from jlora.pallas.config import ShrinkConfig, shrink_config
+
+__all__ = ["shrink_partials", "segment_rows"]
+
+
+def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m: int) -> jax.Array:
+    """[block_m] token rows of segment `seg`. Positions past the segment's end repeat its last token, so
+    loads stay in bounds and duplicate stores write identical values (vLLM does the same)."""
+    pos = seg_start_ref[seg] + jnp.minimum(jnp.arange(block_m), seg_len_ref[seg] - 1)
+    return idx_ref[pos]
+
+
+def _shrink_kernel(
+    idx_ref,  # [T] int32 token indices sorted by slot
+    seg_start_ref,  # [S] int32
+    seg_len_ref,  # [S] int32
+    seg_slot_ref,  # [S] int32
+    ranks_ref,  # [L] int32
+    scalings_ref,  # [L] f32
+    x_ref,  # [T, K]
+    a_ref,  # [L, num_slices * R, K]
+    o_ref,  # [k_splits, T, num_slices * R] f32 partial sums
+    *,
+    num_slices: int,
+    rank: int,
+    block_m: int,
+    block_k: int,
+    k_per_split: int,
+    precision,
+):
+    seg, split = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(seg_len_ref[seg] > 0)
+    def _():
+        slot = seg_slot_ref[seg]
+        rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m)  # [BM]
+        in_rank = (jnp.arange(rank) < ranks_ref[slot])[:, None]  # [R, 1]: rows of A past the rank unread
+        k_base = split * k_per_split
+
+        def step(j, accs):
+            k = pl.ds(pl.multiple_of(k_base + j * block_k, block_k), block_k)
+            xb = x_ref[rows, k]  # [BM, BK]
+            return tuple(
+                acc
+                + pltriton.dot(
+                    xb,
+                    pltriton.load(a_ref.at[slot, pl.ds(i * rank, rank), k], mask=in_rank, other=0),  # [R, BK]
+                    trans_b=True,
+                    precision=precision,
+                )
+                for i, acc in enumerate(accs)
+            )
+
+        zeros = tuple(jnp.zeros((block_m, rank), jnp.float32) for _ in range(num_slices))
+        accs = jax.lax.fori_loop(0, k_per_split // block_k, step, zeros)
+        scale = scalings_ref[slot]
+        for i, acc in enumerate(accs):
+            o_ref[split, rows, pl.ds(i * rank, rank)] = acc * scale
+
+
+def shrink_partials(
+    x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int, config: ShrinkConfig | None = None
+) -> jax.Array:
+    """[P, T, S·R] f32 split-K partial sums of the shrink; rows of slot -1 tokens are left unwritten.
+
+    Args:
+      x: [T, K]; a: [L, S·R, K] with R a power of two >= 16 and K a multiple of 16.
+      info: the batch's metadata; info.block_m is the row tile.
+      num_slices: S.
+      config: tiles; default from `shrink_config`.
+    """
+    num_tokens, k = x.shape
+    rank = a.shape[1] // num_slices
+    config = config or shrink_config(num_tokens, k)
+    k_per_split = k // config.k_splits
+    if k_per_split * config.k_splits != k or k_per_split % config.block_k:
+        raise ValueError(f"{config} does not tile K={k}")
+    kernel = functools.partial(
+        _shrink_kernel,
+        num_slices=num_slices,
+        rank=rank,
+        block_m=info.block_m,
+        block_k=config.block_k,
+        k_per_split=k_per_split,
+        precision=_precision(x.dtype),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((config.k_splits, num_tokens, num_slices * rank), jnp.float32),
+        grid=(info.num_segments, config.k_splits),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=jax.default_backend() != "gpu",
+        name="jlora_shrink",
+    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, info.scalings, x, a)
+
+
+def _precision(dtype) -> jax.lax.Precision:
+    """f32 inputs get IEEE f32 products (no tf32), so f32 checks are exact; half types use the default."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

@@ -1,0 +1,95 @@
+"""Plain-jnp backends: `reference` (one-hot einsum) and `ragged` (`jax.lax.ragged_dot`).
+
+Both compute exactly the semantics of `jlora.ops` and are what a JAX user would write without custom
+kernels. The reference contracts every token against every slot's weights through a one-hot [T, L] matrix
+instead of gathering one weight matrix per token: the gather materializes [T, R, K] (13 GB for T=8192,
+R=192, K=4096 in bf16), while the one-hot form reads each slot's weights once and costs only arithmetic.
+Arguments arrive checked by `jlora.ops`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jlora.batch_info import LoRABatchInfo
+
+__all__ = ["column_scale", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged"]
+
+_F32 = jnp.float32
+
+
+def column_scale(info: LoRABatchInfo, rank: int, num_slices: int, *, scaled: bool) -> jax.Array:
+    """[T, num_slices * rank] f32: per token and LoRA column, its slot's scaling (or 1 when not `scaled`)
+    where the column index within its slice is below the slot's rank, else 0; rows of slot -1 are 0."""
+    slot = jnp.maximum(info.token_slot, 0)
+    keep = (info.token_slot >= 0)[:, None] & (jnp.arange(rank)[None, :] < info.ranks[slot][:, None])
+    factor = info.scalings[slot][:, None] if scaled else jnp.ones((), _F32)
+    return jnp.tile(jnp.where(keep, factor, 0.0), (1, num_slices))
+
+
+def _one_hot(info: LoRABatchInfo) -> jax.Array:
+    """[T, L] f32, 1 at each token's slot; all zero for slot -1."""
+    return jax.nn.one_hot(info.token_slot, info.num_slots, dtype=_F32)
+
+
+def _slice_bounds(slice_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[(start, stop)] of each output slice in the fused N dimension."""
+    bounds, start = [], 0
+    for n in slice_sizes:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def shrink_reference(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
+    """x [T, K] @ A[slot]ᵀ -> [T, S·R] in x.dtype, through a one-hot contraction over slots."""
+    rank = a.shape[1] // num_slices
+    y = jnp.einsum("tk,lrk->tlr", x, a, preferred_element_type=_F32)  # [T, L, S·R]
+    y = jnp.einsum("tlr,tl->tr", y, _one_hot(info))
+    return (y * column_scale(info, rank, num_slices, scaled=True)).astype(x.dtype)
+
+
+def expand_reference(
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+) -> jax.Array:
+    """base [T, N] + per slice s_i [T, R] @ B[slot, slice_i]ᵀ, through a one-hot contraction over slots."""
+    rank = b.shape[2]
+    s = s.astype(_F32) * column_scale(info, rank, len(slice_sizes), scaled=False)
+    onehot = _one_hot(info)
+    deltas = []
+    for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):
+        s_slot = jnp.einsum("tr,tl->tlr", s[:, i * rank : (i + 1) * rank], onehot)  # [T, L, R]
+        deltas.append(jnp.einsum("tlr,lnr->tn", s_slot, b[:, start:stop, :], preferred_element_type=_F32))
+    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+
+
+def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.Array:
+    """Sorted rows [T, K] times per-slot rhs [L, K, N] -> [T, N] f32 in token order, slot -1 rows 0.
+
+    Rows past sum(slot_counts) belong to no group; they are zeroed by the final mask.
+    """
+    y = jax.lax.ragged_dot(lhs_sorted, rhs, info.slot_counts, preferred_element_type=_F32)
+    y = jnp.zeros_like(y).at[info.sorted_idx].set(y)
+    return jnp.where((info.token_slot >= 0)[:, None], y, 0.0)
+
+
+def shrink_ragged(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
+    """`shrink_reference` through `jax.lax.ragged_dot` on tokens sorted by slot."""
+    rank = a.shape[1] // num_slices
+    y = _ragged(x[info.sorted_idx], jnp.swapaxes(a, 1, 2), info)
+    return (y * column_scale(info, rank, num_slices, scaled=True)).astype(x.dtype)
+
+
+def expand_ragged(
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+) -> jax.Array:
+    """`expand_reference` through one `jax.lax.ragged_dot` per slice on tokens sorted by slot."""
+    rank = b.shape[2]
+    s = (s.astype(_F32) * column_scale(info, rank, len(slice_sizes), scaled=False)).astype(b.dtype)
+    s_sorted = s[info.sorted_idx]
+    deltas = [
+        _ragged(s_sorted[:, i * rank : (i + 1) * rank], jnp.swapaxes(b[:, start:stop, :], 1, 2), info)
+        for i, (start, stop) in enumerate(_slice_bounds(slice_sizes))
+    ]
+    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
