@@ -40,20 +40,31 @@ def pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def shrink_config(num_tokens: int, k: int) -> ShrinkConfig:
-    """Shrink tiles for T tokens and input width K.
+_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program, under Hopper's 227 KB per block
+_NUM_SMS = 132  # H100 / H200
 
-    A shrink program reads [block_m, K] of x and [R, K] of A per slice and does little arithmetic, so the
-    kernel is bound by how many bytes are in flight. At prefill sizes the segments alone fill the GPU (T=8192
-    gives >= 128 segments at block_m=64), so each program walks all of K. At decode sizes there are only a
-    few segments, so K is split over programs of 512 columns each (8 for K=4096, 28 for K=14336): one
-    program per SM or more, each streaming its share of A.
+
+def shrink_config(num_tokens: int, k: int, width: int, block_m: int, itemsize: int = 2) -> ShrinkConfig:
+    """Shrink tiles for T tokens, input width K, S·R output columns and row tile block_m.
+
+    A shrink program streams [block_m, K] of x and [S·R, K] of A and does little arithmetic, so the kernel
+    is bound by the bytes in flight. K is split over programs until about four programs per SM can run
+    (the segments alone are few: 8 at decode with 8 adapters, 160 for T=8192 at block_m=64), keeping at
+    least 512 columns per program. block_k is the largest power of two <= 256 dividing K whose pipelined
+    tiles (num_stages x (block_m + S·R) x block_k) fit the shared-memory budget.
     """
-    block_k = pow2_divisor(k, 256 if num_tokens > 256 else 128)
-    if num_tokens > 256:
-        return ShrinkConfig(block_k=block_k, k_splits=1, num_warps=8, num_stages=3)
-    split = max(1, k // 512) if k % 512 == 0 else 1
-    return ShrinkConfig(block_k=block_k, k_splits=split, num_warps=4, num_stages=2)
+    num_stages = 3 if num_tokens > 256 else 2
+    block_k = pow2_divisor(k, 256)
+    while block_k > 16 and num_stages * (block_m + width) * block_k * itemsize > _SMEM_BUDGET:
+        block_k //= 2
+    segments = -(-num_tokens // block_m)
+    split = 1
+    for cand in range(2, k // 512 + 1):
+        if segments * split >= 4 * _NUM_SMS:
+            break
+        if k % (cand * block_k) == 0:
+            split = cand
+    return ShrinkConfig(block_k=block_k, k_splits=split, num_warps=4, num_stages=num_stages)
 
 
 def expand_config(num_tokens: int, slice_sizes: tuple[int, ...]) -> ExpandConfig:
@@ -62,6 +73,5 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...]) -> ExpandConfig
     An expand program reads [block_m, R] of s, [block_n, R] of B and [block_m, block_n] of base, and writes
     the same; 128 columns of bf16 give 256-byte rows, enough for full-width loads, and keep the grid large.
     """
-    cap = 256 if num_tokens > 256 else 128
-    block_n = min(pow2_divisor(n, cap) for n in slice_sizes)
+    block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
     return ExpandConfig(block_n=block_n, num_warps=4, num_stages=2)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jlora.batch_info import LoRABatchInfo
+from jlora.pallas.config import ExpandConfig, ShrinkConfig
 from jlora.pallas.expand import expand as _expand
 from jlora.pallas.shrink import shrink_partials
 
@@ -51,25 +52,33 @@ def _pad_slices(w: jax.Array, axis: int, num_slices: int, rank: int) -> jax.Arra
     return w.reshape(w.shape[:axis] + (num_slices * kernel_rank(rank),) + w.shape[axis + 2 :])
 
 
-def shrink(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
-    """[T, S·R] in x.dtype (see `jlora.lora_shrink`)."""
+def shrink(
+    x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int, config: ShrinkConfig | None = None
+) -> jax.Array:
+    """[T, S·R] in x.dtype (see `jlora.lora_shrink`); `config` overrides the heuristic tiles."""
     _require(x.shape[1], (), info)
     rank = a.shape[1] // num_slices
     a = _pad_slices(a, 1, num_slices, rank)
-    y = shrink_partials(x, a, info, num_slices=num_slices).sum(0)  # [T, S·R']
+    y = shrink_partials(x, a, info, num_slices=num_slices, config=config).sum(0)  # [T, S·R']
     y = y.reshape(y.shape[0], num_slices, -1)[:, :, :rank].reshape(y.shape[0], num_slices * rank)
     return jnp.where((info.token_slot >= 0)[:, None], y, 0.0).astype(x.dtype)
 
 
 def expand(
-    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+    s: jax.Array,
+    b: jax.Array,
+    info: LoRABatchInfo,
+    base: jax.Array,
+    *,
+    slice_sizes: tuple[int, ...],
+    config: ExpandConfig | None = None,
 ) -> jax.Array:
-    """[T, N] (see `jlora.lora_expand`)."""
+    """[T, N] (see `jlora.lora_expand`); `config` overrides the heuristic tiles."""
     _require(None, slice_sizes, info)
     rank = b.shape[2]
     s = _pad_slices(s, 1, len(slice_sizes), rank)
     b = _pad_slices(b, 2, 1, rank)
-    return _expand(s[None], b, info, base, slice_sizes=slice_sizes)
+    return _expand(s[None], b, info, base, slice_sizes=slice_sizes, config=config)
 
 
 def linear(

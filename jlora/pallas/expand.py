@@ -47,13 +47,15 @@ def _expand_kernel(
         slot = seg_slot_ref[seg]
         rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m)  # [BM]
         # The slice of this column block: the last whose first block is <= col_block (static offsets).
-        sl = sum((col_block >= b).astype(jnp.int32) for b in block_start[1:])
-        col0, blk0 = slice_start[0], block_start[0]
+        # Integer steps (0 or 1) instead of booleans: the Triton lowering mistypes bool -> int converts.
+        sl, col0, blk0 = 0, slice_start[0], block_start[0]
         for i in range(1, len(slice_start)):
-            col0 = jnp.where(sl == i, slice_start[i], col0)
-            blk0 = jnp.where(sl == i, block_start[i], blk0)
+            step = jnp.clip(col_block - block_start[i] + 1, 0, 1)  # 1 once col_block reaches slice i
+            sl += step
+            col0 += step * (slice_start[i] - slice_start[i - 1])
+            blk0 += step * (block_start[i] - block_start[i - 1])
         cols = pl.ds(pl.multiple_of(col0 + (col_block - blk0) * block_n, block_n), block_n)
-        r = pl.ds(pl.multiple_of(sl * rank, rank), rank)
+        r = pl.ds(sl * rank if len(slice_start) == 1 else pl.multiple_of(sl * rank, rank), rank)
 
         s = s_ref[0, rows, r]  # [BM, R]
         for p in range(1, s_ref.shape[0]):  # split-K partials of the shrink

@@ -88,7 +88,7 @@ def shrink_partials(
     """
     num_tokens, k = x.shape
     rank = a.shape[1] // num_slices
-    config = config or shrink_config(num_tokens, k)
+    config = config or shrink_config(num_tokens, k, a.shape[1], info.block_m, x.dtype.itemsize)
     k_per_split = k // config.k_splits
     if k_per_split * config.k_splits != k or k_per_split % config.block_k:
         raise ValueError(f"{config} does not tile K={k}")

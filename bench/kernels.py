@@ -1,0 +1,319 @@
+"""Kernel benchmark: pallas vs reference vs ragged vs the memory-bandwidth floor, side by side in one run.
+
+Timing follows DESIGN §5 / the kernels issue: one jitted function calls the op 32 times over 8 weight stacks
+and 32 distinct input sets (cold memory, as across layers; distinct so XLA cannot merge calls). Outputs
+that add into a base are chained through the calls (`y = op(..., base=y)`), as a layer adds into the
+base projection's fresh output, so the in-place kernels get an intermediate to write into rather than
+a jit argument XLA would first copy. Several runs are dispatched back to back before blocking, so host
+dispatch hides behind the GPU; the time is divided by the calls made. The floor counts x (or s) read
+once, the used adapters' weights read once (only their rank rows), the output written (and read, when
+adding into it), over the copy bandwidth measured in the same run.
+
+  python bench/kernels.py [--quick] [--backends pallas,reference,ragged] [--out bench/results]
+  python bench/kernels.py --sweep     # pallas tile settings on the target rows; prints the best per row
+  python bench/kernels.py --profile   # the target rows' device kernel time from a profiler trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import gzip
+import itertools
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jlora
+from jlora import LoRABatchInfo
+
+CALLS, STACKS, RUNS, REPEATS = 32, 8, 4, 5
+SLOTS, HIDDEN, KV, INTER = 32, 4096, 1024, 14336
+OPS = {  # name: (kind, K or None, slice sizes)
+    "shrink": ("shrink", HIDDEN, (HIDDEN,)),
+    "expand": ("expand", None, (HIDDEN,)),
+    "qkv_shrink": ("shrink", HIDDEN, (HIDDEN, KV, KV)),
+    "qkv_expand": ("expand", None, (HIDDEN, KV, KV)),
+    "gate_up_expand": ("expand", None, (INTER, INTER)),
+    "down_shrink": ("shrink", INTER, (HIDDEN,)),
+    "qkv_linear": ("linear", HIDDEN, (HIDDEN, KV, KV)),
+}
+# The kernels issue's target table: (op, T, adapters in batch, rank): (best peer µs, target µs).
+TARGETS = {
+    ("shrink", 64, 8, 16): (5.6, 4),
+    ("expand", 64, 8, 16): (3.6, 3),
+    ("qkv_linear", 64, 8, 16): (16.7, 8),
+    ("gate_up_expand", 64, 8, 16): (18.0, 9),
+    ("down_shrink", 64, 8, 16): (6.7, 4),
+    ("shrink", 8192, 32, 64): (41.4, 28),
+    ("expand", 8192, 32, 64): (133.1, 50),
+    ("qkv_shrink", 8192, 32, 64): (114.7, 40),
+    ("qkv_expand", 8192, 32, 64): (716.1, 76),
+    ("gate_up_expand", 8192, 32, 64): (2460.0, 350),
+    ("down_shrink", 8192, 32, 64): (115.3, 98),
+}
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    tokens: int
+    adapters: int
+    rank: int
+    backend: str
+    us: float
+    floor_us: float
+    gbps: float
+
+
+def block_m_for(tokens: int) -> int:
+    """Row tile of the metadata: 16 for decode batches, 64 for prefill (more reuse of each B block)."""
+    return 16 if tokens <= 256 else 64
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus written (1 GiB buffers)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(1 << 27), jnp.float32)  # 512 MiB
+    f = jax.jit(lambda v: [v * (1.0 + i * 1e-3) for i in range(8)])
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+    return 8 * 2 * x.nbytes / statistics.median(times)
+
+
+def make_inputs(op: str, tokens: int, adapters: int, rank: int, rng):
+    kind, k, slices = OPS[op]
+    n = sum(slices)
+    dt = jnp.bfloat16
+    rnd = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.1, dt)
+    used = rng.choice(SLOTS, adapters, replace=False)
+    slots = used[rng.integers(0, adapters, tokens)]
+    info = LoRABatchInfo.build(slots, np.full(SLOTS, rank), np.ones(SLOTS), block_m=block_m_for(tokens))
+    n_used = len(np.unique(slots))
+    s_width = len(slices) * rank
+    if kind == "shrink":
+        args = ([rnd(tokens, k) for _ in range(CALLS)], [rnd(SLOTS, s_width, k) for _ in range(STACKS)])
+        nbytes = 2 * (tokens * k + n_used * s_width * k + tokens * s_width)
+    elif kind == "expand":
+        args = ([rnd(tokens, s_width) for _ in range(CALLS)], [rnd(SLOTS, n, rank) for _ in range(STACKS)], rnd(tokens, n))
+        nbytes = 2 * (tokens * s_width + n_used * n * rank + 2 * tokens * n)
+    else:
+        args = (
+            [rnd(tokens, k) for _ in range(CALLS)],
+            [rnd(SLOTS, s_width, k) for _ in range(STACKS)],
+            [rnd(SLOTS, n, rank) for _ in range(STACKS)],
+            rnd(tokens, n),
+        )
+        nbytes = 2 * (tokens * k + n_used * s_width * k + n_used * n * rank + 2 * tokens * n)
+    return kind, slices, info, args, nbytes
+
+
+def make_fn(kind: str, slices: tuple[int, ...], backend: str, config=None):
+    """The jitted 32-call function; `config` (pallas tiles) bypasses the public op to set the tiles."""
+    if kind == "shrink":
+        def fn(info, xs, a_stacks):
+            if config is not None:
+                return [jlora.pallas.shrink(x, a_stacks[i % STACKS], info, num_slices=len(slices), config=config)
+                        for i, x in enumerate(xs)]
+            return [jlora.lora_shrink(x, a_stacks[i % STACKS], info, num_slices=len(slices), backend=backend)
+                    for i, x in enumerate(xs)]
+    elif kind == "expand":
+        def fn(info, ss, b_stacks, y):
+            for i, s in enumerate(ss):
+                if config is not None:
+                    y = jlora.pallas.expand(s, b_stacks[i % STACKS], info, y, slice_sizes=slices, config=config)
+                else:
+                    y = jlora.lora_expand(s, b_stacks[i % STACKS], info, y, slice_sizes=slices, backend=backend)
+            return y
+    else:
+        def fn(info, xs, a_stacks, b_stacks, y):
+            for i, x in enumerate(xs):
+                y = jlora.lora_linear(x, y, a_stacks[i % STACKS], b_stacks[i % STACKS], info,
+                                      slice_sizes=slices, backend=backend)
+            return y
+    return jax.jit(fn)
+
+
+def time_per_call(fn, *args) -> float:
+    """Median seconds per op call: RUNS runs dispatched back to back, REPEATS times."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        outs = [fn(*args) for _ in range(RUNS)]
+        jax.block_until_ready(outs)
+        samples.append((time.perf_counter() - t0) / (RUNS * CALLS))
+    return statistics.median(samples)
+
+
+def cases(quick: bool):
+    if quick:
+        yield from ((op, t, n, r) for (op, t, n, r) in TARGETS)
+        return
+    for op in OPS:
+        for rank in (16, 64):
+            for adapters in (1, 8, 32):
+                for tokens in (1, 16, 64, 256, 2048, 8192):
+                    if adapters <= max(tokens, 1):
+                        yield op, tokens, adapters, rank
+
+
+def sweep_configs(kind: str, k: int | None, tokens: int):
+    """(block_m, config) candidates for one row: row tiles, split-K / block_n and warps."""
+    block_ms = (16, 32) if tokens <= 256 else (64, 128)
+    if kind == "shrink":
+        splits = [s for s in (1, 2, 4, 7, 8, 14, 16, 28) if k % (s * 64) == 0 and k // s >= 256]
+        for bm, split, warps in itertools.product(block_ms, splits, (4, 8)):
+            cfg = jlora.pallas.shrink_config(tokens, k, 64, bm)
+            yield bm, dataclasses.replace(cfg, k_splits=split, block_k=min(cfg.block_k, k // split), num_warps=warps)
+    elif kind == "expand":
+        for bm, bn, warps in itertools.product(block_ms, (64, 128, 256), (4, 8)):
+            yield bm, jlora.pallas.ExpandConfig(block_n=bn, num_warps=warps)
+
+
+def sweep(rng) -> None:
+    for op, tokens, adapters, rank in TARGETS:
+        kind, k, _ = OPS[op]
+        results = []
+        for bm, cfg in sweep_configs(kind, k, tokens):
+            global block_m_for
+            block_m_for = lambda t, bm=bm: bm  # the row tile under test
+            kind, slices, info, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
+            try:
+                sec = time_per_call(make_fn(kind, slices, "pallas", cfg), info, *inputs)
+            except Exception as err:
+                print(f"  {op} T={tokens} bm={bm} {cfg}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                continue
+            results.append((sec * 1e6, bm, cfg))
+            print(f"  {op} T={tokens} bm={bm} {cfg}: {sec * 1e6:.1f} µs", flush=True)
+        if results:
+            best = min(results, key=lambda r: r[0])
+            print(f"BEST {op} T={tokens} n={adapters} r={rank}: {best[0]:.1f} µs block_m={best[1]} {best[2]}", flush=True)
+
+
+def profile(rng, out_dir: str) -> None:
+    """Device kernel time per call of the pallas target rows, from a profiler trace (perfetto JSON)."""
+    for op, tokens, adapters, rank in TARGETS:
+        kind, slices, info, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
+        fn = make_fn(kind, slices, "pallas")
+        jax.block_until_ready(fn(info, *inputs))
+        trace_dir = os.path.join(out_dir, "trace_tmp")
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(fn(info, *inputs))
+        path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+        with gzip.open(path) as f:
+            events = json.load(f)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                    and "GPU" in str(e.get("args", {}).get("name", ""))}
+        kernels = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+                kernels.setdefault(e["name"], []).append(e["dur"])
+        total = sum(sum(d) for d in kernels.values()) / CALLS
+        parts = ", ".join(f"{n[:40]} x{len(d)} {sum(d) / len(d):.1f}" for n, d in sorted(kernels.items()))
+        print(f"PROFILE {op} T={tokens} n={adapters} r={rank}: device {total:.1f} µs per call [{parts}]", flush=True)
+        del inputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only the kernels issue's target rows")
+    parser.add_argument("--sweep", action="store_true", help="time pallas tile settings on the target rows")
+    parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")
+    parser.add_argument("--backends", default="pallas,reference,ragged")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    if args.sweep:
+        return sweep(np.random.default_rng(0))
+    if args.profile:
+        return profile(np.random.default_rng(0), args.out)
+    backends = args.backends.split(",")
+    bandwidth = copy_bandwidth()
+    device = jax.devices()[0].device_kind
+    print(f"# {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    rng = np.random.default_rng(0)
+    rows: list[Row] = []
+    for op, tokens, adapters, rank in cases(args.quick):
+        kind, slices, info, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
+        floor = nbytes / bandwidth
+        for backend in backends:
+            try:
+                sec = time_per_call(make_fn(kind, slices, backend), info, *inputs)
+            except Exception as err:  # a backend that cannot run a shape (e.g. out of memory) is reported
+                print(f"{op} T={tokens} {backend}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                continue
+            rows.append(Row(op, tokens, adapters, rank, backend, sec * 1e6, floor * 1e6, nbytes / sec / 1e9))
+            r = rows[-1]
+            print(f"{op:15s} T={tokens:5d} n={adapters:2d} r={rank:2d} {backend:9s} {r.us:9.1f} µs "
+                  f"floor {r.floor_us:7.1f} µs ({r.floor_us / r.us:5.1%}) {r.gbps:7.0f} GB/s", flush=True)
+        del inputs
+    write_results(rows, device, bandwidth, args.out, "quick" if args.quick else "full")
+
+
+def write_results(rows: list[Row], device: str, bandwidth: float, out_dir: str, tag: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"kernels_{tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "jax": jax.__version__,
+                   "host": platform.node(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    by_key = {(r.op, r.tokens, r.adapters, r.rank, r.backend): r for r in rows}
+    lines = [f"Device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, {SLOTS} slots; µs per call.", "",
+             "| op | T | adapters | r | floor µs | pallas µs | % of floor | reference µs | ragged µs "
+             "| pallas vs reference | best peer µs | target µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in dict.fromkeys((r.op, r.tokens, r.adapters, r.rank) for r in rows):
+        get = lambda b: by_key.get(key + (b,))
+        p, ref, rag = get("pallas"), get("reference"), get("ragged")
+        any_row = p or ref or rag
+        peer, target = TARGETS.get(key, ("", ""))
+        fmt = lambda r: f"{r.us:.1f}" if r else "—"
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {any_row.floor_us:.1f} | {fmt(p)} | "
+            f"{f'{p.floor_us / p.us:.0%}' if p else '—'} | {fmt(ref)} | {fmt(rag)} | "
+            f"{f'{ref.us / p.us:.1f}x' if p and ref else '—'} | {peer} | {target} |"
+        )
+    table = "\n".join(lines)
+    with open(stem + ".md", "w") as f:
+        f.write(table + "\n")
+    print(table)
+    plot(rows, bandwidth, stem + ".png", device)
+
+
+def plot(rows: list[Row], bandwidth: float, path: str, device: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(12, 5))
+    keys = list(dict.fromkeys((r.op, r.tokens, r.adapters, r.rank) for r in rows))
+    for i, backend in enumerate(("pallas", "reference", "ragged")):
+        xs = [j for j, k in enumerate(keys) if any(r.backend == backend and (r.op, r.tokens, r.adapters, r.rank) == k
+                                                   for r in rows)]
+        ys = [r.gbps for k in keys for r in rows if r.backend == backend and (r.op, r.tokens, r.adapters, r.rank) == k]
+        ax.bar([x + (i - 1) * 0.27 for x in xs], ys, width=0.27, label=backend)
+    ax.axhline(bandwidth / 1e9, color="k", linestyle="--", label="copy bandwidth (floor)")
+    ax.set_xticks(range(len(keys)), [f"{o} T={t} n={n} r={r}" for o, t, n, r in keys], rotation=75, fontsize=7)
+    ax.set_ylabel("achieved GB/s (floor bytes / time)")
+    ax.set_yscale("log")
+    ax.set_title(f"jlora kernels on {device}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Independent NumPy oracles for the tests: float64 products slot by slot, and a loop-based metadata twin."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def shrink_np(x, a, token_slot, ranks, scalings, num_slices):
+    """[T, S·R] float64: scaling[s] · x[t] @ A[s, i*R + j]ᵀ for j < rank[s], else 0; slot -1 rows 0."""
+    x, a, token_slot = np.asarray(x, np.float64), np.asarray(a, np.float64), np.asarray(token_slot)
+    rank = a.shape[1] // num_slices
+    out = np.zeros((x.shape[0], a.shape[1]))
+    for s in np.unique(token_slot[token_slot >= 0]):
+        t, r = token_slot == s, int(ranks[s])
+        for i in range(num_slices):
+            out[t, i * rank : i * rank + r] = scalings[s] * (x[t] @ a[s, i * rank : i * rank + r].T)
+    return out
+
+
+def expand_np(y, b, token_slot, ranks, base, slice_sizes):
+    """[T, N] float64: base[t] + y[t, slice i, :rank] @ B[s, slice_i, :rank]ᵀ per slice; slot -1 rows = base."""
+    y, b, token_slot = np.asarray(y, np.float64), np.asarray(b, np.float64), np.asarray(token_slot)
+    out = np.array(base, np.float64)
+    rank = b.shape[2]
+    for s in np.unique(token_slot[token_slot >= 0]):
+        t, r, col = token_slot == s, int(ranks[s]), 0
+        for i, n in enumerate(slice_sizes):
+            out[t, col : col + n] += y[t, i * rank : i * rank + r] @ b[s, col : col + n, :r].T
+            col += n
+    return out
+
+
+def build_np(token_slot, num_slots, block_m):
+    """Loop twin of `LoRABatchInfo.build`: (sorted_idx, counts, [(start, len, slot)] of used segments)."""
+    token_slot = np.asarray(token_slot)
+    sorted_idx = [t for s in range(num_slots) for t in range(len(token_slot)) if token_slot[t] == s]
+    sorted_idx += [t for t in range(len(token_slot)) if token_slot[t] < 0]
+    counts = [int((token_slot == s).sum()) for s in range(num_slots)]
+    segments, pos = [], 0
+    for s in range(num_slots):
+        for off in range(0, counts[s], block_m):
+            segments.append((pos + off, min(block_m, counts[s] - off), s))
+        pos += counts[s]
+    return np.array(sorted_idx), np.array(counts), segments
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))

@@ -1,0 +1,99 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jlora import LoRABatchInfo, num_segments, token_slots_from_requests
+from tests.oracle import build_np
+
+
+@st.composite
+def slot_batches(draw):
+    num_slots = draw(st.integers(1, 6))
+    num_tokens = draw(st.integers(1, 70))
+    mode = draw(st.sampled_from(["random", "all_none", "one_slot", "sparse"]))
+    if mode == "all_none":
+        slots = [-1] * num_tokens
+    elif mode == "one_slot":
+        slots = [draw(st.integers(0, num_slots - 1))] * num_tokens
+    else:
+        hi = num_slots - 1 if mode == "random" else min(num_slots - 1, 1)
+        slots = draw(st.lists(st.integers(-1, hi), min_size=num_tokens, max_size=num_tokens))
+    block_m = draw(st.sampled_from([1, 4, 16]))
+    return np.array(slots, np.int32), num_slots, block_m
+
+
+@settings(max_examples=60, deadline=None)
+@given(slot_batches())
+def test_build_properties(batch):
+    slots, num_slots, block_m = batch
+    info = LoRABatchInfo.build(slots, np.arange(num_slots), np.ones(num_slots), block_m=block_m)
+    sorted_idx = np.asarray(info.sorted_idx)
+    seg_start, seg_len, seg_slot = map(np.asarray, (info.seg_start, info.seg_len, info.seg_slot))
+
+    # Shapes depend on (T, L, block_m) only.
+    assert sorted_idx.shape == (len(slots),)
+    assert seg_start.shape == (num_segments(len(slots), num_slots, block_m),)
+    # The order is a permutation grouping tokens by slot, stably, slot -1 last.
+    assert sorted(sorted_idx.tolist()) == list(range(len(slots)))
+    ref_idx, ref_counts, ref_segments = build_np(slots, num_slots, block_m)
+    np.testing.assert_array_equal(sorted_idx, ref_idx)
+    np.testing.assert_array_equal(np.asarray(info.slot_counts), ref_counts)
+    # Segments cover exactly the tokens with slot >= 0, each <= block_m tokens of one slot.
+    used = seg_len > 0
+    assert list(zip(seg_start[used], seg_len[used], seg_slot[used])) == ref_segments
+    covered = np.concatenate([sorted_idx[s : s + n] for s, n in zip(seg_start[used], seg_len[used])] or [[]])
+    assert sorted(covered.tolist()) == [t for t in range(len(slots)) if slots[t] >= 0]
+    for s, n, sl in zip(seg_start[used], seg_len[used], seg_slot[used]):
+        assert 1 <= n <= block_m and (slots[sorted_idx[s : s + n]] == sl).all()
+    # Padding segments are empty and come after the used ones.
+    assert (seg_slot[~used] == -1).all() and (seg_start[~used] == 0).all()
+    assert not used[np.argmin(used) :].any() if not used.all() else True
+
+
+def test_build_is_jittable_and_shape_stable():
+    f = jax.jit(lambda s: LoRABatchInfo.build(s, jnp.array([4, 8]), jnp.array([1.0, 2.0]), block_m=16))
+    a = f(jnp.array([0, 1, -1, 1, 0], jnp.int32))
+    b = f(jnp.array([-1, -1, -1, -1, -1], jnp.int32))
+    assert jax.tree.map(jnp.shape, a) == jax.tree.map(jnp.shape, b)
+    assert f._cache_size() == 1
+    assert int(b.seg_len.sum()) == 0
+
+
+def test_out_of_range_slot_under_jit_counts_as_none():
+    info = jax.jit(lambda s: LoRABatchInfo.build(s, jnp.array([4]), jnp.array([1.0])))(jnp.array([0, 5, -3]))
+    np.testing.assert_array_equal(info.token_slot, [0, -1, -1])
+    assert int(info.seg_len.sum()) == 1
+
+
+def test_from_requests():
+    slots = token_slots_from_requests(jnp.array([2, -1, 0]), jnp.array([3, 1, 2]), num_tokens=8)
+    np.testing.assert_array_equal(slots, [2, 2, 2, -1, 0, 0, -1, -1])
+    info = LoRABatchInfo.from_requests(
+        jnp.array([1, 0]), jnp.array([2, 0]), jnp.array([4, 8]), jnp.array([1.0, 1.0]), num_tokens=4
+    )
+    np.testing.assert_array_equal(info.token_slot, [1, 1, -1, -1])
+
+
+@pytest.mark.parametrize(
+    "slots, ranks, scalings, block_m, match",
+    [
+        ([0, 2], [4, 4], [1.0, 1.0], 16, r"token_slot values must be in \[-1, 2\)"),
+        ([0, -2], [4, 4], [1.0, 1.0], 16, r"token_slot values"),
+        ([0], [4, 4], [1.0], 16, "expected token_slot"),
+        ([0], [4], [1.0], 0, "block_m"),
+        ([-1], [], [], 16, "at least one adapter slot"),
+    ],
+)
+def test_build_errors(slots, ranks, scalings, block_m, match):
+    with pytest.raises(ValueError, match=match):
+        LoRABatchInfo.build(np.array(slots), np.array(ranks), np.array(scalings), block_m=block_m)
+
+
+def test_is_a_pytree_with_static_block_m():
+    info = LoRABatchInfo.build(np.array([0, -1]), np.array([4]), np.array([1.0]), block_m=16)
+    leaves, treedef = jax.tree.flatten(info)
+    assert len(leaves) == 8
+    assert jax.tree.unflatten(treedef, leaves).block_m == 16

@@ -1,0 +1,219 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jlora
+from jlora import LoRABatchInfo
+from tests.oracle import expand_np, rel_err, shrink_np
+
+BACKENDS = ["reference", "ragged", "pallas"]
+DTYPES = [jnp.float32, jnp.bfloat16]
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+NUM_SLOTS, K, R = 4, 64, 16
+RANKS = np.array([16, 5, 1, 12])  # heterogeneous, one below 16, weights stored non-zero past each rank
+
+
+def scenario_slots(name: str, rng) -> np.ndarray:
+    """Per-token slots for the coverage the ops must handle."""
+    if name == "all_none":
+        return np.full(20, -1)
+    if name == "one_slot_owns_all":
+        return np.full(33, 2)
+    if name == "all_slots":  # every slot used, some -1, T not a multiple of block_m
+        s = rng.integers(-1, NUM_SLOTS, 37)
+        s[:NUM_SLOTS] = np.arange(NUM_SLOTS)
+        return rng.permutation(s)
+    if name == "scattered":  # one slot's tokens spread among base-only tokens, T a multiple of block_m
+        s = np.full(32, -1)
+        s[[1, 7, 8, 19, 30]] = 1
+        return s
+    if name == "single_token":
+        return np.array([3])
+    raise ValueError(name)
+
+
+SCENARIOS = ["all_none", "one_slot_owns_all", "all_slots", "scattered", "single_token"]
+
+
+def make_case(rng, slots, dtype, slice_sizes, rank=R, ranks=RANKS):
+    num_slices = len(slice_sizes)
+    n_total = sum(slice_sizes)
+    scalings = rng.uniform(0.5, 2.0, NUM_SLOTS).astype(np.float32)
+    info = LoRABatchInfo.build(slots, ranks, scalings, block_m=16)
+    x = rng.standard_normal((len(slots), K)).astype(np.float32)
+    a = (rng.standard_normal((NUM_SLOTS, num_slices * rank, K)) / np.sqrt(K)).astype(np.float32)
+    b = (rng.standard_normal((NUM_SLOTS, n_total, rank)) / np.sqrt(rank)).astype(np.float32)
+    base = (0.5 * rng.standard_normal((len(slots), n_total))).astype(np.float32)
+    # Round through the dtype first so the float64 oracle sees exactly the kernel's inputs.
+    cast = lambda v: jnp.asarray(v, dtype)
+    x, a, b, base = map(cast, (x, a, b, base))
+    np_ = lambda v: np.asarray(v.astype(jnp.float32))
+    return info, (x, a, b, base), tuple(map(np_, (x, a, b, base))), scalings
+
+
+def check(out, ref, dtype, info, base_np=None):
+    assert out.dtype == dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    none = np.asarray(info.token_slot) < 0
+    if base_np is None:  # shrink: rows of slot -1 exactly 0
+        assert (out[none] == 0).all()
+    else:  # expand: rows of slot -1 exactly base, untouched
+        np.testing.assert_array_equal(out[none], base_np[none])
+    if not none.all():
+        assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_lora_linear_qkv(scenario, dtype, backend):
+    rng = np.random.default_rng(abs(hash((scenario, backend))) % 2**32)
+    slots = scenario_slots(scenario, rng)
+    slice_sizes = (48, 32, 16)
+    info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, dtype, slice_sizes)
+    out = jlora.lora_linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=backend)
+    y = shrink_np(xn, an, slots, RANKS, scal, 3)
+    check(out, expand_np(y, bn, slots, RANKS, basen, slice_sizes), dtype, info, basen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slice_sizes", [(32,), (48, 16), (48, 32, 16)])
+def test_shrink_and_expand(slice_sizes, dtype, backend):
+    rng = np.random.default_rng(len(slice_sizes) * 7 + len(backend))
+    slots = scenario_slots("all_slots", rng)
+    info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, dtype, slice_sizes)
+    num_slices = len(slice_sizes)
+    y = jlora.lora_shrink(x, a, info, num_slices=num_slices, backend=backend)
+    y_ref = shrink_np(xn, an, slots, RANKS, scal, num_slices)
+    check(y, y_ref, dtype, info)
+    # Expand a random s (non-zero past each rank too: those columns must contribute nothing).
+    s = jnp.asarray(rng.standard_normal(y.shape), dtype)
+    out = jlora.lora_expand(s, b, info, base, slice_sizes=slice_sizes, backend=backend)
+    sn = np.asarray(s.astype(jnp.float32))
+    check(out, expand_np(sn, bn, slots, RANKS, basen, slice_sizes), dtype, info, basen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rank", [8, 24])
+def test_max_rank_not_a_kernel_size(rank, backend):
+    """R below 16 or not a power of two: the pallas backend pads; every backend agrees with the oracle."""
+    rng = np.random.default_rng(rank)
+    slots = scenario_slots("all_slots", rng)
+    ranks = np.minimum(RANKS, rank)
+    info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(
+        rng, slots, jnp.float32, (32, 16), rank=rank, ranks=ranks
+    )
+    out = jlora.lora_linear(x, base, a, b, info, slice_sizes=(32, 16), backend=backend)
+    y = shrink_np(xn, an, slots, ranks, scal, 2)
+    check(out, expand_np(y, bn, slots, ranks, basen, (32, 16)), jnp.float32, info, basen)
+    y_op = jlora.lora_shrink(x, a, info, num_slices=2, backend=backend)
+    check(y_op, y, jnp.float32, info)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_embedding(dtype, backend):
+    rng = np.random.default_rng(3)
+    vocab, hidden = 50, 32
+    slots = scenario_slots("all_slots", rng)
+    info = LoRABatchInfo.build(slots, RANKS, rng.uniform(0.5, 2, NUM_SLOTS), block_m=16)
+    tokens = jnp.asarray(rng.integers(0, vocab, len(slots)), jnp.int32)
+    a_emb = jnp.asarray(rng.standard_normal((NUM_SLOTS, R, vocab)), dtype)
+    b_emb = jnp.asarray(rng.standard_normal((NUM_SLOTS, hidden, R)) / 4, dtype)
+    base = jnp.asarray(rng.standard_normal((len(slots), hidden)), dtype)
+    out = jlora.lora_embedding(tokens, a_emb, b_emb, info, base, backend=backend)
+    f = lambda v: np.asarray(v.astype(jnp.float32), np.float64)
+    an, bn, basen, scal = f(a_emb), f(b_emb), f(base), np.asarray(info.scalings)
+    ref = basen.copy()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            r = RANKS[s]
+            ref[t] += scal[s] * bn[s, :, :r] @ an[s, :r, int(tokens[t])]
+    check(out, ref, dtype, info, basen)
+
+
+def test_auto_backend_runs_and_agrees():
+    rng = np.random.default_rng(5)
+    slots = scenario_slots("all_slots", rng)
+    info, (x, a, b, base), _, _ = make_case(rng, slots, jnp.float32, (32,))
+    auto = jlora.lora_linear(x, base, a, b, info, slice_sizes=(32,), backend="auto")
+    ref = jlora.lora_linear(x, base, a, b, info, slice_sizes=(32,), backend="reference")
+    np.testing.assert_allclose(auto, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_jitted_lora_linear_compiles_once_over_adapter_mixes():
+    rng = np.random.default_rng(11)
+    traces = []
+
+    @jax.jit
+    def step(x, base, a, b, slots, ranks, scalings):
+        traces.append(1)
+        info = LoRABatchInfo.build(slots, ranks, scalings, block_m=16)
+        return jlora.lora_linear(x, base, a, b, info, slice_sizes=(48, 16), backend="pallas")
+
+    slots0 = scenario_slots("all_slots", rng)
+    _, (x, a, b, base), _, _ = make_case(rng, slots0, jnp.float32, (48, 16))
+    for _ in range(50):
+        mode = rng.integers(3)
+        slots = rng.integers(-1, NUM_SLOTS, len(slots0)) if mode == 0 else np.full(len(slots0), mode - 2)
+        ranks = rng.integers(0, R + 1, NUM_SLOTS)
+        out = step(x, base, a, b, jnp.asarray(slots, jnp.int32), jnp.asarray(ranks), jnp.asarray(rng.random(NUM_SLOTS)))
+        assert out.shape == base.shape
+    assert len(traces) == 1 and step._cache_size() == 1
+
+
+def _args(dtype=jnp.float32, t=8, k=32, n=32, rank=16, slots=2):
+    info = LoRABatchInfo.build(np.zeros(t, np.int32), np.full(slots, 4), np.ones(slots))
+    return (
+        jnp.ones((t, k), dtype),
+        jnp.ones((t, n), dtype),
+        jnp.ones((slots, rank, k), dtype),
+        jnp.ones((slots, n, rank), dtype),
+        info,
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda x, base, a, b, i: (x.astype(jnp.bfloat16), base, a, b, i), "dtype mismatch: x=bfloat16, A=float32"),
+        (lambda x, base, a, b, i: (x[:, :16], base, a, b, i), "input dim K=32 but x"),
+        (lambda x, base, a, b, i: (x, base[:, :16], a, b, i), r"base \(8, 16\) must be \[T, N\]"),
+        (lambda x, base, a, b, i: (x[:4], base[:4], a, b, i), "info is built for T=8"),
+        (lambda x, base, a, b, i: (x, base, a[:1], b[:1], i), "info has L=2 slots"),
+        (lambda x, base, a, b, i: (x, base, a, b[:, :, :8], i), "disagree on the max rank|columns"),
+        (lambda x, base, a, b, i: (x, base, a, b, i.__class__.build(np.zeros(8, np.int32), np.full(2, 17), np.ones(2))),
+         "adapter rank 17 exceeds the weight stack's max rank R=16"),
+        (lambda x, base, a, b, i: (x.astype(jnp.int32), base, a, b, i), "x must be a floating array"),
+    ],
+)
+def test_lora_linear_errors(mutate, match):
+    x, base, a, b, info = mutate(*_args())
+    with pytest.raises(ValueError, match=match):
+        jlora.lora_linear(x, base, a, b, info, slice_sizes=(32,), backend="reference")
+
+
+def test_errors_name_the_problem():
+    x, base, a, b, info = _args()
+    with pytest.raises(ValueError, match="unknown backend 'triton'"):
+        jlora.lora_shrink(x, a, info, backend="triton")
+    with pytest.raises(ValueError, match=r"slice_sizes \(16, 8\) sum to 24 but B"):
+        jlora.lora_expand(jnp.ones((8, 32)), b, info, base, slice_sizes=(16, 8))
+    with pytest.raises(ValueError, match="not num_slices"):
+        jlora.lora_shrink(x, a, info, num_slices=3)
+    with pytest.raises(ValueError, match="must have 2 slices x R=16"):
+        jlora.lora_expand(jnp.ones((8, 16)), b, info, base, slice_sizes=(16, 16))
+    with pytest.raises(TypeError, match="LoRABatchInfo"):
+        jlora.lora_shrink(x, a, {"token_slot": None})
+    with pytest.raises(NotImplementedError, match="multiples of 16 for the pallas backend"):
+        jlora.lora_expand(jnp.ones((8, 32)), jnp.ones((2, 24, 16)), info, jnp.ones((8, 24)), slice_sizes=(12, 12),
+                          backend="pallas")
+    with pytest.raises(ValueError, match="slot id 2 >= number of slots"):
+        jlora.lora_shrink(x, a, dataclasses.replace(info, token_slot=info.token_slot.at[1].set(2)))
+    with pytest.raises(ValueError, match="token_ids must be a 1-D int array"):
+        jlora.lora_embedding(jnp.ones(8), jnp.ones((2, 16, 10)), b, info, base)
