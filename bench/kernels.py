@@ -10,7 +10,7 @@ once, the used adapters' weights read once (only their rank rows), the output wr
 adding into it), over the copy bandwidth measured in the same run.
 
   python bench/kernels.py [--quick] [--backends pallas,reference,ragged] [--out bench/results]
-  python bench/kernels.py --sweep     # pallas tile settings on the target rows; prints the best per row
+  python bench/kernels.py --sweep shrink,expand   # pallas tiles on the target rows; best per row
   python bench/kernels.py --profile   # the target rows' device kernel time from a profiler trace
 """
 
@@ -92,13 +92,13 @@ def copy_bandwidth() -> float:
 
 
 def make_inputs(op: str, tokens: int, adapters: int, rank: int, rng):
+    """Random bf16 inputs (drawn on the device) for one row: (kind, slices, token slots, op args, floor bytes)."""
     kind, k, slices = OPS[op]
     n = sum(slices)
-    dt = jnp.bfloat16
-    rnd = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.1, dt)
+    keys = iter(jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4 * CALLS))
+    rnd = lambda *shape: (jax.random.normal(next(keys), shape, jnp.float32) * 0.1).astype(jnp.bfloat16)
     used = rng.choice(SLOTS, adapters, replace=False)
     slots = used[rng.integers(0, adapters, tokens)]
-    info = LoRABatchInfo.build(slots, np.full(SLOTS, rank), np.ones(SLOTS), block_m=block_m_for(tokens))
     n_used = len(np.unique(slots))
     s_width = len(slices) * rank
     if kind == "shrink":
@@ -115,7 +115,11 @@ def make_inputs(op: str, tokens: int, adapters: int, rank: int, rng):
             rnd(tokens, n),
         )
         nbytes = 2 * (tokens * k + n_used * s_width * k + n_used * n * rank + 2 * tokens * n)
-    return kind, slices, info, args, nbytes
+    return kind, slices, slots, args, nbytes
+
+
+def make_info(slots: np.ndarray, rank: int, block_m: int) -> LoRABatchInfo:
+    return LoRABatchInfo.build(slots, np.full(SLOTS, rank), np.ones(SLOTS), block_m=block_m)
 
 
 def make_fn(kind: str, slices: tuple[int, ...], backend: str, config=None):
@@ -177,20 +181,20 @@ def sweep_configs(kind: str, k: int | None, tokens: int):
             cfg = jlora.pallas.shrink_config(tokens, k, 64, bm)
             yield bm, dataclasses.replace(cfg, k_splits=split, block_k=min(cfg.block_k, k // split), num_warps=warps)
     elif kind == "expand":
-        for bm, bn, warps in itertools.product(block_ms, (64, 128, 256), (4, 8)):
-            yield bm, jlora.pallas.ExpandConfig(block_n=bn, num_warps=warps)
+        for bm, bn, group, warps in itertools.product(block_ms, (64, 128), (1, 4, 8), (4, 8)):
+            yield bm, jlora.pallas.ExpandConfig(block_n=bn, group=group, num_warps=warps)
 
 
-def sweep(rng) -> None:
+def sweep(rng, kinds: list[str]) -> None:
     for op, tokens, adapters, rank in TARGETS:
         kind, k, _ = OPS[op]
+        if kind not in kinds:
+            continue
         results = []
+        kind, slices, slots, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
         for bm, cfg in sweep_configs(kind, k, tokens):
-            global block_m_for
-            block_m_for = lambda t, bm=bm: bm  # the row tile under test
-            kind, slices, info, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
             try:
-                sec = time_per_call(make_fn(kind, slices, "pallas", cfg), info, *inputs)
+                sec = time_per_call(make_fn(kind, slices, "pallas", cfg), make_info(slots, rank, bm), *inputs)
             except Exception as err:
                 print(f"  {op} T={tokens} bm={bm} {cfg}: {type(err).__name__}: {str(err)[:120]}", flush=True)
                 continue
@@ -199,12 +203,14 @@ def sweep(rng) -> None:
         if results:
             best = min(results, key=lambda r: r[0])
             print(f"BEST {op} T={tokens} n={adapters} r={rank}: {best[0]:.1f} µs block_m={best[1]} {best[2]}", flush=True)
+        del inputs
 
 
 def profile(rng, out_dir: str) -> None:
     """Device kernel time per call of the pallas target rows, from a profiler trace (perfetto JSON)."""
     for op, tokens, adapters, rank in TARGETS:
-        kind, slices, info, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
+        kind, slices, slots, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
+        info = make_info(slots, rank, block_m_for(tokens))
         fn = make_fn(kind, slices, "pallas")
         jax.block_until_ready(fn(info, *inputs))
         trace_dir = os.path.join(out_dir, "trace_tmp")
@@ -229,13 +235,14 @@ def profile(rng, out_dir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the kernels issue's target rows")
-    parser.add_argument("--sweep", action="store_true", help="time pallas tile settings on the target rows")
+    parser.add_argument("--sweep", metavar="KINDS", help="time pallas tile settings on the target rows of "
+                        "these op kinds (comma-separated: shrink,expand)")
     parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")
     parser.add_argument("--backends", default="pallas,reference,ragged")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.sweep:
-        return sweep(np.random.default_rng(0))
+        return sweep(np.random.default_rng(0), args.sweep.split(","))
     if args.profile:
         return profile(np.random.default_rng(0), args.out)
     backends = args.backends.split(",")
@@ -245,7 +252,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows: list[Row] = []
     for op, tokens, adapters, rank in cases(args.quick):
-        kind, slices, info, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
+        kind, slices, slots, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
+        info = make_info(slots, rank, block_m_for(tokens))
         floor = nbytes / bandwidth
         for backend in backends:
             try:

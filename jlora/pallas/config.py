@@ -25,9 +25,10 @@ class ShrinkConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpandConfig:
-    """Tiles of the expand kernel. Its grid is (segments, N / block_n)."""
+    """Tiles of the expand kernel. Its grid is (segments, N / (block_n * group))."""
 
-    block_n: int  # output columns per program
+    block_n: int  # output columns per loop step
+    group: int = 1  # column blocks per program (capped to a power of two dividing every slice's blocks)
     num_warps: int = 4
     num_stages: int = 2
 

@@ -9,6 +9,8 @@ so rows of slot -1 tokens are never touched and there is no extra pass over [T, 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.batch_info import LoRABatchInfo
-from jlora.pallas.config import ExpandConfig, expand_config
+from jlora.pallas.config import ExpandConfig, expand_config, pow2_divisor
 from jlora.pallas.shrink import _precision, segment_rows
 
 __all__ = ["expand"]
@@ -34,36 +36,46 @@ def _expand_kernel(
     o_ref,  # [T, N]
     *,
     slice_start: tuple[int, ...],  # first column of each slice
-    block_start: tuple[int, ...],  # first column block of each slice
+    group_start: tuple[int, ...],  # first column group of each slice
     rank: int,
     block_m: int,
     block_n: int,
+    group: int,
     precision,
 ):
-    seg, col_block = pl.program_id(0), pl.program_id(1)
+    # Program (seg, g) covers `group` consecutive column blocks of one slice: the segment's rows, s and
+    # rank mask are loaded once, and the loop over blocks lets the compiler pipeline the base loads.
+    seg, g = pl.program_id(0), pl.program_id(1)
 
     @pl.when(seg_len_ref[seg] > 0)
     def _():
         slot = seg_slot_ref[seg]
         rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m)  # [BM]
-        # The slice of this column block: the last whose first block is <= col_block (static offsets).
-        # Integer steps (0 or 1) instead of booleans: the Triton lowering mistypes bool -> int converts.
-        sl, col0, blk0 = 0, slice_start[0], block_start[0]
+        # The slice of group g: the last whose first group is <= g (static offsets). Integer steps
+        # (0 or 1) instead of booleans: the Triton lowering mistypes bool -> int converts.
+        sl, col0, g0 = 0, slice_start[0], group_start[0]
         for i in range(1, len(slice_start)):
-            step = jnp.clip(col_block - block_start[i] + 1, 0, 1)  # 1 once col_block reaches slice i
+            step = jnp.clip(g - group_start[i] + 1, 0, 1)  # 1 once g reaches slice i
             sl += step
             col0 += step * (slice_start[i] - slice_start[i - 1])
-            blk0 += step * (block_start[i] - block_start[i - 1])
-        cols = pl.ds(pl.multiple_of(col0 + (col_block - blk0) * block_n, block_n), block_n)
+            g0 += step * (group_start[i] - group_start[i - 1])
+        first_col = col0 + (g - g0) * (group * block_n)
         r = pl.ds(sl * rank if len(slice_start) == 1 else pl.multiple_of(sl * rank, rank), rank)
 
         s = s_ref[0, rows, r]  # [BM, R]
         for p in range(1, s_ref.shape[0]):  # split-K partials of the shrink
             s += s_ref[p, rows, r]
+        s = s.astype(b_ref.dtype)
         in_rank = (jnp.arange(rank) < ranks_ref[slot])[None, :]  # [1, R]: columns of B past the rank unread
-        b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)  # [BN, R]
-        delta = pltriton.dot(s.astype(b.dtype), b, trans_b=True, precision=precision)  # [BM, BN] f32
-        o_ref[rows, cols] = (base_ref[rows, cols].astype(jnp.float32) + delta).astype(o_ref.dtype)
+
+        def block(j, carry):
+            cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
+            b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)  # [BN, R]
+            delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BM, BN] f32
+            o_ref[rows, cols] = (base_ref[rows, cols].astype(jnp.float32) + delta).astype(o_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, group, block, 0)
 
 
 def expand(
@@ -89,24 +101,24 @@ def expand(
     config = config or expand_config(num_tokens, slice_sizes)
     if any(n % config.block_n for n in slice_sizes):
         raise ValueError(f"{config} does not tile slice_sizes={slice_sizes}")
-    slice_start, block_start, col, blk = [], [], 0, 0
-    for n in slice_sizes:
-        slice_start.append(col)
-        block_start.append(blk)
-        col, blk = col + n, blk + n // config.block_n
+    blocks = [n // config.block_n for n in slice_sizes]
+    group = pow2_divisor(math.gcd(*blocks), config.group)  # column blocks per program, within one slice
+    slice_start = tuple(itertools.accumulate(slice_sizes, initial=0))[:-1]
+    group_start = tuple(itertools.accumulate((n // group for n in blocks), initial=0))
     kernel = functools.partial(
         _expand_kernel,
-        slice_start=tuple(slice_start),
-        block_start=tuple(block_start),
+        slice_start=slice_start,
+        group_start=group_start[:-1],
         rank=rank,
         block_m=info.block_m,
         block_n=config.block_n,
+        group=group,
         precision=_precision(b.dtype),
     )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
-        grid=(info.num_segments, blk),
+        grid=(info.num_segments, group_start[-1]),
         input_output_aliases={7: 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",

@@ -1,0 +1,5 @@
+import sys
+
+from jlora.cli import main
+
+sys.exit(main())
