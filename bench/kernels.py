@@ -12,6 +12,8 @@ adding into it), over the copy bandwidth measured in the same run.
   python bench/kernels.py [--quick] [--backends pallas,reference,ragged] [--out bench/results]
   python bench/kernels.py --sweep shrink,expand   # pallas tiles on the target rows; best per row
   python bench/kernels.py --profile   # the target rows' device kernel time from a profiler trace
+Decode rows (T <= 256) are launch-bound in wall time when jitted kernels run outside a CUDA graph, so the
+table also reports their device time from a profiler trace, the figure comparable to the peers' graphs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import jax
@@ -68,9 +71,10 @@ class Row:
     adapters: int
     rank: int
     backend: str
-    us: float
+    us: float  # wall time per call
+    device_us: float  # device kernel time per call (profiler trace)
     floor_us: float
-    gbps: float
+    gbps: float  # floor bytes / device time
 
 
 def block_m_for(tokens: int) -> int:
@@ -174,8 +178,12 @@ def cases(quick: bool):
 
 def sweep_configs(kind: str, k: int | None, tokens: int):
     """(block_m, config) candidates for one row: row tiles, split-K / block_n and warps."""
-    block_ms = (16, 32) if tokens <= 256 else (64, 128)
-    if kind == "shrink":
+    block_ms = (16,) if tokens <= 256 else (64, 128)
+    if kind == "shrink" and tokens <= 256:
+        for bm, split, warps, block_k in itertools.product(block_ms, (4, 8, 14, 16, 28, 32), (2, 4), (64, 128)):
+            if k % (split * block_k) == 0:
+                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=2)
+    elif kind == "shrink":
         splits = [s for s in (1, 2, 4, 7, 8, 14, 16, 28) if k % (s * 64) == 0 and k // s >= 256]
         for bm, split, warps in itertools.product(block_ms, splits, (4, 8)):
             cfg = jlora.pallas.shrink_config(tokens, k, 64, bm)
@@ -185,16 +193,18 @@ def sweep_configs(kind: str, k: int | None, tokens: int):
             yield bm, jlora.pallas.ExpandConfig(block_n=bn, group=group, num_warps=warps)
 
 
-def sweep(rng, kinds: list[str]) -> None:
+def sweep(rng, kinds: list[str], max_tokens: int) -> None:
     for op, tokens, adapters, rank in TARGETS:
         kind, k, _ = OPS[op]
-        if kind not in kinds:
+        if kind not in kinds or tokens > max_tokens:
             continue
         results = []
         kind, slices, slots, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
         for bm, cfg in sweep_configs(kind, k, tokens):
+            # Decode rows are timed on the device: their wall time is host launch overhead.
+            timer = (lambda *a: device_time_per_call(*a)[0]) if tokens <= 256 else time_per_call
             try:
-                sec = time_per_call(make_fn(kind, slices, "pallas", cfg), make_info(slots, rank, bm), *inputs)
+                sec = timer(make_fn(kind, slices, "pallas", cfg), make_info(slots, rank, bm), *inputs)
             except Exception as err:
                 print(f"  {op} T={tokens} bm={bm} {cfg}: {type(err).__name__}: {str(err)[:120]}", flush=True)
                 continue
@@ -206,29 +216,35 @@ def sweep(rng, kinds: list[str]) -> None:
         del inputs
 
 
-def profile(rng, out_dir: str) -> None:
-    """Device kernel time per call of the pallas target rows, from a profiler trace (perfetto JSON)."""
+def device_time_per_call(fn, *args) -> tuple[float, dict[str, list[float]]]:
+    """Device seconds per op call from a profiler trace of one run (kernel durations on the GPU streams,
+    summed, divided by the calls), and the kernels' durations by name in µs."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(fn(*args))
+        path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+        with gzip.open(path) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            kernels.setdefault(e["name"], []).append(float(e["dur"]))
+    return sum(sum(d) for d in kernels.values()) / CALLS * 1e-6, kernels
+
+
+def profile(rng) -> None:
+    """Device kernel time per call of the pallas target rows."""
     for op, tokens, adapters, rank in TARGETS:
         kind, slices, slots, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
         info = make_info(slots, rank, block_m_for(tokens))
-        fn = make_fn(kind, slices, "pallas")
-        jax.block_until_ready(fn(info, *inputs))
-        trace_dir = os.path.join(out_dir, "trace_tmp")
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(fn(info, *inputs))
-        path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-        with gzip.open(path) as f:
-            events = json.load(f)
-        events = events["traceEvents"] if isinstance(events, dict) else events
-        gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                    and "GPU" in str(e.get("args", {}).get("name", ""))}
-        kernels = {}
-        for e in events:
-            if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-                kernels.setdefault(e["name"], []).append(e["dur"])
-        total = sum(sum(d) for d in kernels.values()) / CALLS
+        sec, kernels = device_time_per_call(make_fn(kind, slices, "pallas"), info, *inputs)
         parts = ", ".join(f"{n[:40]} x{len(d)} {sum(d) / len(d):.1f}" for n, d in sorted(kernels.items()))
-        print(f"PROFILE {op} T={tokens} n={adapters} r={rank}: device {total:.1f} µs per call [{parts}]", flush=True)
+        print(f"PROFILE {op} T={tokens} n={adapters} r={rank}: device {sec * 1e6:.1f} µs per call [{parts}]",
+              flush=True)
         del inputs
 
 
@@ -237,14 +253,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the kernels issue's target rows")
     parser.add_argument("--sweep", metavar="KINDS", help="time pallas tile settings on the target rows of "
                         "these op kinds (comma-separated: shrink,expand)")
+    parser.add_argument("--max-tokens", type=int, default=1 << 30, help="--sweep only rows with T <= this")
     parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")
     parser.add_argument("--backends", default="pallas,reference,ragged")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.sweep:
-        return sweep(np.random.default_rng(0), args.sweep.split(","))
+        return sweep(np.random.default_rng(0), args.sweep.split(","), args.max_tokens)
     if args.profile:
-        return profile(np.random.default_rng(0), args.out)
+        return profile(np.random.default_rng(0))
     backends = args.backends.split(",")
     bandwidth = copy_bandwidth()
     device = jax.devices()[0].device_kind
@@ -256,15 +273,18 @@ def main() -> None:
         info = make_info(slots, rank, block_m_for(tokens))
         floor = nbytes / bandwidth
         for backend in backends:
+            fn = make_fn(kind, slices, backend)
             try:
-                sec = time_per_call(make_fn(kind, slices, backend), info, *inputs)
+                sec = time_per_call(fn, info, *inputs)
+                dev, _ = device_time_per_call(fn, info, *inputs)
             except Exception as err:  # a backend that cannot run a shape (e.g. out of memory) is reported
                 print(f"{op} T={tokens} {backend}: {type(err).__name__}: {str(err)[:200]}", flush=True)
                 continue
-            rows.append(Row(op, tokens, adapters, rank, backend, sec * 1e6, floor * 1e6, nbytes / sec / 1e9))
-            r = rows[-1]
-            print(f"{op:15s} T={tokens:5d} n={adapters:2d} r={rank:2d} {backend:9s} {r.us:9.1f} µs "
-                  f"floor {r.floor_us:7.1f} µs ({r.floor_us / r.us:5.1%}) {r.gbps:7.0f} GB/s", flush=True)
+            r = Row(op, tokens, adapters, rank, backend, sec * 1e6, dev * 1e6, floor * 1e6, nbytes / dev / 1e9)
+            rows.append(r)
+            print(f"{op:15s} T={tokens:5d} n={adapters:2d} r={rank:2d} {backend:9s} {r.us:9.1f} µs wall "
+                  f"{r.device_us:9.1f} µs device, floor {r.floor_us:7.1f} µs ({r.floor_us / r.device_us:5.1%}) "
+                  f"{r.gbps:7.0f} GB/s", flush=True)
         del inputs
     write_results(rows, device, bandwidth, args.out, "quick" if args.quick else "full")
 
@@ -276,20 +296,21 @@ def write_results(rows: list[Row], device: str, bandwidth: float, out_dir: str, 
         json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "jax": jax.__version__,
                    "host": platform.node(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
     by_key = {(r.op, r.tokens, r.adapters, r.rank, r.backend): r for r in rows}
-    lines = [f"Device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, {SLOTS} slots; µs per call.", "",
-             "| op | T | adapters | r | floor µs | pallas µs | % of floor | reference µs | ragged µs "
-             "| pallas vs reference | best peer µs | target µs |",
+    lines = [f"Device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, {SLOTS} slots; µs per call: "
+             "device kernel time (profiler), wall time in parentheses.", "",
+             "| op | T | adapters | r | floor µs | pallas µs | floor / pallas | reference µs | ragged µs "
+             "| reference / pallas | best peer µs | target µs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in dict.fromkeys((r.op, r.tokens, r.adapters, r.rank) for r in rows):
         get = lambda b: by_key.get(key + (b,))
         p, ref, rag = get("pallas"), get("reference"), get("ragged")
         any_row = p or ref or rag
         peer, target = TARGETS.get(key, ("", ""))
-        fmt = lambda r: f"{r.us:.1f}" if r else "—"
+        fmt = lambda r: f"{r.device_us:.1f} ({r.us:.1f})" if r else "—"
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {any_row.floor_us:.1f} | {fmt(p)} | "
-            f"{f'{p.floor_us / p.us:.0%}' if p else '—'} | {fmt(ref)} | {fmt(rag)} | "
-            f"{f'{ref.us / p.us:.1f}x' if p and ref else '—'} | {peer} | {target} |"
+            f"{f'{p.floor_us / p.device_us:.0%}' if p else '—'} | {fmt(ref)} | {fmt(rag)} | "
+            f"{f'{ref.device_us / p.device_us:.1f}x' if p and ref else '—'} | {peer} | {target} |"
         )
     table = "\n".join(lines)
     with open(stem + ".md", "w") as f:
@@ -315,7 +336,7 @@ def plot(rows: list[Row], bandwidth: float, path: str, device: str) -> None:
         ax.bar([x + (i - 1) * 0.27 for x in xs], ys, width=0.27, label=backend)
     ax.axhline(bandwidth / 1e9, color="k", linestyle="--", label="copy bandwidth (floor)")
     ax.set_xticks(range(len(keys)), [f"{o} T={t} n={n} r={r}" for o, t, n, r in keys], rotation=75, fontsize=7)
-    ax.set_ylabel("achieved GB/s (floor bytes / time)")
+    ax.set_ylabel("achieved GB/s (floor bytes / device time)")
     ax.set_yscale("log")
     ax.set_title(f"jlora kernels on {device}")
     ax.legend()
