@@ -6,17 +6,25 @@ One base model serves many LoRA adapters in the same batch, each token using its
 - `LoRABatchInfo`: the batch's static-shape metadata (tokens grouped by adapter slot, segments, ranks).
 - `lora_shrink`, `lora_expand`, `lora_linear`, `lora_embedding`: the multi-LoRA ops, each with
   `backend=` in {"auto", "reference", "ragged", "pallas"}.
+- `Engine`: a Hugging Face Llama-family checkpoint plus PEFT adapters in device slots.
 """
 
+from jlora.adapters import AdapterError, PoolFullError
 from jlora.batch_info import LoRABatchInfo, num_segments, token_slots_from_requests
+from jlora.engine import Engine
+from jlora.models.config import ModelConfig
 from jlora.ops import BACKENDS, Backend, lora_embedding, lora_expand, lora_linear, lora_shrink
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterError",
     "BACKENDS",
     "Backend",
+    "Engine",
     "LoRABatchInfo",
+    "ModelConfig",
+    "PoolFullError",
     "lora_embedding",
     "lora_expand",
     "lora_linear",

@@ -1,0 +1,229 @@
+"""A Flax NNX decoder-only transformer of the Llama family (llama, mistral, qwen2) with multi-LoRA.
+
+Every projection adds its LoRA through `jlora.lora_linear` with the batch's `LoRABatchInfo`, passed
+explicitly from the top: q|k|v as one 3-slice call, o, gate|up as one 2-slice call, down; the embedding
+through `lora_embedding`; lm_head as a one-slice linear. Tokens are laid out [B, S] (B requests of S
+positions); the projections see them flattened to [T = B·S, ·], the token order of the batch info.
+
+The KV cache has static shape [layers, B, max_seq, kv_heads, head_dim]; a token at position p is stored at
+index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position p
+attends to cache indices <= p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jlora.batch_info import LoRABatchInfo
+from jlora.models.config import ModelConfig
+from jlora.models.lora_weights import LayerLoRA, LoRAWeights
+from jlora.ops import lora_embedding, lora_linear
+
+__all__ = ["KVCache", "Transformer", "rope_frequencies"]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [layers, B, max_seq, kv_heads, head_dim]
+    v: jax.Array  # [layers, B, max_seq, kv_heads, head_dim]
+
+    @staticmethod
+    def zeros(config: ModelConfig, batch: int, max_seq: int, dtype) -> KVCache:
+        shape = (config.num_layers, batch, max_seq, config.num_kv_heads, config.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAContext:
+    """What the layers need for LoRA: the slot weights, the batch info and the backend (None: no LoRA)."""
+
+    weights: LoRAWeights
+    info: LoRABatchInfo
+    backend: str
+
+
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+    """[head_dim / 2] f32 inverse frequencies, with Llama-3 scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if config.rope_llama3 is None:
+        return inv
+    factor, low, high, original = config.rope_llama3
+    wavelen = 2 * jnp.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = jnp.where(wavelen > original / low, inv / factor, inv)  # long wavelengths: divided by factor
+    mid = (wavelen <= original / low) & (wavelen >= original / high)
+    return jnp.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [B, S, heads, D] rotated by positions [B, S] (HF's rotate-half convention)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, S, D/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ weight (+ bias); weight [in, out] (HF's [out, in] transposed at load)."""
+
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jnp.zeros((din, dout), dtype))
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("TK,KN->TN", x, self.weight[...], preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(x.dtype)
+
+
+def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: LayerLoRA | None, name: str,
+               slice_sizes: tuple[int, ...]) -> jax.Array:
+    """The projection's output [T, N], plus its adapters' deltas when LoRA is on."""
+    base = proj(x)
+    if lora is None:
+        return base
+    return lora_linear(x, base, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
+                       backend=lora.backend)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.qkv = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias,
+                          dtype=dtype, rngs=rngs)
+        self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group):
+        """x [T, H] (T = B·S), positions [B, S], caches [B, max_seq, kv_heads, D] -> ([T, H], caches)."""
+        c = self.config
+        b, s = positions.shape
+        qkv = _with_lora(self.qkv, x, lora, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
+        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+        q = _rope(q.reshape(b, s, c.num_heads, c.head_dim), positions, inv_freq)
+        k = _rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        batch_idx = jnp.arange(b)[:, None]
+        k_cache = k_cache.at[batch_idx, positions].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[batch_idx, positions].set(v.reshape(k.shape).astype(v_cache.dtype))
+
+        groups = c.num_heads // c.num_kv_heads
+        q = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
+        scores = jnp.einsum("BSKGD,BTKD->BKGST", q, k_cache, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
+        key_pos = jnp.arange(k_cache.shape[1])[None, None, :]
+        visible = key_pos <= positions[:, :, None]  # [B, S, max_seq]: causal
+        if c.sliding_window is not None:
+            visible &= key_pos > positions[:, :, None] - c.sliding_window
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+        out = jnp.einsum("BKGST,BTKD->BSKGD", probs, v_cache).reshape(b * s, c.q_size).astype(x.dtype)
+        return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,)), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        self.down = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, lora, group):
+        i = self.config.intermediate_size
+        gate_up = _with_lora(self.gate_up, x, lora, group, "gate_up", (i, i))
+        h = jax.nn.silu(gate_up[:, :i].astype(jnp.float32)) * gate_up[:, i:].astype(jnp.float32)
+        return _with_lora(self.down, h.astype(x.dtype), lora, group, "down", (self.config.hidden_size,))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group):
+        h, k_cache, v_cache = self.attn(self.input_norm(x), positions, inv_freq, k_cache, v_cache, lora, group)
+        x = x + h
+        return x + self.mlp(self.post_attn_norm(x), lora, group), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    """The decoder. Build with `nnx.eval_shape(lambda: Transformer(config, dtype=..., rngs=nnx.Rngs(0)))`
+    and fill from a checkpoint (`jlora.models.loading`)."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        lora: LoRAWeights | None = None,
+        info: LoRABatchInfo | None = None,
+        *,
+        backend: str = "auto",
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs B requests of S tokens each.
+
+        Args:
+          tokens: [B, S] int token ids.
+          positions: [B, S] int positions (cache indices) of the tokens.
+          cache: the KV cache, [layers, B, max_seq, kv_heads, head_dim] each.
+          lora: the adapter slots' weights, or None for the base model alone.
+          info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
+          backend: the LoRA ops' backend.
+
+        Returns:
+          logits [B, S, V] f32 and the updated cache.
+        """
+        b, s = tokens.shape
+        ctx = None if lora is None else LoRAContext(lora, info, backend)
+        flat = tokens.reshape(b * s)
+        embed = self.embed[...]
+        x = embed[flat]  # [T, H]
+        if ctx is not None:
+            x = lora_embedding(flat, lora.embed_a, lora.embed_b, info, x, backend=backend)
+        inv_freq = rope_frequencies(self.config)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            group = None if ctx is None else lora.layers[i]
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group)
+            ks.append(k)
+            vs.append(v)
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = jnp.einsum("TH,VH->TV", x, embed, preferred_element_type=jnp.float32).astype(x.dtype)
+        else:
+            logits = self.lm_head(x)
+        if ctx is not None:
+            logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, info,
+                                 slice_sizes=(self.config.vocab_size,), backend=backend)
+        return logits.astype(jnp.float32).reshape(b, s, -1), KVCache(jnp.stack(ks), jnp.stack(vs))

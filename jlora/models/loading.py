@@ -1,0 +1,113 @@
+"""Hugging Face checkpoint loading: `config.json` + safetensors (single file or sharded index).
+
+Tensors are read memory-mapped one at a time, converted (HF's [out, in] to our [in, out], q|k|v and
+gate|up concatenated) and placed on the device, with a progress bar. The model is built abstractly with
+`nnx.eval_shape` and filled from the converted tensors, each checked against the shape the config implies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from jlora.models.config import ModelConfig
+from jlora.models.llama import Transformer
+
+__all__ = ["read_config", "checkpoint_files", "load_model"]
+
+
+def read_config(model_dir: str) -> ModelConfig:
+    """The `ModelConfig` of an HF model directory."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
+    with open(path) as f:
+        return ModelConfig.from_hf_config(json.load(f))
+
+
+def checkpoint_files(model_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file holding it."""
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    if os.path.isfile(single):
+        with safe_open(single, framework="flax") as f:
+            return {name: single for name in f.keys()}
+    if any(n.endswith(".bin") or n.endswith(".pt") for n in os.listdir(model_dir)):
+        raise ValueError(
+            f"{model_dir} holds only PyTorch pickle weights (*.bin); jlora loads safetensors only "
+            "(convert with `model.save_pretrained(dir, safe_serialization=True)`)"
+        )
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def _param_sources(config: ModelConfig) -> dict[tuple, tuple[list[str], Callable]]:
+    """Our parameter path -> (HF tensor names, how to combine them)."""
+    t = lambda *ws: jnp.concatenate([w.T for w in ws], axis=1)  # [out, in] tensors -> [in, sum(out)]
+    cat = lambda *ws: jnp.concatenate(ws)
+    same = lambda w: w
+    sources = {("embed",): (["model.embed_tokens.weight"], same), ("norm", "weight"): (["model.norm.weight"], same)}
+    if not config.tie_word_embeddings:
+        sources[("lm_head", "weight")] = (["lm_head.weight"], t)
+    for i in range(config.num_layers):
+        hf = f"model.layers.{i}."
+        attn = [hf + f"self_attn.{m}_proj" for m in "qkv"]
+        sources[("layers", i, "input_norm", "weight")] = ([hf + "input_layernorm.weight"], same)
+        sources[("layers", i, "post_attn_norm", "weight")] = ([hf + "post_attention_layernorm.weight"], same)
+        sources[("layers", i, "attn", "qkv", "weight")] = ([a + ".weight" for a in attn], t)
+        if config.qkv_bias:
+            sources[("layers", i, "attn", "qkv", "bias")] = ([a + ".bias" for a in attn], cat)
+        sources[("layers", i, "attn", "o", "weight")] = ([hf + "self_attn.o_proj.weight"], t)
+        sources[("layers", i, "mlp", "gate_up", "weight")] = ([hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], t)
+        sources[("layers", i, "mlp", "down", "weight")] = ([hf + "mlp.down_proj.weight"], t)
+    return sources
+
+
+def load_model(model_dir: str, dtype=jnp.bfloat16, *, progress: bool = True) -> Transformer:
+    """Builds the `Transformer` of an HF directory and fills it from its safetensors, on the default device.
+
+    Raises:
+      FileNotFoundError: missing directory, config or weights.
+      ValueError: unsupported model type, pickle-only weights, a missing tensor or a shape mismatch.
+    """
+    config = read_config(model_dir)
+    files = checkpoint_files(model_dir)
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    sources = _param_sources(config)
+    handles: dict[str, object] = {}
+    loaded = []
+    try:
+        for path, var in tqdm(nnx.to_flat_state(state), desc=f"loading {os.path.basename(model_dir)}",
+                              disable=not progress, unit="tensor"):
+            names, combine = sources[path]
+            tensors = []
+            for name in names:
+                if name not in files:
+                    raise ValueError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
+                handle = handles.get(files[name])
+                if handle is None:
+                    handle = handles[files[name]] = safe_open(files[name], framework="flax")
+                tensors.append(handle.get_tensor(name))
+            value = combine(*tensors).astype(dtype)
+            if value.shape != var.shape:
+                raise ValueError(
+                    f"{' + '.join(names)}: shape {tuple(t.shape for t in tensors)} does not match the config "
+                    f"(expected {var.shape} after conversion)"
+                )
+            loaded.append((path, type(var)(value)))
+    finally:
+        handles.clear()
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))

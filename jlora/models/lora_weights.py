@@ -1,0 +1,76 @@
+"""The adapters' stacked device weights, per target module, as one pytree the jitted model takes.
+
+Every target module's weights are stacked over the `L` adapter slots and zero-padded to the pool's rank
+R (a power of two >= 16, the kernels' rank): A [L, S·R, K] and B [L, N, R]. The adapter's scaling (alpha / r,
+or alpha / sqrt(r) with rsLoRA, per module under rank_pattern / alpha_pattern) is folded into B at load
+time, so `LoRABatchInfo.scalings` is 1 for every slot; a module an adapter does not target is all zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jlora.models.config import ModelConfig
+
+__all__ = ["LayerLoRA", "LoRAWeights", "module_shapes", "TARGET_GROUPS"]
+
+# Fused projection groups of a decoder layer: (group, [(PEFT module name, parent)], input dim, slice dims).
+TARGET_GROUPS = ("qkv", "o", "gate_up", "down")
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
+    """group -> (input dim K, ((module name, output dim), ...)) for the decoder layers' fused groups."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": (h, (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size))),
+        "o": (config.q_size, (("o_proj", h),)),
+        "gate_up": (h, (("gate_proj", i), ("up_proj", i))),
+        "down": (i, (("down_proj", h),)),
+    }
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["a", "b"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LayerLoRA:
+    """One fused group of one layer: `a` [L, S·R, K], `b` [L, N, R] (slices stacked along N)."""
+
+    a: dict[str, jax.Array]
+    b: dict[str, jax.Array]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["layers", "embed_a", "embed_b", "lm_head_a", "lm_head_b"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class LoRAWeights:
+    """All adapter slots' weights. `layers[l].a[group]` etc.; embedding and lm_head apart."""
+
+    layers: tuple[LayerLoRA, ...]
+    embed_a: jax.Array  # [L, R, V] lora_embedding_A
+    embed_b: jax.Array  # [L, H, R] lora_embedding_B (scaled)
+    lm_head_a: jax.Array  # [L, R, H]
+    lm_head_b: jax.Array  # [L, V, R] (scaled)
+
+    @staticmethod
+    def zeros(config: ModelConfig, num_slots: int, rank: int, dtype) -> LoRAWeights:
+        """Empty slots: every weight zero."""
+        z = lambda *shape: jnp.zeros(shape, dtype)
+        groups = module_shapes(config)
+        layer = lambda: LayerLoRA(
+            a={g: z(num_slots, len(outs) * rank, k) for g, (k, outs) in groups.items()},
+            b={g: z(num_slots, sum(n for _, n in outs), rank) for g, (k, outs) in groups.items()},
+        )
+        v, h = config.vocab_size, config.hidden_size
+        return LoRAWeights(
+            layers=tuple(layer() for _ in range(config.num_layers)),
+            embed_a=z(num_slots, rank, v),
+            embed_b=z(num_slots, h, rank),
+            lm_head_a=z(num_slots, rank, h),
+            lm_head_b=z(num_slots, v, rank),
+        )

@@ -1,0 +1,141 @@
+"""PEFT adapter validation and the slot pool: every bad input raises and leaves the pool as it was."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.adapters import AdapterError, PoolFullError
+from jlora.engine import Engine, forward
+
+CFG = testing.tiny_config("llama")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model"))
+    testing.write_model(path, CFG, seed=2)
+    return path
+
+
+def _engine(model_dir, **kw):
+    kw = {"max_loras": 2, "max_lora_rank": 8, "dtype": "float32", "progress": False} | kw
+    return Engine.from_pretrained(model_dir, **kw)
+
+
+def _snapshot(engine):
+    return (engine.adapters, engine.pool.ranks.copy(), [np.asarray(x) for x in jax.tree.leaves(engine.pool.weights)])
+
+
+def _assert_unchanged(engine, snap):
+    names, ranks, leaves = snap
+    assert engine.adapters == names
+    np.testing.assert_array_equal(engine.pool.ranks, ranks)
+    for before, after in zip(leaves, jax.tree.leaves(engine.pool.weights)):
+        np.testing.assert_array_equal(before, np.asarray(after))
+
+
+def _break_tensor(path, key_part, fn):
+    from safetensors.numpy import load_file, save_file
+
+    file = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(file)
+    key = next(k for k in tensors if key_part in k)
+    tensors = fn(tensors, key)
+    save_file(tensors, file)
+
+
+def _edit_config(path, **changes):
+    file = os.path.join(path, "adapter_config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+
+
+BAD = {
+    "missing dir": (lambda p: None, "adapter_config.json not found"),
+    "missing weights": (lambda p: os.remove(os.path.join(p, "adapter_model.safetensors")), "adapter_model.safetensors not found"),
+    "corrupt safetensors": (lambda p: open(os.path.join(p, "adapter_model.safetensors"), "wb").write(b"\x10garbage"),
+                            "cannot read safetensors"),
+    "rank too big": (lambda p: None, "rank 16 exceeds max_lora_rank=8"),
+    "shape mismatch": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: t[k][:, :32]}),
+                       "do not fit the base layer"),
+    "unknown module": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {
+        k.replace("q_proj", "r_proj"): t[k], k.replace("q_proj.lora_A", "r_proj.lora_B"): t[k.replace("lora_A", "lora_B")]}),
+                       "unknown module 'model.layers.0.self_attn.r_proj'"),
+    "layer out of range": (lambda p: _break_tensor(p, "layers.0.self_attn.q_proj.lora_A", lambda t, k: t | {
+        k.replace("layers.0", "layers.7"): t[k], k.replace("layers.0", "layers.7").replace("lora_A", "lora_B"): t[k.replace("lora_A", "lora_B")]}),
+                           "unknown module 'model.layers.7"),
+    "int dtype": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: t[k].astype(np.int32)}),
+                  "must be floating"),
+    "dora": (lambda p: _edit_config(p, use_dora=True), "DoRA"),
+    "modules_to_save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]), "modules_to_save"),
+    "lora_bias": (lambda p: _edit_config(p, lora_bias=True), "LoRA bias"),
+    "rank disagrees with config": (lambda p: _edit_config(p, r=6), "rank 4 but the config says r=6"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_adapter_raises_and_leaves_pool_unchanged(tmp_path, model_dir, case):
+    engine = _engine(model_dir)
+    testing.write_adapter(str(tmp_path / "good"), CFG, r=4, alpha=8, seed=1)
+    engine.load_adapter("good", str(tmp_path / "good"))
+    snap = _snapshot(engine)
+    bad = str(tmp_path / "bad")
+    if case != "missing dir":
+        testing.write_adapter(bad, CFG, r=16 if case == "rank too big" else 4, alpha=8, seed=2)
+    mutate, match = BAD[case]
+    mutate(bad)
+    with pytest.raises(AdapterError, match=match):
+        engine.load_adapter("bad", bad)
+    _assert_unchanged(engine, snap)
+    assert "bad" not in engine.adapters
+
+
+def test_lru_eviction_refusal_and_unload(tmp_path, model_dir):
+    for i in range(3):
+        testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=4, alpha=8, seed=i)
+    engine = _engine(model_dir)
+    engine.load_adapter("a0", str(tmp_path / "a0"))
+    engine.load_adapter("a1", str(tmp_path / "a1"))
+    engine.prefill_logits([[1, 2]], ["a0"])  # a0 becomes the most recently used
+    engine.load_adapter("a2", str(tmp_path / "a2"))  # evicts a1
+    assert sorted(engine.adapters) == ["a0", "a2"]
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_adapter("a2", str(tmp_path / "a2"))
+    engine.pool.hold(["a0", "a2"])
+    with pytest.raises(PoolFullError, match="all in use"):
+        engine.load_adapter("a1", str(tmp_path / "a1"))
+    engine.pool.release(["a0", "a2"])
+    with pytest.raises(KeyError, match="unknown adapter"):
+        engine.prefill_logits([[1, 2]], ["a1"])
+    engine.unload_adapter("a2")
+    assert engine.adapters == ["a0"]
+
+    strict = _engine(model_dir, evict="refuse", max_loras=1)
+    strict.load_adapter("a0", str(tmp_path / "a0"))
+    with pytest.raises(PoolFullError, match="eviction is off"):
+        strict.load_adapter("a1", str(tmp_path / "a1"))
+
+
+def test_loads_and_mixes_do_not_recompile(tmp_path, model_dir):
+    engine = _engine(model_dir, max_loras=3)
+    names = []
+    for i in range(5):
+        testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=2 + i, alpha=8, seed=i, target_modules=["q_proj", "down_proj"])
+    rng = np.random.default_rng(0)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    engine.prefill_logits(prompts, [None] * 3)
+    compiled = forward._cache_size()
+    for i in range(5):
+        if len(engine.adapters) == 3:
+            engine.unload_adapter(engine.adapters[0])
+        engine.load_adapter(f"a{i}", str(tmp_path / f"a{i}"))
+        names = engine.adapters + [None]
+        engine.prefill_logits(prompts, [names[j] for j in rng.integers(0, len(names), 3)])
+    assert forward._cache_size() == compiled

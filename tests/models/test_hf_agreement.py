@@ -1,0 +1,31 @@
+"""The base model against Hugging Face transformers on the same checkpoint (runs where torch and
+transformers are installed, e.g. the GPU machine; skipped in CI)."""
+
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.engine import Engine
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama3_rope": testing.tiny_config("llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "mistral_head_dim_window": testing.tiny_config("mistral", head_dim=32, sliding_window=6),
+    "qwen2_bias_tied": testing.tiny_config("qwen2", tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(tmp_path, name):
+    testing.write_model(str(tmp_path), CONFIGS[name], seed=4)
+    prompt = [5, 17, 3, 88, 42, 7, 1, 64, 30, 2, 11, 90]
+    ours = Engine.from_pretrained(str(tmp_path), dtype="float32", backend="reference",
+                                  progress=False).prefill_logits([prompt], [None])[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, rtol=2e-4, atol=2e-4)

@@ -1,0 +1,115 @@
+"""The model against merged weights, checkpoint loading, and the KV cache."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.engine import Engine
+from jlora.models.llama import KVCache
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
+
+MODELS = {
+    "llama": testing.tiny_config("llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "mistral": testing.tiny_config("mistral", head_dim=32),  # head_dim != hidden / heads
+    "qwen2": testing.tiny_config("qwen2", num_key_value_heads=1),  # q/k/v bias, one KV head
+    "tied": testing.tiny_config("qwen2", tie_word_embeddings=True),
+}
+ADAPTERS = {  # name: (write_adapter kwargs); embed/lm_head LoRA only on untied models
+    "small": dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all_rslora": dict(r=16, alpha=16, target_modules=ALL, use_rslora=True),
+    "patterns": dict(r=8, alpha=16, target_modules=ALL, rank_pattern={"down_proj": 2, r"layers\.1\.self_attn\.o_proj": 12},
+                     alpha_pattern={"q_proj": 4}, layers_to_transform=[1]),
+    "regex_mlp": dict(r=8, alpha=32, target_modules=r".*\.mlp\.(gate|up)_proj"),
+    "emb_head": dict(r=8, alpha=8, target_modules=["k_proj"], embeddings=True, lm_head=True),
+}
+
+
+def _model(tmp_path, kind):
+    path = str(tmp_path / kind)
+    testing.write_model(path, MODELS[kind], seed=1)
+    return path
+
+
+@pytest.mark.parametrize("kind, backend", [(k, "auto") for k in MODELS] + [("llama", "pallas"), ("qwen2", "ragged")])
+def test_lora_logits_equal_merged_weights(tmp_path, kind, backend):
+    model_dir = _model(tmp_path, kind)
+    engine = Engine.from_pretrained(model_dir, max_loras=4, max_lora_rank=16, dtype="float32", backend=backend,
+                                    progress=False)
+    names = [n for n in ADAPTERS if not (kind == "tied" and n == "emb_head")][:4]
+    for i, name in enumerate(names):
+        testing.write_adapter(str(tmp_path / name), MODELS[kind], seed=10 + i, **ADAPTERS[name])
+        engine.load_adapter(name, str(tmp_path / name))
+    requests = names + [None]  # several adapters and a base-only request in one batch
+    logits = engine.prefill_logits(PROMPTS, requests)
+    base = engine.prefill_logits(PROMPTS, [None] * len(PROMPTS))
+    for prompt, name, out, out_base in zip(PROMPTS, requests, logits, base):
+        if name is None:
+            np.testing.assert_array_equal(out, out_base)
+            continue
+        merged_dir = str(tmp_path / f"merged_{name}")
+        testing.merge_adapter(model_dir, str(tmp_path / name), merged_dir)
+        merged = Engine.from_pretrained(merged_dir, max_loras=1, max_lora_rank=16, dtype="float32", progress=False)
+        (ref,) = merged.prefill_logits([prompt], [None])
+        assert np.abs(out - out_base).max() > 1e-2, f"adapter {name} changed nothing"
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    cfg = MODELS["llama"]
+    testing.write_model(str(tmp_path / "one"), cfg, seed=3)
+    testing.write_model(str(tmp_path / "sharded"), cfg, seed=3, shards=3)
+    assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
+    one = Engine.from_pretrained(str(tmp_path / "one"), dtype="float32", progress=False)
+    sharded = Engine.from_pretrained(str(tmp_path / "sharded"), dtype="float32", progress=False)
+    np.testing.assert_array_equal(one.prefill_logits(PROMPTS[:2], [None, None])[0],
+                                  sharded.prefill_logits(PROMPTS[:2], [None, None])[0])
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine.from_pretrained(str(tmp_path / "nope"), progress=False)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text(json.dumps(MODELS["llama"]))
+    (bin_dir / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ValueError, match="PyTorch pickle"):
+        Engine.from_pretrained(str(bin_dir), progress=False)
+    model_dir = _model(tmp_path, "llama")
+    cfg = dict(MODELS["llama"], hidden_size=32)
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not match the config"):
+        Engine.from_pretrained(model_dir, progress=False)
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2")))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        Engine.from_pretrained(model_dir, progress=False)
+
+
+def test_prefill_then_decode_matches_full_forward(tmp_path):
+    model_dir = _model(tmp_path, "mistral")
+    testing.write_adapter(str(tmp_path / "a"), MODELS["mistral"], seed=5, r=8, alpha=16, target_modules=ALL)
+    engine = Engine.from_pretrained(model_dir, max_loras=2, max_lora_rank=8, dtype="float32", progress=False)
+    engine.load_adapter("a", str(tmp_path / "a"))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
+    full = engine.prefill_logits(prompts, ["a", None])
+    # Prefill the first 4 tokens, then feed tokens 4..7 one by one through the cache.
+    max_seq, split = 16, 4
+    slot = np.array([engine.pool.slot("a"), -1], np.int32)
+    cache = KVCache.zeros(engine.config, 2, max_seq, engine.dtype)
+    tokens = np.array([p[:split] for p in prompts], np.int32)
+    positions = np.broadcast_to(np.arange(split, dtype=np.int32), (2, split))
+    logits, cache = engine.run(tokens, positions, np.repeat(slot, split), cache)
+    steps = [np.asarray(logits)]
+    for pos in range(split, 8):
+        tok = np.array([[p[pos]] for p in prompts], np.int32)
+        logits, cache = engine.run(tok, np.full((2, 1), pos, np.int32), slot, cache)
+        steps.append(np.asarray(logits))
+    decoded = np.concatenate(steps, axis=1)
+    for i in range(2):
+        np.testing.assert_allclose(decoded[i], full[i], rtol=1e-4, atol=1e-4)
