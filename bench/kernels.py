@@ -38,6 +38,7 @@ import jlora
 from jlora import LoRABatchInfo
 
 CALLS, STACKS, RUNS, REPEATS = 32, 8, 4, 5
+REQUEST_LEN = 128  # prefill tokens per request
 SLOTS, HIDDEN, KV, INTER = 32, 4096, 1024, 14336
 OPS = {  # name: (kind, K or None, slice sizes)
     "shrink": ("shrink", HIDDEN, (HIDDEN,)),
@@ -101,8 +102,12 @@ def make_inputs(op: str, tokens: int, adapters: int, rank: int, rng):
     n = sum(slices)
     keys = iter(jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4 * CALLS))
     rnd = lambda *shape: (jax.random.normal(next(keys), shape, jnp.float32) * 0.1).astype(jnp.bfloat16)
+    # Tokens come in requests, as in a server: each decode token is a request of its own; prefill tokens
+    # come in requests of REQUEST_LEN consecutive tokens. Each request draws one of the `adapters` adapters.
     used = rng.choice(SLOTS, adapters, replace=False)
-    slots = used[rng.integers(0, adapters, tokens)]
+    request_len = 1 if tokens <= 256 else REQUEST_LEN
+    slots = np.repeat(used[rng.integers(0, adapters, -(-tokens // request_len))], request_len)[:tokens]
+    slots[: adapters * request_len] = np.repeat(used, request_len)[:tokens]  # every adapter present
     n_used = len(np.unique(slots))
     s_width = len(slices) * rank
     if kind == "shrink":
@@ -176,31 +181,31 @@ def cases(quick: bool):
                         yield op, tokens, adapters, rank
 
 
-def sweep_configs(kind: str, k: int | None, tokens: int):
+def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
     """(block_m, config) candidates for one row: row tiles, split-K / block_n and warps."""
     block_ms = (16,) if tokens <= 256 else (64, 128)
     if kind == "shrink" and tokens <= 256:
         for bm, split, warps, block_k in itertools.product(block_ms, (4, 8, 14, 16, 28, 32), (2, 4), (64, 128)):
             if k % (split * block_k) == 0:
-                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=2)
+                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=2,
+                                                    split_slices=True)
     elif kind == "shrink":
-        splits = [s for s in (1, 2, 4, 7, 8, 14, 16, 28) if k % (s * 64) == 0 and k // s >= 256]
-        for bm, split, warps in itertools.product(block_ms, splits, (4, 8)):
-            cfg = jlora.pallas.shrink_config(tokens, k, 64, bm)
-            yield bm, dataclasses.replace(cfg, k_splits=split, block_k=min(cfg.block_k, k // split), num_warps=warps)
+        for bm, split, warps, block_k in itertools.product(block_ms, (1, 2, 4, 7), (4, 8), (32, 64, 128)):
+            if k % (split * block_k) == 0 and 3 * (bm + width) * block_k * 2 <= 200 * 1024:
+                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=3)
     elif kind == "expand":
         for bm, bn, group, warps in itertools.product(block_ms, (64, 128), (1, 4, 8), (4, 8)):
             yield bm, jlora.pallas.ExpandConfig(block_n=bn, group=group, num_warps=warps)
 
 
-def sweep(rng, kinds: list[str], max_tokens: int) -> None:
+def sweep(rng, kinds: list[str], min_tokens: int, max_tokens: int) -> None:
     for op, tokens, adapters, rank in TARGETS:
-        kind, k, _ = OPS[op]
-        if kind not in kinds or tokens > max_tokens:
+        kind, k, slices = OPS[op]
+        if kind not in kinds or tokens > max_tokens or tokens < min_tokens:
             continue
         results = []
         kind, slices, slots, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
-        for bm, cfg in sweep_configs(kind, k, tokens):
+        for bm, cfg in sweep_configs(kind, k, len(slices) * rank, tokens):
             # Decode rows are timed on the device: their wall time is host launch overhead.
             timer = (lambda *a: device_time_per_call(*a)[0]) if tokens <= 256 else time_per_call
             try:
@@ -253,13 +258,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the kernels issue's target rows")
     parser.add_argument("--sweep", metavar="KINDS", help="time pallas tile settings on the target rows of "
                         "these op kinds (comma-separated: shrink,expand)")
+    parser.add_argument("--min-tokens", type=int, default=0, help="--sweep only rows with T >= this")
     parser.add_argument("--max-tokens", type=int, default=1 << 30, help="--sweep only rows with T <= this")
     parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")
     parser.add_argument("--backends", default="pallas,reference,ragged")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.sweep:
-        return sweep(np.random.default_rng(0), args.sweep.split(","), args.max_tokens)
+        return sweep(np.random.default_rng(0), args.sweep.split(","), args.min_tokens, args.max_tokens)
     if args.profile:
         return profile(np.random.default_rng(0))
     backends = args.backends.split(",")

@@ -15,10 +15,12 @@ __all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "po
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShrinkConfig:
-    """Tiles of the shrink kernel. Its grid is (segments, k_splits); each program walks K / k_splits."""
+    """Tiles of the shrink kernel. Its grid is (segments, k_splits, 1 or slices); each program walks
+    K / k_splits."""
 
     block_k: int  # K columns per step of a program's loop
     k_splits: int  # programs sharing one segment's K (split-K); partial sums are added by the consumer
+    split_slices: bool = False  # one program per slice (more programs) instead of all slices sharing x
     num_warps: int = 4
     num_stages: int = 3
 
@@ -41,31 +43,42 @@ def pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program, under Hopper's 227 KB per block
+SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program, under Hopper's 227 KB per block
 _NUM_SMS = 132  # H100 / H200
 
 
-def shrink_config(num_tokens: int, k: int, width: int, block_m: int, itemsize: int = 2) -> ShrinkConfig:
-    """Shrink tiles for T tokens, input width K, S·R output columns and row tile block_m.
+def shrink_config(
+    num_tokens: int, k: int, width: int, block_m: int, itemsize: int = 2, num_slices: int = 1
+) -> ShrinkConfig:
+    """Shrink tiles for T tokens, input width K, S·R output columns (S = num_slices) and row tile block_m.
 
     A shrink program streams [block_m, K] of x and [S·R, K] of A and does little arithmetic, so the kernel
-    is bound by the bytes in flight. K is split over programs until about four programs per SM can run
-    (the segments alone are few: 8 at decode with 8 adapters, 160 for T=8192 at block_m=64), keeping at
-    least 512 columns per program. block_k is the largest power of two <= 256 dividing K whose pipelined
-    tiles (num_stages x (block_m + S·R) x block_k) fit the shared-memory budget.
+    is bound by the bytes in flight. At decode sizes the segments are few (8 with 8 adapters), so K is
+    split over programs (>= 512 columns each) until about four programs per SM can run, and the slices of
+    a fused projection get programs of their own (x is tiny there; more, shorter programs hide latency).
+    At prefill sizes one wave of programs is enough, and the f32 partial sums of a split must stay a
+    small share of the traffic. block_k is the largest power of two <= 256 (decode) or 128 (prefill)
+    dividing K whose pipelined tiles (num_stages x (block_m + S·R) x block_k) fit the shared memory.
+    Measured on an H200 (bench/kernels.py --sweep): T=8192 r=64 shrink 29.3 µs at k_splits=2, q|k|v
+    shrink 44.6 µs at k_splits=1 (66.6 µs at 8 splits), down shrink 77.5 µs at 2 (95.7 µs at 7).
     """
-    num_stages = 3 if num_tokens > 256 else 2
-    block_k = pow2_divisor(k, 256)
-    while block_k > 16 and num_stages * (block_m + width) * block_k * itemsize > _SMEM_BUDGET:
+    decode = num_tokens <= 256
+    num_stages = 2 if decode else 3
+    block_k = pow2_divisor(k, 256 if decode else 128)
+    while block_k > 16 and num_stages * (block_m + width) * block_k * itemsize > SMEM_BUDGET:
         block_k //= 2
-    segments = -(-num_tokens // block_m)
+    segments = -(-num_tokens // block_m) * (num_slices if decode else 1)  # programs per K split
+    # At prefill sizes the f32 partial sums (k_splits x T x S·R x 4 bytes, written and read back) must stay
+    # small next to x (T x K x 2 bytes): at most a tenth of it.
+    max_split = k // 512 if decode else max(1, k // (20 * width))
+    target = 4 * _NUM_SMS if decode else _NUM_SMS
     split = 1
-    for cand in range(2, k // 512 + 1):
-        if segments * split >= 4 * _NUM_SMS:
+    for cand in range(2, max_split + 1):
+        if segments * split >= target:
             break
         if k % (cand * block_k) == 0:
             split = cand
-    return ShrinkConfig(block_k=block_k, k_splits=split, num_warps=4, num_stages=num_stages)
+    return ShrinkConfig(block_k=block_k, k_splits=split, split_slices=decode, num_warps=4, num_stages=num_stages)
 
 
 def expand_config(num_tokens: int, slice_sizes: tuple[int, ...]) -> ExpandConfig:

@@ -65,8 +65,12 @@ def _expand_kernel(
         s = s_ref[0, rows, r]  # [BM, R]
         for p in range(1, s_ref.shape[0]):  # split-K partials of the shrink
             s += s_ref[p, rows, r]
-        s = s.astype(b_ref.dtype)
-        in_rank = (jnp.arange(rank) < ranks_ref[slot])[None, :]  # [1, R]: columns of B past the rank unread
+        col = jnp.arange(rank)[None, :]  # [1, R]
+        slot_rank = ranks_ref[slot]
+        s = jnp.where(col < slot_rank, s, 0).astype(b_ref.dtype)  # columns past the rank contribute nothing
+        # B is read in 16-column chunks up to the rank: a mask constant over 16 contiguous columns keeps
+        # the loads vectorized (a per-column mask makes them scalar), and chunks past the rank are not read.
+        in_rank = col // 16 * 16 < slot_rank  # [1, R]
 
         def block(j, carry):
             cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)

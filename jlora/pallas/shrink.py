@@ -38,14 +38,16 @@ def _shrink_kernel(
     a_ref,  # [L, num_slices * R, K]
     o_ref,  # [k_splits, T, num_slices * R] f32 partial sums
     *,
-    num_slices: int,
+    slices_per_program: int,
     rank: int,
     block_m: int,
     block_k: int,
     k_per_split: int,
     precision,
 ):
-    seg, split = pl.program_id(0), pl.program_id(1)
+    # Program (seg, split, part): segment `seg`, K range `split`, and slices part·spp .. part·spp + spp - 1
+    # (spp = slices_per_program: all slices share one read of x, or one slice each for more programs).
+    seg, split, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(seg_len_ref[seg] > 0)
     def _():
@@ -53,6 +55,9 @@ def _shrink_kernel(
         rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m)  # [BM]
         in_rank = (jnp.arange(rank) < ranks_ref[slot])[:, None]  # [R, 1]: rows of A past the rank unread
         k_base = split * k_per_split
+        # A rows (and output columns) of each slice this program computes.
+        cols = [pl.ds(pl.multiple_of((part * slices_per_program + i) * rank, rank), rank)
+                for i in range(slices_per_program)]
 
         def step(j, accs):
             k = pl.ds(pl.multiple_of(k_base + j * block_k, block_k), block_k)
@@ -61,18 +66,18 @@ def _shrink_kernel(
                 acc
                 + pltriton.dot(
                     xb,
-                    pltriton.load(a_ref.at[slot, pl.ds(i * rank, rank), k], mask=in_rank, other=0),  # [R, BK]
+                    pltriton.load(a_ref.at[slot, c, k], mask=in_rank, other=0),  # [R, BK]
                     trans_b=True,
                     precision=precision,
                 )
-                for i, acc in enumerate(accs)
+                for c, acc in zip(cols, accs)
             )
 
-        zeros = tuple(jnp.zeros((block_m, rank), jnp.float32) for _ in range(num_slices))
+        zeros = tuple(jnp.zeros((block_m, rank), jnp.float32) for _ in cols)
         accs = jax.lax.fori_loop(0, k_per_split // block_k, step, zeros)
         scale = scalings_ref[slot]
-        for i, acc in enumerate(accs):
-            o_ref[split, rows, pl.ds(i * rank, rank)] = acc * scale
+        for c, acc in zip(cols, accs):
+            o_ref[split, rows, c] = acc * scale
 
 
 def shrink_partials(
@@ -88,13 +93,14 @@ def shrink_partials(
     """
     num_tokens, k = x.shape
     rank = a.shape[1] // num_slices
-    config = config or shrink_config(num_tokens, k, a.shape[1], info.block_m, x.dtype.itemsize)
+    config = config or shrink_config(num_tokens, k, a.shape[1], info.block_m, x.dtype.itemsize, num_slices)
     k_per_split = k // config.k_splits
     if k_per_split * config.k_splits != k or k_per_split % config.block_k:
         raise ValueError(f"{config} does not tile K={k}")
+    slices_per_program = 1 if config.split_slices else num_slices
     kernel = functools.partial(
         _shrink_kernel,
-        num_slices=num_slices,
+        slices_per_program=slices_per_program,
         rank=rank,
         block_m=info.block_m,
         block_k=config.block_k,
@@ -104,7 +110,7 @@ def shrink_partials(
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((config.k_splits, num_tokens, num_slices * rank), jnp.float32),
-        grid=(info.num_segments, config.k_splits),
+        grid=(info.num_segments, config.k_splits, num_slices // slices_per_program),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
         name="jlora_shrink",

@@ -7,6 +7,7 @@ import pytest
 import jlora
 from jlora import LoRABatchInfo
 from jlora.pallas import ExpandConfig, ShrinkConfig, shrink_config
+from jlora.pallas.config import SMEM_BUDGET
 from tests.oracle import expand_np, rel_err, shrink_np
 
 
@@ -34,7 +35,8 @@ def test_expand_column_groups(config, block_m):
     np.testing.assert_array_equal(np.asarray(out)[slots < 0], base[slots < 0])
 
 
-@pytest.mark.parametrize("config", [ShrinkConfig(block_k=32, k_splits=4), ShrinkConfig(block_k=64, k_splits=1)])
+@pytest.mark.parametrize("config", [ShrinkConfig(block_k=32, k_splits=4), ShrinkConfig(block_k=64, k_splits=1),
+                                    ShrinkConfig(block_k=32, k_splits=2, split_slices=True)])
 def test_shrink_split_k(config):
     slots, ranks, scal, x, a, b, base = _case(3)
     info = LoRABatchInfo.build(slots, ranks, scal, block_m=16)
@@ -47,5 +49,5 @@ def test_shrink_config_fits_shared_memory_and_tiles_k():
     for tokens, k, width, block_m in [(64, 4096, 16, 16), (64, 14336, 48, 16), (8192, 4096, 192, 64)]:
         cfg = shrink_config(tokens, k, width, block_m)
         assert k % (cfg.k_splits * cfg.block_k) == 0
-        assert cfg.num_stages * (block_m + width) * cfg.block_k * 2 <= 160 * 1024
+        assert cfg.num_stages * (block_m + width) * cfg.block_k * 2 <= SMEM_BUDGET
     assert shrink_config(64, 4096, 16, 16).k_splits > 1  # decode spreads K over programs
