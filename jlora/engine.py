@@ -1,14 +1,21 @@
-"""`Engine`: a base model from a Hugging Face directory plus PEFT adapters in device slots.
+"""`Engine`: a base model from a Hugging Face directory plus PEFT adapters in device slots, and generation.
 
 The model runs as one jitted pure function of (graphdef, state, batch, cache, adapter weights); the batch's
 `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading adapters
 never recompiles. Prompt lengths and batch sizes are padded to power-of-two buckets, which bound the
-compilations.
+compilations: one decode step per (rows, max_seq) and one prefill per (admitted requests, prompt length).
+
+Generation is continuously batched: `max_batch` cache rows decode together; a finished request frees its
+row and the next waiting request is prefilled into it, so throughput holds with mixed lengths. Requests
+with different adapters, and with none, share every step.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -21,8 +28,9 @@ from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.loading import load_model
+from jlora.sampling import sample_tokens
 
-__all__ = ["Engine", "bucket"]
+__all__ = ["Engine", "Generation", "bucket"]
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -30,12 +38,53 @@ def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
+                valid=None, rows=None):
+    model = nnx.merge(graphdef, state)
+    info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
+    return model(tokens, positions, cache, lora, info, valid=valid, rows=rows, backend=backend)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend"), donate_argnames=("cache",))
 def forward(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int, backend: str):
     """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache)."""
-    model = nnx.merge(graphdef, state)
-    info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
-    return model(tokens, positions, cache, lora, info, backend=backend)
+    return _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend"), donate_argnames=("cache",))
+def generate_step(graphdef, state, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks, key,
+                  temperature, top_p, *, block_m: int, backend: str):
+    """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
+    (None: row b) and samples each request's next token from its position `last` [B].
+
+    Returns (next tokens [B] int32, cache).
+    """
+    logits, cache = _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m,
+                                backend, valid, rows)
+    logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    return sample_tokens(logits, key, temperature, top_p), cache
+
+
+class Generation(list):
+    """A request's generated token ids (a `list[int]`), with `text` (None without a tokenizer) and
+    `finish_reason` ("stop": a stop token, not included; "length": max_new_tokens reached)."""
+
+    def __init__(self, tokens=(), text: str | None = None, finish_reason: str = "length"):
+        super().__init__(tokens)
+        self.text = text
+        self.finish_reason = finish_reason
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    slot: int
+    max_new: int
+    temperature: float
+    top_p: float
+    out: list[int] = dataclasses.field(default_factory=list)
+    finish: str = "length"
 
 
 class Engine:
@@ -45,10 +94,13 @@ class Engine:
     """
 
     def __init__(self, model: Transformer, *, max_loras: int, max_lora_rank: int, dtype, backend: str = "auto",
-                 evict: str = "lru"):
+                 evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None):
         self.config: ModelConfig = model.config
         self.dtype = dtype
         self.backend = backend
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.tokenizer = tokenizer
         self.graphdef, self.state = nnx.split(model)
         self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
                                 evict=evict)
@@ -56,8 +108,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,
                         dtype: str | None = None, backend: str = "auto", evict: str = "lru",
-                        progress: bool = True) -> Engine:
-        """Loads an HF checkpoint directory (config.json + safetensors).
+                        max_batch: int = 32, max_seq_len: int = 2048, progress: bool = True) -> Engine:
+        """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present).
 
         Args:
           model_dir: the HF model directory.
@@ -66,12 +118,19 @@ class Engine:
           dtype: "bfloat16", "float16" or "float32"; default bfloat16 on GPU, float32 elsewhere.
           backend: the LoRA ops' backend ("auto": pallas on GPU, reference elsewhere).
           evict: when the pool is full, "lru" evicts the least recently used idle adapter; "refuse" raises.
+          max_batch: cache rows decoding together in `generate`.
+          max_seq_len: the longest prompt + generation accepted.
           progress: show a progress bar while loading.
         """
         dtype = jnp.dtype(dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
         model = load_model(model_dir, dtype, progress=progress)
+        tokenizer = None
+        if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         return cls(model, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, backend=backend,
-                   evict=evict)
+                   evict=evict, max_batch=max_batch, max_seq_len=max_seq_len, tokenizer=tokenizer)
 
     def load_adapter(self, name: str, adapter_dir: str) -> None:
         """Loads a PEFT adapter directory under `name` (see `AdapterPool.load` for the errors)."""
@@ -90,7 +149,20 @@ class Engine:
             raise KeyError(f"unknown adapter(s) {unknown}; loaded: {self.pool.names}")
         return np.array([-1 if a is None else self.pool.slot(a) for a in adapters], np.int32)
 
-    def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> None:
+    def encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """Token ids of each prompt: text through the model's tokenizer, id lists as they are."""
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompt {i} is text but the model directory has no tokenizer.json; "
+                                     "give token ids instead")
+                p = self.tokenizer.encode(p).ids
+            ids.append([int(t) for t in p])
+        return ids
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
+                       max_new_tokens: int = 0) -> None:
         if len(prompts) != len(adapters):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters; give one per prompt (None: base)")
         if not prompts:
@@ -101,6 +173,9 @@ class Engine:
             bad = [t for t in p if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                                 f"max_seq_len={self.max_seq_len}")
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays; returns (logits [B, S, V] f32, cache)."""
@@ -109,7 +184,7 @@ class Engine:
                        self.pool.weights, jnp.asarray(token_slot), jnp.asarray(self.pool.ranks),
                        block_m=block_m, backend=self.backend)
 
-    def prefill_logits(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> list[np.ndarray]:
+    def prefill_logits(self, prompts: Sequence[str | Sequence[int]], adapters: Sequence[str | None]) -> list[np.ndarray]:
         """Logits of every prompt position, each request with its own adapter (None: the base model).
 
         Args:
@@ -119,6 +194,7 @@ class Engine:
         Returns:
           One float32 array [len(prompt), vocab] per prompt.
         """
+        prompts = self.encode(prompts)
         self._check_prompts(prompts, adapters)
         slots = self._slots(adapters)
         batch, seq = bucket(len(prompts)), bucket(max(len(p) for p in prompts), 16)
@@ -132,3 +208,126 @@ class Engine:
         logits, _ = self.run(tokens, positions, token_slot.reshape(-1), cache)
         logits = np.asarray(logits)
         return [logits[i, : len(p)] for i, p in enumerate(prompts)]
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        adapters: Sequence[str | None],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int = 0,
+        progress=None,
+    ) -> list[Generation]:
+        """Generates for every prompt with its adapter (None: the base model), continuously batched.
+
+        Args:
+          prompts: token id lists, or text when the model has a tokenizer.
+          adapters: one loaded adapter name or None per prompt.
+          max_new_tokens: tokens to generate per request at most.
+          temperature: 0 for greedy decoding.
+          top_p: nucleus sampling mass.
+          stop_token_ids: a request stops at any of these (not included in its output).
+          seed: sampling seed.
+          progress: optional callable(n) told of each generated token batch (e.g. a tqdm's update).
+
+        Returns:
+          One `Generation` (a list of token ids with `.text` and `.finish_reason`) per prompt, in order.
+        """
+        prompts = self.encode(prompts)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        self._check_prompts(prompts, adapters, max_new_tokens)
+        slots = self._slots(adapters)
+        stop = set(stop_token_ids or ())
+        requests = [_Request(i, p, int(s), max_new_tokens, temperature, top_p) for i, (p, s) in enumerate(zip(prompts, slots))]
+        held = [a for a in adapters if a is not None]
+        self.pool.hold(held)
+        try:
+            self._run_batched(requests, stop, seed, progress)
+        finally:
+            self.pool.release(held)
+        decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else (lambda ids: None)
+        return [Generation(r.out, decode(r.out), r.finish) for r in requests]
+
+    def _run_batched(self, requests: list[_Request], stop: set[int], seed: int, progress) -> None:
+        """The continuous-batching loop: admit waiting requests into free rows, decode all rows a step."""
+        num_rows = bucket(min(len(requests), self.max_batch))
+        max_seq = bucket(max(len(r.prompt) + r.max_new for r in requests), 16)
+        cache = KVCache.zeros(self.config, num_rows, max_seq, self.dtype)
+        waiting = collections.deque(requests)
+        running: list[_Request | None] = [None] * num_rows
+        position = np.zeros(num_rows, np.int32)  # next cache index of each row
+        last_token = np.zeros(num_rows, np.int32)
+        key = jax.random.key(seed)
+        step = 0
+
+        def finish(row: int, token: int) -> None:
+            r = running[row]
+            if token in stop:
+                r.finish = "stop"
+            else:
+                r.out.append(token)
+            if r.finish == "stop" or len(r.out) >= r.max_new:
+                running[row] = None
+            else:
+                last_token[row] = token
+
+        while waiting or any(running):
+            free = [row for row in range(num_rows) if running[row] is None]
+            if waiting and free:
+                admitted = [(row, waiting.popleft()) for row in free[: len(waiting)]]
+                cache = self._prefill_rows(admitted, cache, jax.random.fold_in(key, step), finish, running, position)
+                step += 1
+                if progress:
+                    progress(len(admitted))
+                continue
+            active = np.array([r is not None for r in running])
+            slots = np.array([r.slot if r is not None else -1 for r in running], np.int32)
+            temps = np.array([r.temperature if r is not None else 0.0 for r in running], np.float32)
+            top_ps = np.array([r.top_p if r is not None else 1.0 for r in running], np.float32)
+            tokens, cache = self._step(last_token[:, None], np.where(active, position, 0)[:, None], active[:, None],
+                                       None, np.zeros(num_rows, np.int32), cache, slots,
+                                       jax.random.fold_in(key, step), temps, top_ps)
+            step += 1
+            for row in np.flatnonzero(active):
+                position[row] += 1
+                finish(row, int(tokens[row]))
+            if progress:
+                progress(int(active.sum()))
+
+    def _prefill_rows(self, admitted, cache, key, finish, running, position):
+        """Prefills admitted requests into their cache rows and records each one's first token."""
+        n = bucket(len(admitted))
+        seq = bucket(max(len(r.prompt) for _, r in admitted), 16)
+        tokens = np.zeros((n, seq), np.int32)
+        valid = np.zeros((n, seq), bool)
+        slots = np.full((n, seq), -1, np.int32)
+        rows = np.zeros(n, np.int32)
+        last = np.zeros(n, np.int32)
+        temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
+        for i, (row, r) in enumerate(admitted):
+            tokens[i, : len(r.prompt)] = r.prompt
+            valid[i, : len(r.prompt)] = True
+            slots[i, : len(r.prompt)] = r.slot
+            rows[i], last[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.temperature, r.top_p
+        positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (n, seq))
+        next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), key, temps,
+                                        top_ps)
+        for i, (row, r) in enumerate(admitted):
+            running[row] = r
+            position[row] = len(r.prompt)
+            finish(row, int(next_tokens[i]))
+        return cache
+
+    def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, temperature, top_p):
+        block_m = 16 if tokens.size <= 256 else 64
+        next_tokens, cache = generate_step(
+            self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid),
+            None if rows is None else jnp.asarray(rows), jnp.asarray(last), cache, self.pool.weights,
+            jnp.asarray(token_slot), jnp.asarray(self.pool.ranks), key, jnp.asarray(temperature),
+            jnp.asarray(top_p), block_m=block_m, backend=self.backend)
+        return np.asarray(next_tokens), cache

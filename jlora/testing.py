@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-__all__ = ["tiny_config", "write_model", "write_adapter", "merge_adapter"]
+__all__ = ["tiny_config", "write_model", "write_adapter", "write_tokenizer", "merge_adapter"]
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -168,3 +168,15 @@ def merge_adapter(model_dir: str, adapter_dir: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(base_cfg, f)
     save_file(weights, os.path.join(out_dir, "model.safetensors"))
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """Writes a word-level `tokenizer.json` of `vocab_size` made-up words (w0, w1, ...; a few English ones)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<unk>", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(len(words), vocab_size)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.save(os.path.join(path, "tokenizer.json"))

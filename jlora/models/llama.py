@@ -5,9 +5,10 @@ explicitly from the top: q|k|v as one 3-slice call, o, gate|up as one 2-slice ca
 through `lora_embedding`; lm_head as a one-slice linear. Tokens are laid out [B, S] (B requests of S
 positions); the projections see them flattened to [T = B·S, ·], the token order of the batch info.
 
-The KV cache has static shape [layers, B, max_seq, kv_heads, head_dim]; a token at position p is stored at
-index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position p
-attends to cache indices <= p.
+The KV cache has static shape [layers, rows, max_seq, kv_heads, head_dim]; a token at position p is stored
+at index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position
+p attends to cache indices <= p. A call may address any subset of cache rows (`rows`), which is how the
+engine prefills a new request into a free row while others are mid-generation.
 """
 
 from __future__ import annotations
@@ -115,29 +116,36 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group):
-        """x [T, H] (T = B·S), positions [B, S], caches [B, max_seq, kv_heads, D] -> ([T, H], caches)."""
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows):
+        """x [T, H] (T = B·S), positions [B, S], caches [R, max_seq, kv_heads, D] -> ([T, H], caches).
+
+        Request b reads and writes cache row `rows[b]` (b itself when rows is None, R = B); tokens with
+        `valid` False ([B, S]) leave the cache untouched.
+        """
         c = self.config
         b, s = positions.shape
         qkv = _with_lora(self.qkv, x, lora, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
         q = _rope(q.reshape(b, s, c.num_heads, c.head_dim), positions, inv_freq)
         k = _rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), positions, inv_freq)
-        batch_idx = jnp.arange(b)[:, None]
-        k_cache = k_cache.at[batch_idx, positions].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[batch_idx, positions].set(v.reshape(k.shape).astype(v_cache.dtype))
+        v = v.reshape(k.shape)
+        row = (jnp.arange(b) if rows is None else rows)[:, None]  # [B, 1]
+        keep = valid[:, :, None, None]
+        k_cache = k_cache.at[row, positions].set(jnp.where(keep, k.astype(k_cache.dtype), k_cache[row, positions]))
+        v_cache = v_cache.at[row, positions].set(jnp.where(keep, v.astype(v_cache.dtype), v_cache[row, positions]))
+        keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
 
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
-        scores = jnp.einsum("BSKGD,BTKD->BKGST", q, k_cache, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("BSKGD,BTKD->BKGST", q, keys, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
-        key_pos = jnp.arange(k_cache.shape[1])[None, None, :]
+        key_pos = jnp.arange(keys.shape[1])[None, None, :]
         visible = key_pos <= positions[:, :, None]  # [B, S, max_seq]: causal
         if c.sliding_window is not None:
             visible &= key_pos > positions[:, :, None] - c.sliding_window
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-        out = jnp.einsum("BKGST,BTKD->BSKGD", probs, v_cache).reshape(b * s, c.q_size).astype(x.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("BKGST,BTKD->BSKGD", probs, values).reshape(b * s, c.q_size).astype(x.dtype)
         return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,)), k_cache, v_cache
 
 
@@ -161,8 +169,9 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group):
-        h, k_cache, v_cache = self.attn(self.input_norm(x), positions, inv_freq, k_cache, v_cache, lora, group)
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows):
+        h, k_cache, v_cache = self.attn(self.input_norm(x), positions, inv_freq, k_cache, v_cache, lora, group,
+                                        valid, rows)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x), lora, group), k_cache, v_cache
 
@@ -189,22 +198,27 @@ class Transformer(nnx.Module):
         lora: LoRAWeights | None = None,
         info: LoRABatchInfo | None = None,
         *,
+        valid: jax.Array | None = None,
+        rows: jax.Array | None = None,
         backend: str = "auto",
     ) -> tuple[jax.Array, KVCache]:
         """Runs B requests of S tokens each.
 
         Args:
           tokens: [B, S] int token ids.
-          positions: [B, S] int positions (cache indices) of the tokens.
-          cache: the KV cache, [layers, B, max_seq, kv_heads, head_dim] each.
+          positions: [B, S] int positions (cache indices) of the tokens, each < max_seq.
+          cache: the KV cache, [layers, R, max_seq, kv_heads, head_dim] each.
           lora: the adapter slots' weights, or None for the base model alone.
           info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
+          valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.
+          rows: [B] int cache row of each request (default: row b, with R = B).
           backend: the LoRA ops' backend.
 
         Returns:
           logits [B, S, V] f32 and the updated cache.
         """
         b, s = tokens.shape
+        valid = jnp.ones((b, s), bool) if valid is None else valid
         ctx = None if lora is None else LoRAContext(lora, info, backend)
         flat = tokens.reshape(b * s)
         embed = self.embed[...]
@@ -215,7 +229,7 @@ class Transformer(nnx.Module):
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             group = None if ctx is None else lora.layers[i]
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group)
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows)
             ks.append(k)
             vs.append(v)
         x = self.norm(x)

@@ -1,0 +1,95 @@
+"""Generation: greedy agreement with the logits, continuous batching, stops, sampling, compilations."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.engine import Engine, generate_step
+
+CFG = testing.tiny_config("llama")
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    testing.write_model(str(root / "m"), CFG, seed=7)
+    eng = Engine.from_pretrained(str(root / "m"), max_loras=3, max_lora_rank=16, dtype="float32", max_batch=2,
+                                 max_seq_len=64, progress=False)
+    for i, (r, targets) in enumerate([(4, ["q_proj", "v_proj"]), (16, ALL), (8, ["gate_proj", "down_proj"])]):
+        testing.write_adapter(str(root / f"a{i}"), CFG, r=r, alpha=2 * r, seed=i, target_modules=targets)
+        eng.load_adapter(f"a{i}", str(root / f"a{i}"))
+    eng.root = root
+    return eng
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17], [18]]
+ADAPTERS = ["a0", None, "a1", "a2", "a1"]
+
+
+def test_greedy_generation_matches_logits_with_continuous_batching(engine):
+    # max_batch=2 rows for 5 requests of different lengths: finished requests free rows for waiting ones.
+    out = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=6)
+    assert [len(o) for o in out] == [6] * 5 and all(o.finish_reason == "length" for o in out)
+    for prompt, adapter, gen in zip(PROMPTS, ADAPTERS, out):
+        logits = engine.prefill_logits([prompt + list(gen)], [adapter])[0]
+        assert list(logits[len(prompt) - 1 : -1].argmax(-1)) == list(gen)
+    # The adapters change the output: the same prompt without adapter generates differently.
+    base = engine.generate(PROMPTS, [None] * 5, max_new_tokens=6)
+    assert sum(list(a) != list(b) for a, b in zip(out, base)) >= 3
+
+
+def test_stop_tokens(engine):
+    full = engine.generate(PROMPTS[:2], ADAPTERS[:2], max_new_tokens=6)
+    stop = full[0][2]
+    out = engine.generate(PROMPTS[:2], ADAPTERS[:2], max_new_tokens=6, stop_token_ids=[stop])
+    assert list(out[0]) == list(full[0][: full[0].index(stop)]) and out[0].finish_reason == "stop"
+
+
+def test_sampling_is_seeded(engine):
+    kw = dict(max_new_tokens=8, temperature=1.5, top_p=0.95)
+    a = engine.generate(PROMPTS, ADAPTERS, seed=1, **kw)
+    assert [list(x) for x in a] == [list(x) for x in engine.generate(PROMPTS, ADAPTERS, seed=1, **kw)]
+    assert [list(x) for x in a] != [list(x) for x in engine.generate(PROMPTS, ADAPTERS, seed=2, **kw)]
+    greedy = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=8)
+    nucleus_of_one = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=8, temperature=1.0, top_p=1e-6)
+    assert [list(x) for x in greedy] == [list(x) for x in nucleus_of_one]
+
+
+def test_compilations_bounded_over_1000_decode_steps_with_loads(engine):
+    rng = np.random.default_rng(0)
+    engine.generate(PROMPTS, ADAPTERS, max_new_tokens=50)  # compile the buckets used below
+    compiled = generate_step._cache_size()
+    steps = 0
+    while steps < 1000:
+        names = engine.adapters + [None]
+        adapters = [names[i] for i in rng.integers(0, len(names), len(PROMPTS))]
+        out = engine.generate(PROMPTS, adapters, max_new_tokens=50)
+        steps += max(len(o) for o in out) * 3  # decode steps: 5 requests over 2 rows
+        victim = engine.adapters[int(rng.integers(len(engine.adapters)))]
+        engine.unload_adapter(victim)
+        engine.load_adapter(victim, str(engine.root / victim))
+    assert generate_step._cache_size() == compiled
+
+
+def test_generation_errors(engine):
+    with pytest.raises(KeyError, match="unknown adapter"):
+        engine.generate([[1]], ["nope"], max_new_tokens=2)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        engine.generate([[1] * 60], [None], max_new_tokens=8)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        engine.generate(["hello"], [None], max_new_tokens=2)
+    with pytest.raises(ValueError, match="2 prompts but 1 adapters"):
+        engine.generate([[1], [2]], [None], max_new_tokens=2)
+
+
+def test_text_in_and_out_with_a_tokenizer(tmp_path):
+    testing.write_model(str(tmp_path), CFG, seed=8)
+    testing.write_tokenizer(str(tmp_path), CFG["vocab_size"])
+    eng = Engine.from_pretrained(str(tmp_path), dtype="float32", progress=False)
+    (out,) = eng.generate(["the quick brown fox"], [None], max_new_tokens=4)
+    assert isinstance(out.text, str) and len(out) == 4
+    assert out.text == eng.tokenizer.decode(list(out))
