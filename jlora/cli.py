@@ -1,23 +1,134 @@
-"""The `jlora` command line."""
+"""The `jlora` command line: `demo`, `generate` and `bench`."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import runpy
 import sys
+import tempfile
 
 __all__ = ["main"]
+
+BENCH_SCRIPTS = {"kernels": "kernels.py", "model": "model.py"}
+
+
+def _parse_lora(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora takes NAME=DIR, got {spec!r}")
+    return name, path
+
+
+def _read_requests(args) -> list[dict]:
+    if args.prompt is not None:
+        return [{"prompt": args.prompt, "adapter": args.adapter}]
+    requests = []
+    with open(args.prompts_file) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                req = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{args.prompts_file}:{n}: not JSON ({err})") from None
+            if ("prompt" in req) == ("prompt_ids" in req):
+                raise ValueError(f"{args.prompts_file}:{n}: give exactly one of 'prompt' (text) or 'prompt_ids'")
+            requests.append({"prompt": req.get("prompt", req.get("prompt_ids")), "adapter": req.get("adapter", args.adapter)})
+    if not requests:
+        raise ValueError(f"{args.prompts_file} holds no requests")
+    return requests
+
+
+def _generate(args) -> int:
+    from tqdm.auto import tqdm
+
+    from jlora.engine import Engine
+
+    requests = _read_requests(args)
+    engine = Engine.from_pretrained(args.model, max_loras=max(1, len(args.lora)), max_lora_rank=args.max_lora_rank,
+                                    dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    for name, path in args.lora:
+        engine.load_adapter(name, path)
+    with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
+        outputs = engine.generate([r["prompt"] for r in requests], [r["adapter"] for r in requests],
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  stop_token_ids=args.stop, seed=args.seed, progress=bar.update)
+    records = [{"prompt": r["prompt"], "adapter": r["adapter"], "tokens": list(o), "text": o.text,
+                "finish_reason": o.finish_reason} for r, o in zip(requests, outputs)]
+    if args.json:
+        text = "".join(json.dumps(rec) + "\n" for rec in records)
+    else:
+        text = "".join(f"[{rec['adapter'] or 'base'}] {rec['text'] if rec['text'] is not None else rec['tokens']}\n"
+                       for rec in records)
+    if args.output:  # written whole or not at all
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.output)) or ".")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, args.output)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _bench(args) -> int:
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    script = os.path.join(bench_dir, BENCH_SCRIPTS[args.which])
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"{script} not found: the benchmarks live in the repository's bench/ "
+                                f"({', '.join(BENCH_SCRIPTS.values())}); run from a source checkout")
+    sys.argv = [script, *args.args]
+    runpy.run_path(script, run_name="__main__")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jlora", description="Multi-LoRA inference for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="self-check the multi-LoRA ops on random data and print a table")
+    sub.add_parser("demo", help="random model + PEFT adapters: generate a mixed batch, check against merged weights")
+    sub.add_parser("selfcheck", help="check the multi-LoRA ops on random data against a float64 oracle")
+
+    gen = sub.add_parser("generate", help="generate with a HF model and PEFT adapters")
+    gen.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+    gen.add_argument("--lora", type=_parse_lora, action="append", default=[], metavar="NAME=DIR",
+                     help="a PEFT adapter directory to load under NAME (repeatable)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one text prompt (needs tokenizer.json in the model directory)")
+    src.add_argument("--prompts-file", help="JSONL: {'prompt': text | 'prompt_ids': [ids], 'adapter': name|null}")
+    gen.add_argument("--adapter", help="adapter for requests that name none (default: the base model)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--stop", type=int, action="append", help="stop token id (repeatable)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    gen.add_argument("--max-lora-rank", type=int, default=64)
+    gen.add_argument("--max-batch", type=int, default=32)
+    gen.add_argument("--max-seq-len", type=int, default=2048)
+    gen.add_argument("--json", action="store_true", help="one JSON record per request")
+    gen.add_argument("--output", help="write results to this file (atomically) instead of stdout")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    bench = sub.add_parser("bench", help="run a benchmark script from bench/ (kernels or model)")
+    bench.add_argument("which", choices=sorted(BENCH_SCRIPTS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
     args = parser.parse_args(argv)
     if args.command == "demo":
+        from jlora.demo import run_demo
+
+        return 0 if run_demo() else 1
+    if args.command == "selfcheck":
         from jlora.selfcheck import run_selfcheck
 
         return 0 if run_selfcheck() else 1
-    return 2
+    try:
+        return _generate(args) if args.command == "generate" else _bench(args)
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"jlora {args.command}: error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""End-to-end benchmark: a Llama-3-8B-shaped model with random bf16 weights, decode and prefill.
+
+Decode step time and tokens/s at several batch sizes for the base model (LoRA off) and with 1, 8 or 32
+distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head); prefill throughput at
+2048 and 8192 tokens. The LoRA overhead is reported against the base step and against the floor
+`base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in the same run.
+
+  python bench/model.py [--quick] [--layers 32] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jlora.engine import forward
+from jlora.models.config import ModelConfig
+from jlora.models.llama import KVCache, Transformer
+from jlora.models.lora_weights import LoRAWeights
+
+SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512
+
+
+def llama3_8b(layers: int) -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, rope_llama3=(8.0, 1.0, 4.0, 8192), qkv_bias=False,
+                       tie_word_embeddings=False, sliding_window=None)
+
+
+def random_model(config: ModelConfig):
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    keys = iter(jax.random.split(jax.random.key(0), 4096))
+    filled = [(path, type(v)((jax.random.normal(next(keys), v.shape, jnp.float32) * 0.02).astype(jnp.bfloat16)))
+              for path, v in nnx.to_flat_state(state)]
+    return graphdef, nnx.from_flat_state(filled)
+
+
+def random_lora(config: ModelConfig, rank: int) -> LoRAWeights:
+    zeros = LoRAWeights.zeros(config, SLOTS, rank, jnp.bfloat16)
+    keys = iter(jax.random.split(jax.random.key(1), 4096))
+    return jax.tree.map(lambda z: (jax.random.normal(next(keys), z.shape, jnp.float32) * 0.01).astype(z.dtype), zeros)
+
+
+def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
+    """Bytes of LoRA weights a step must read for `used` adapters (the embedding A side: only T columns)."""
+    per_slot = sum(x[0].nbytes for x in jax.tree.leaves(lora)) - lora.embed_a[0].nbytes
+    return used * per_slot + tokens * lora.embed_a.shape[1] * 2
+
+
+def copy_bandwidth() -> float:
+    x = jax.random.normal(jax.random.key(2), (1 << 27,), jnp.float32)
+    f = jax.jit(lambda v: [v * (1.0 + i * 1e-3) for i in range(8)])
+    jax.block_until_ready(f(x))
+    t = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        t.append(time.perf_counter() - t0)
+    return 8 * 2 * x.nbytes / statistics.median(t)
+
+
+def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m):
+    """Median seconds of one model call, STEPS calls dispatched back to back (cache threaded through)."""
+    backend = "auto"
+    run = lambda c: forward(graphdef, state, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
+                            backend=backend)
+    logits, cache = run(cache)
+    jax.block_until_ready(logits)
+    samples = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            logits, cache = run(cache)
+        jax.block_until_ready((logits, cache))
+        samples.append((time.perf_counter() - t0) / STEPS)
+    return statistics.median(samples), cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="batch 32 decode and T=2048 prefill only")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    config = llama3_8b(args.layers)
+    device = jax.devices()[0].device_kind
+    bandwidth = copy_bandwidth()
+    print(f"# {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; Llama-3-8B shape, {args.layers} layers, bf16",
+          flush=True)
+    graphdef, state = random_model(config)
+    rng = np.random.default_rng(0)
+    batches = (32,) if args.quick else (1, 8, 32, 64)
+    ranks_tested = (16,) if args.quick else (16, 64)
+    rows = []
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "model_quick" if args.quick else "model")
+
+    def save() -> None:  # after every row, so a run cut short keeps what it measured
+        with open(stem + ".json", "w") as f:
+            json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "layers": args.layers, "rows": rows}, f,
+                      indent=1)
+
+    def record(kind, batch, tokens, rank, adapters, sec, base_sec, lora=None):
+        floor = None if lora is None else base_sec + adapter_bytes(lora, adapters, tokens) / bandwidth
+        row = dict(kind=kind, batch=batch, tokens=tokens, rank=rank, adapters=adapters, ms=sec * 1e3,
+                   tokens_per_s=tokens / sec, overhead_vs_base=sec / base_sec,
+                   floor_ms=None if floor is None else floor * 1e3,
+                   vs_floor=None if floor is None else sec / floor)
+        rows.append(row)
+        save()
+        extra = "" if floor is None else f"  floor {floor * 1e3:7.3f} ms  x{sec / floor:5.2f} of floor"
+        print(f"{kind:7s} B={batch:3d} T={tokens:5d} r={rank or '-':>2} n={adapters:2d}  {sec * 1e3:8.3f} ms  "
+              f"{tokens / sec:9.0f} tok/s  x{sec / base_sec:5.2f} of base{extra}", flush=True)
+
+    for batch in batches:  # decode: one token per request at position CONTEXT
+        cache = KVCache.zeros(config, batch, 2 * CONTEXT, jnp.bfloat16)
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32)
+        positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
+        no_slots = jnp.zeros(SLOTS, jnp.int32)
+        base, cache = time_steps(graphdef, state, tokens, positions, cache, None, jnp.full(batch, -1), no_slots, 16)
+        record("decode", batch, batch, 0, 0, base, base)
+        for rank in ranks_tested:
+            lora = random_lora(config, rank)
+            for adapters in (1, 8, 32):
+                if adapters > batch:
+                    continue
+                slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
+                sec, cache = time_steps(graphdef, state, tokens, positions, cache, lora, slots,
+                                        jnp.full(SLOTS, rank, jnp.int32), 16)
+                record("decode", batch, batch, rank, adapters, sec, base, lora)
+            del lora
+        del cache
+
+    for total in (2048,) if args.quick else (2048, 8192):  # prefill: requests of 512 tokens
+        batch, seq = total // 512, 512
+        cache = KVCache.zeros(config, batch, seq, jnp.bfloat16)
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq)), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        base, cache = time_steps(graphdef, state, tokens, positions, cache, None, jnp.full(total, -1),
+                                 jnp.zeros(SLOTS, jnp.int32), 64)
+        record("prefill", batch, total, 0, 0, base, base)
+        lora = random_lora(config, 16)
+        slots = jnp.repeat(jnp.arange(batch) % SLOTS, seq).astype(jnp.int32)
+        sec, cache = time_steps(graphdef, state, tokens, positions, cache, lora, slots,
+                                jnp.full(SLOTS, 16, jnp.int32), 64)
+        record("prefill", batch, total, 16, min(batch, SLOTS), sec, base, lora)
+        del lora, cache
+
+    plot(rows, stem + ".png", device)
+
+
+def plot(rows, path: str, device: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    dec = [r for r in rows if r["kind"] == "decode"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for (rank, adapters) in sorted({(r["rank"], r["adapters"]) for r in dec}):
+        pts = [(r["batch"], r["tokens_per_s"]) for r in dec if (r["rank"], r["adapters"]) == (rank, adapters)]
+        ax.plot(*zip(*pts), marker="o", label="base" if not rank else f"r={rank}, {adapters} adapters")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode batch")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"Llama-3-8B shape decode on {device}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# What a GPU session runs (each part fits one 10-minute device call):
+#   bash bench/run_gpu.sh check   # GPU tests (kernels at real sizes, HF agreement, model on pallas) + demo
+#   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
+#   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
+# Results go to $OUT (the device tool's output folder) or bench/results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+out="${OUT:-bench/results}"
+case "${1:-}" in
+  check)
+    python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/ 2>&1 | tail -15
+    python3 -m jlora demo 2>&1 | grep -v "loading model" | tail -16 ;;
+  kernels) python3 bench/kernels.py --quick --out "$out" 2>&1 | grep -E "^\||^Device" ;;
+  model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
+  *) echo "usage: $0 check|kernels|model" >&2; exit 2 ;;
+esac

@@ -1,0 +1,77 @@
+"""The `jlora` command line and the examples, end to end on tiny random models."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from jlora import cli, testing
+
+CFG = testing.tiny_config("llama")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    testing.write_model(str(root / "m"), CFG, seed=1)
+    testing.write_tokenizer(str(root / "m"), CFG["vocab_size"])
+    testing.write_adapter(str(root / "a"), CFG, r=8, alpha=16, seed=2)
+    return root
+
+
+def test_generate_json_output_file(dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the quick fox", "adapter": "a"}) + "\n"
+                       + json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    rc = cli.main(["generate", "--model", str(dirs / "m"), "--lora", f"a={dirs / 'a'}", "--prompts-file", str(prompts),
+                   "--max-new-tokens", "5", "--json", "--output", str(out), "--quiet", "--dtype", "float32"])
+    assert rc == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["adapter"] for r in records] == ["a", None]
+    assert all(len(r["tokens"]) == 5 and isinstance(r["text"], str) for r in records)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent", "--prompt", "x"], "model directory '/nonexistent' does not exist"),
+        (["--prompt", "the fox", "--adapter", "nope"], "unknown adapter(s) ['nope']"),
+        (["--prompt", "the " * 40, "--max-seq-len", "32"], "exceeds max_seq_len=32"),
+    ],
+)
+def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, args, message):
+    if "--model" not in args:
+        args = ["--model", str(dirs / "m"), *args]
+    out = tmp_path / "out.txt"
+    rc = cli.main(["generate", *args, "--quiet", "--output", str(out)])
+    assert rc == 1
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bad_lora_spec(dirs):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(dirs / "m"), "--lora", "no-equals-sign", "--prompt", "x"])
+
+
+def test_demo_passes():
+    from jlora.demo import run_demo
+
+    assert run_demo(max_new_tokens=4)
+
+
+@pytest.mark.parametrize("example", ["jit_inference_loop.py", "lora_in_my_module.py"])
+def test_examples_run(example, capsys):
+    runpy.run_path(os.path.join(ROOT, "examples", example), run_name="__main__")
+    assert capsys.readouterr().out
+
+
+def test_console_entry_point_help():
+    result = subprocess.run([sys.executable, "-m", "jlora", "--help"], capture_output=True, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0 and "generate" in result.stdout and "demo" in result.stdout
