@@ -109,6 +109,7 @@ def main() -> None:
         with open(stem + ".json", "w") as f:
             json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "layers": args.layers, "rows": rows}, f,
                       indent=1)
+        plot(rows, stem + ".png", device)
 
     def record(kind, batch, tokens, rank, adapters, sec, base_sec, lora=None):
         floor = None if lora is None else base_sec + adapter_bytes(lora, adapters, tokens) / bandwidth
@@ -122,7 +123,7 @@ def main() -> None:
         print(f"{kind:7s} B={batch:3d} T={tokens:5d} r={rank or '-':>2} n={adapters:2d}  {sec * 1e3:8.3f} ms  "
               f"{tokens / sec:9.0f} tok/s  x{sec / base_sec:5.2f} of base{extra}", flush=True)
 
-    for batch in batches:  # decode: one token per request at position CONTEXT
+    def decode(batch: int) -> None:  # one token per request at position CONTEXT
         cache = KVCache.zeros(config, batch, 2 * CONTEXT, jnp.bfloat16)
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32)
         positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
@@ -131,9 +132,7 @@ def main() -> None:
         record("decode", batch, batch, 0, 0, base, base)
         for rank in ranks_tested:
             lora = random_lora(config, rank)
-            for adapters in (1, 8, 32):
-                if adapters > batch:
-                    continue
+            for adapters in (a for a in (1, 8, 32) if a <= batch):
                 slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
                 sec, cache = time_steps(graphdef, state, tokens, positions, cache, lora, slots,
                                         jnp.full(SLOTS, rank, jnp.int32), 16)
@@ -141,7 +140,7 @@ def main() -> None:
             del lora
         del cache
 
-    for total in (2048,) if args.quick else (2048, 8192):  # prefill: requests of 512 tokens
+    def prefill(total: int) -> None:  # requests of 512 tokens
         batch, seq = total // 512, 512
         cache = KVCache.zeros(config, batch, seq, jnp.bfloat16)
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq)), jnp.int32)
@@ -156,7 +155,13 @@ def main() -> None:
         record("prefill", batch, total, 16, min(batch, SLOTS), sec, base, lora)
         del lora, cache
 
-    plot(rows, stem + ".png", device)
+    # The target row (batch 32) first, then prefill, then the other batch sizes, so a run cut short by a
+    # time limit keeps the most important figures (every row is saved as it is measured).
+    decode(32)
+    for total in (2048,) if args.quick else (2048, 8192):
+        prefill(total)
+    for batch in [b for b in batches if b != 32]:
+        decode(batch)
 
 
 def plot(rows, path: str, device: str) -> None:
