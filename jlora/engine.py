@@ -22,12 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jlora import parallel
 from jlora.adapters import AdapterPool
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.loading import load_model
+from jlora.parallel import TensorParallel
 from jlora.sampling import sample_tokens
 
 __all__ = ["Engine", "Generation", "bucket"]
@@ -39,28 +42,41 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 def _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
-                valid=None, rows=None):
-    model = nnx.merge(graphdef, state)
-    info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
-    return model(tokens, positions, cache, lora, info, valid=valid, rows=rows, backend=backend)
+                valid=None, rows=None, tp: TensorParallel | None = None):
+    """The model on one device, or under `shard_map` over the tensor-parallel mesh."""
+    def run(state, tokens, positions, cache, lora, token_slot, ranks, valid, rows):
+        model = nnx.merge(graphdef, state)
+        info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
+        return model(tokens, positions, cache, lora, info, valid=valid, rows=rows, backend=backend,
+                     reduce_axis=None if tp is None else parallel.AXIS)
+
+    args = (state, tokens, positions, cache, lora, token_slot, ranks, valid, rows)
+    if tp is None:
+        return run(*args)
+    rep = P()
+    cache_spec = KVCache(tp.cache_spec, tp.cache_spec)
+    in_specs = (tp.state_specs(state), rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
+                None if valid is None else rep, None if rows is None else rep)
+    return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(rep, cache_spec), check_vma=False)(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend"), donate_argnames=("cache",))
-def forward(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int, backend: str):
+@functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend", "tp"), donate_argnames=("cache",))
+def forward(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int, backend: str,
+            tp: TensorParallel | None = None):
     """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache)."""
-    return _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend)
+    return _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend", "tp"), donate_argnames=("cache",))
 def generate_step(graphdef, state, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks, key,
-                  temperature, top_p, *, block_m: int, backend: str):
+                  temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None):
     """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
     (None: row b) and samples each request's next token from its position `last` [B].
 
     Returns (next tokens [B] int32, cache).
     """
     logits, cache = _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m,
-                                backend, valid, rows)
+                                backend, valid, rows, tp)
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     return sample_tokens(logits, key, temperature, top_p), cache
 
@@ -94,21 +110,24 @@ class Engine:
     """
 
     def __init__(self, model: Transformer, *, max_loras: int, max_lora_rank: int, dtype, backend: str = "auto",
-                 evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None):
+                 evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None,
+                 tensor_parallel: int = 1):
         self.config: ModelConfig = model.config
         self.dtype = dtype
         self.backend = backend
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.tokenizer = tokenizer
-        self.graphdef, self.state = nnx.split(model)
+        self.tp = TensorParallel.create(self.config, tensor_parallel) if tensor_parallel > 1 else None
+        self.graphdef, self.state = nnx.split(model) if self.tp is None else self.tp.shard_model(model)
         self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
-                                evict=evict)
+                                evict=evict, tp=self.tp)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,
                         dtype: str | None = None, backend: str = "auto", evict: str = "lru",
-                        max_batch: int = 32, max_seq_len: int = 2048, progress: bool = True) -> Engine:
+                        max_batch: int = 32, max_seq_len: int = 2048, tensor_parallel: int = 1,
+                        progress: bool = True) -> Engine:
         """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present).
 
         Args:
@@ -120,6 +139,7 @@ class Engine:
           evict: when the pool is full, "lru" evicts the least recently used idle adapter; "refuse" raises.
           max_batch: cache rows decoding together in `generate`.
           max_seq_len: the longest prompt + generation accepted.
+          tensor_parallel: devices to split the model over (Megatron-style, see `jlora.parallel`).
           progress: show a progress bar while loading.
         """
         dtype = jnp.dtype(dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
@@ -130,7 +150,8 @@ class Engine:
 
             tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         return cls(model, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, backend=backend,
-                   evict=evict, max_batch=max_batch, max_seq_len=max_seq_len, tokenizer=tokenizer)
+                   evict=evict, max_batch=max_batch, max_seq_len=max_seq_len, tokenizer=tokenizer,
+                   tensor_parallel=tensor_parallel)
 
     def load_adapter(self, name: str, adapter_dir: str) -> None:
         """Loads a PEFT adapter directory under `name` (see `AdapterPool.load` for the errors)."""
@@ -182,7 +203,15 @@ class Engine:
         block_m = 16 if tokens.size <= 256 else 64
         return forward(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(positions), cache,
                        self.pool.weights, jnp.asarray(token_slot), jnp.asarray(self.pool.ranks),
-                       block_m=block_m, backend=self.backend)
+                       block_m=block_m, backend=self.backend, tp=self.tp)
+
+    def new_cache(self, batch: int, max_seq: int) -> KVCache:
+        """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
+        if self.tp is None:
+            return KVCache.zeros(self.config, batch, max_seq, self.dtype)
+        sharding = self.tp.cache_sharding()
+        make = functools.partial(KVCache.zeros, self.tp.layout, batch, max_seq, self.dtype)
+        return jax.jit(make, out_shardings=KVCache(sharding, sharding))()
 
     def prefill_logits(self, prompts: Sequence[str | Sequence[int]], adapters: Sequence[str | None]) -> list[np.ndarray]:
         """Logits of every prompt position, each request with its own adapter (None: the base model).
@@ -204,7 +233,7 @@ class Engine:
             tokens[i, : len(p)] = p
             token_slot[i, : len(p)] = slots[i]
         positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
-        cache = KVCache.zeros(self.config, batch, seq, self.dtype)
+        cache = self.new_cache(batch, seq)
         logits, _ = self.run(tokens, positions, token_slot.reshape(-1), cache)
         logits = np.asarray(logits)
         return [logits[i, : len(p)] for i, p in enumerate(prompts)]
@@ -257,7 +286,7 @@ class Engine:
         """The continuous-batching loop: admit waiting requests into free rows, decode all rows a step."""
         num_rows = bucket(min(len(requests), self.max_batch))
         max_seq = bucket(max(len(r.prompt) + r.max_new for r in requests), 16)
-        cache = KVCache.zeros(self.config, num_rows, max_seq, self.dtype)
+        cache = self.new_cache(num_rows, max_seq)
         waiting = collections.deque(requests)
         running: list[_Request | None] = [None] * num_rows
         position = np.zeros(num_rows, np.int32)  # next cache index of each row
@@ -329,5 +358,5 @@ class Engine:
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid),
             None if rows is None else jnp.asarray(rows), jnp.asarray(last), cache, self.pool.weights,
             jnp.asarray(token_slot), jnp.asarray(self.pool.ranks), key, jnp.asarray(temperature),
-            jnp.asarray(top_p), block_m=block_m, backend=self.backend)
+            jnp.asarray(top_p), block_m=block_m, backend=self.backend, tp=self.tp)
         return np.asarray(next_tokens), cache

@@ -36,12 +36,13 @@ class AdapterPool:
     """Adapter slots on the device.
 
     Attributes:
-      weights: the stacked `LoRAWeights` the model reads ([L, ...] per module, rank `rank`).
+      weights: the stacked `LoRAWeights` the model reads ([L, ...] per module, rank `rank`; under tensor
+        parallelism in the `tp` layout and split over its mesh).
       ranks: [L] int32 host copy of each slot's rank (0 when empty).
     """
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, dtype,
-                 evict: Literal["lru", "refuse"] = "lru"):
+                 evict: Literal["lru", "refuse"] = "lru", tp=None):
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1")
         if evict not in ("lru", "refuse"):
@@ -50,7 +51,11 @@ class AdapterPool:
         self.max_lora_rank = max_lora_rank
         self.rank = kernel_rank(max_lora_rank)  # storage rank: the kernels need a power of two >= 16
         self.evict = evict
-        self.weights = LoRAWeights.zeros(config, max_loras, self.rank, dtype)
+        self.tp = tp  # a jlora.parallel.TensorParallel: weights in its layout, split over its mesh
+        if tp is None:
+            self.weights = LoRAWeights.zeros(config, max_loras, self.rank, dtype)
+        else:
+            self.weights = tp.shard_lora(LoRAWeights.zeros(tp.layout, max_loras, self.rank, dtype))
         self.ranks = np.zeros(max_loras, np.int32)
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
         self._paths: dict[str, str] = {}
@@ -94,6 +99,8 @@ class AdapterPool:
         if name in self._slots:
             raise ValueError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
         host = read_adapter(adapter_dir, self.config, self.max_lora_rank, self.rank)
+        if self.tp is not None:
+            host = self.tp.permute_adapter(host)
         slot = self._free_slot(name)
         new = LoRAWeights(
             layers=tuple(LayerLoRA(a={g: a for g, (a, _) in layer.items()}, b={g: b for g, (_, b) in layer.items()})

@@ -23,7 +23,7 @@ from flax import nnx
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights
-from jlora.ops import lora_embedding, lora_linear
+from jlora.ops import lora_embedding, lora_expand, lora_linear, lora_shrink
 
 __all__ = ["KVCache", "Transformer", "rope_frequencies"]
 
@@ -89,13 +89,24 @@ class Linear(nnx.Module):
 
 
 def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: LayerLoRA | None, name: str,
-               slice_sizes: tuple[int, ...]) -> jax.Array:
-    """The projection's output [T, N], plus its adapters' deltas when LoRA is on."""
+               slice_sizes: tuple[int, ...], reduce_axis: str | None = None) -> jax.Array:
+    """The projection's output [T, N], plus its adapters' deltas when LoRA is on.
+
+    With `reduce_axis` the layer is row-parallel under tensor parallelism: x and the weights' input rows
+    (and A's input columns) are this device's shard, so the base output and the small [T, R] shrink are
+    summed over the axis before the expand adds the delta.
+    """
     base = proj(x)
+    if reduce_axis is None:
+        if lora is None:
+            return base
+        return lora_linear(x, base, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
+                           backend=lora.backend)
+    base = jax.lax.psum(base, reduce_axis)
     if lora is None:
         return base
-    return lora_linear(x, base, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
-                       backend=lora.backend)
+    s = jax.lax.psum(lora_shrink(x, group.a[name], lora.info, backend=lora.backend), reduce_axis)
+    return lora_expand(s, group.b[name], lora.info, base, slice_sizes=slice_sizes, backend=lora.backend)
 
 
 class RMSNorm(nnx.Module):
@@ -116,7 +127,7 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows):
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis):
         """x [T, H] (T = B·S), positions [B, S], caches [R, max_seq, kv_heads, D] -> ([T, H], caches).
 
         Request b reads and writes cache row `rows[b]` (b itself when rows is None, R = B); tokens with
@@ -146,7 +157,7 @@ class Attention(nnx.Module):
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
         out = jnp.einsum("BKGST,BTKD->BSKGD", probs, values).reshape(b * s, c.q_size).astype(x.dtype)
-        return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,)), k_cache, v_cache
+        return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -155,11 +166,11 @@ class MLP(nnx.Module):
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, lora, group):
+    def __call__(self, x, lora, group, reduce_axis):
         i = self.config.intermediate_size
         gate_up = _with_lora(self.gate_up, x, lora, group, "gate_up", (i, i))
         h = jax.nn.silu(gate_up[:, :i].astype(jnp.float32)) * gate_up[:, i:].astype(jnp.float32)
-        return _with_lora(self.down, h.astype(x.dtype), lora, group, "down", (self.config.hidden_size,))
+        return _with_lora(self.down, h.astype(x.dtype), lora, group, "down", (self.config.hidden_size,), reduce_axis)
 
 
 class DecoderLayer(nnx.Module):
@@ -169,11 +180,11 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows):
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis):
         h, k_cache, v_cache = self.attn(self.input_norm(x), positions, inv_freq, k_cache, v_cache, lora, group,
-                                        valid, rows)
+                                        valid, rows, reduce_axis)
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x), lora, group), k_cache, v_cache
+        return x + self.mlp(self.post_attn_norm(x), lora, group, reduce_axis), k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -201,6 +212,7 @@ class Transformer(nnx.Module):
         valid: jax.Array | None = None,
         rows: jax.Array | None = None,
         backend: str = "auto",
+        reduce_axis: str | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs B requests of S tokens each.
 
@@ -213,6 +225,8 @@ class Transformer(nnx.Module):
           valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.
           rows: [B] int cache row of each request (default: row b, with R = B).
           backend: the LoRA ops' backend.
+          reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
+            row-parallel over (`jlora.parallel`); None on one device.
 
         Returns:
           logits [B, S, V] f32 and the updated cache.
@@ -229,7 +243,7 @@ class Transformer(nnx.Module):
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             group = None if ctx is None else lora.layers[i]
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows)
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows, reduce_axis)
             ks.append(k)
             vs.append(v)
         x = self.norm(x)

@@ -1,0 +1,141 @@
+"""Megatron-style tensor parallelism over a 1-D device mesh (axis "tp"), with multi-LoRA, via `shard_map`.
+
+Layout (every device runs the same model code on its shard, built from a *local* config):
+- q|k|v and gate|up are column-parallel: each device holds its heads' q, k, v columns (and its slice of the
+  intermediate dimension for gate and up), reordered at load time so a plain even split of the fused
+  weight gives every device a contiguous [q_d | k_d | v_d] (or [gate_d | up_d]) block.
+- o and down are row-parallel: each device holds the rows of its heads (intermediate slice) and the partial
+  outputs are summed with one `psum` per layer and projection.
+- KV heads are split across devices; with fewer KV heads than devices, each device holds a copy of the one
+  KV head its query heads use (the weights are replicated, so the cache holds `tp` KV heads in all).
+- The embedding and lm_head are replicated: simple and exact; a vocab-parallel lm_head would save memory and
+  lm_head time at large vocabularies and is left for later.
+
+LoRA follows vLLM's fully sharded LoRA: for the column-parallel layers A is replicated (every device computes
+the small [T, S·R] shrink) and B is split along its output rows like the base weight; for the row-parallel
+layers A is split along its input dim, the partial [T, R] shrink results are summed with a `psum` (R values
+per token instead of H), and the expand with the replicated B adds into the all-reduced base output. The
+Pallas kernels run per shard inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jlora.adapters.peft import HostAdapter
+from jlora.models.config import ModelConfig
+from jlora.models.lora_weights import LoRAWeights
+from jlora.models.llama import Transformer
+
+__all__ = ["TensorParallel"]
+
+AXIS = "tp"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """How a model of `config` is split over `mesh` (see the module docstring)."""
+
+    mesh: Mesh
+    config: ModelConfig  # the checkpoint's
+    local: ModelConfig  # one device's shard: heads / tp, KV heads / tp (or 1), intermediate / tp
+    layout: ModelConfig  # the global (all devices) shapes of the TP layout: KV heads tp x local
+    qkv_perm: np.ndarray  # [tp · (q_l + 2 kv_l)] columns of the checkpoint's fused q|k|v, device by device
+    gate_up_perm: np.ndarray  # [2 · intermediate] columns of gate|up, device by device
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[AXIS]
+
+    @classmethod
+    def create(cls, config: ModelConfig, size: int, devices=None) -> TensorParallel:
+        """Checks that `config` splits `size` ways and builds the layout; `devices` default to the first `size`."""
+        devices = list(devices if devices is not None else jax.devices()[:size])
+        if len(devices) != size:
+            raise ValueError(f"tensor_parallel={size} needs {size} devices, found {len(jax.devices())}")
+        h, kv, inter, d = config.num_heads, config.num_kv_heads, config.intermediate_size, config.head_dim
+        if h % size or inter % size:
+            raise ValueError(f"tensor_parallel={size} must divide num_heads={h} and intermediate_size={inter}")
+        if kv % size and size % kv:
+            raise ValueError(f"tensor_parallel={size} and num_key_value_heads={kv}: one must divide the other")
+        h_l, kv_l, inter_l, group = h // size, max(1, kv // size), inter // size, h // kv
+        q_cols, kv_cols, gate_up = [], [], []
+        for dev in range(size):
+            heads = range(dev * h_l, (dev + 1) * h_l)
+            kv_heads = sorted({q // group for q in heads})  # one copy each; several devices may share one
+            assert len(kv_heads) == kv_l, (kv_heads, kv_l)
+            q_cols.append(np.concatenate([np.arange(q * d, (q + 1) * d) for q in heads]))
+            k = np.concatenate([np.arange(j * d, (j + 1) * d) for j in kv_heads])
+            kv_cols.append((k, k))
+            gate_up += [np.arange(dev * inter_l, (dev + 1) * inter_l), inter + np.arange(dev * inter_l, (dev + 1) * inter_l)]
+        q_size, kv_size = h * d, kv * d
+        qkv_perm = np.concatenate([np.concatenate([q, q_size + k, q_size + kv_size + v])
+                                   for q, (k, v) in zip(q_cols, kv_cols)])
+        local = dataclasses.replace(config, num_heads=h_l, num_kv_heads=kv_l, intermediate_size=inter_l)
+        layout = dataclasses.replace(config, num_kv_heads=size * kv_l)
+        return cls(Mesh(np.array(devices), (AXIS,)), config, local, layout, qkv_perm, np.concatenate(gate_up))
+
+    # ---- base weights ------------------------------------------------------------------------------------------
+    def state_spec(self, path: tuple) -> P:
+        """PartitionSpec of a model parameter by its path."""
+        name = ".".join(str(p) for p in path)
+        if name.endswith(("attn.qkv.weight", "mlp.gate_up.weight")):
+            return P(None, AXIS)
+        if name.endswith("attn.qkv.bias"):
+            return P(AXIS)
+        if name.endswith(("attn.o.weight", "mlp.down.weight")):
+            return P(AXIS, None)
+        return P()
+
+    def shard_model(self, model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
+        """The local model's graphdef and the full model's parameters, reordered and placed on the mesh."""
+        abstract = nnx.eval_shape(lambda: Transformer(self.local, dtype=model.embed[...].dtype, rngs=nnx.Rngs(0)))
+        graphdef, _ = nnx.split(abstract)
+        _, state = nnx.split(model)
+        placed = []
+        for path, var in nnx.to_flat_state(state):
+            value = var[...]
+            name = ".".join(str(p) for p in path)
+            if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+                value = jnp.take(value, self.qkv_perm, axis=-1)
+            elif name.endswith("mlp.gate_up.weight"):
+                value = jnp.take(value, self.gate_up_perm, axis=-1)
+            placed.append((path, type(var)(jax.device_put(value, NamedSharding(self.mesh, self.state_spec(path))))))
+        return graphdef, nnx.from_flat_state(placed)
+
+    def state_specs(self, state: nnx.State):
+        return nnx.from_flat_state([(path, self.state_spec(path)) for path, _ in nnx.to_flat_state(state)])
+
+    # ---- adapters ----------------------------------------------------------------------------------------------
+    def lora_specs(self) -> LoRAWeights:
+        """PartitionSpecs of the stacked adapter weights: B of column-parallel layers split along N, A of
+        row-parallel layers split along K, the rest replicated."""
+        layer = dict(a={"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)},
+                     b={"qkv": P(None, AXIS, None), "o": P(), "gate_up": P(None, AXIS, None), "down": P()})
+        from jlora.models.lora_weights import LayerLoRA
+
+        return LoRAWeights(layers=tuple(LayerLoRA(**layer) for _ in range(self.config.num_layers)),
+                           embed_a=P(), embed_b=P(), lm_head_a=P(), lm_head_b=P())
+
+    def shard_lora(self, weights: LoRAWeights) -> LoRAWeights:
+        return jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(self.mesh, s)), weights, self.lora_specs())
+
+    def permute_adapter(self, host: HostAdapter) -> HostAdapter:
+        """Reorders an adapter's B rows of q|k|v and gate|up into the TP layout (KV rows copied if shared)."""
+        layers = tuple({**layer, "qkv": (layer["qkv"][0], layer["qkv"][1][self.qkv_perm]),
+                        "gate_up": (layer["gate_up"][0], layer["gate_up"][1][self.gate_up_perm])}
+                       for layer in host.layers)
+        return dataclasses.replace(host, layers=layers)
+
+    # ---- running -----------------------------------------------------------------------------------------------
+    cache_spec = P(None, None, None, AXIS, None)  # [layers, B, max_seq, kv_heads, head_dim]
+
+    def cache_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.cache_spec)
