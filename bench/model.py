@@ -6,6 +6,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
 `base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in the same run.
 
   python bench/model.py [--quick] [--layers 32] [--out bench/results]
+  python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jlora.engine import forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights
+from jlora.parallel import TensorParallel
 
 SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512
 
@@ -69,11 +71,10 @@ def copy_bandwidth() -> float:
     return 8 * 2 * x.nbytes / statistics.median(t)
 
 
-def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m):
+def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
     """Median seconds of one model call, STEPS calls dispatched back to back (cache threaded through)."""
-    backend = "auto"
     run = lambda c: forward(graphdef, state, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
-                            backend=backend)
+                            backend="auto", tp=tp)
     logits, cache = run(cache)
     jax.block_until_ready(logits)
     samples = []
@@ -90,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch 32 decode and T=2048 prefill only")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     config = llama3_8b(args.layers)
@@ -99,6 +101,9 @@ def main() -> None:
           flush=True)
     graphdef, state = random_model(config)
     rng = np.random.default_rng(0)
+    if args.tp:
+        return tensor_parallel(config, graphdef, state, [int(t) for t in args.tp.split(",")], bandwidth, device,
+                               args.out)
     batches = (32,) if args.quick else (1, 8, 32, 64)
     ranks_tested = (16,) if args.quick else (16, 64)
     rows = []
@@ -162,6 +167,38 @@ def main() -> None:
         prefill(total)
     for batch in [b for b in batches if b != 32]:
         decode(batch)
+
+
+def tensor_parallel(config, graphdef, state, degrees, bandwidth, device, out_dir) -> None:
+    """Batch-32 decode of the base model and with 32 distinct r=16 adapters at each TP degree."""
+    batch, rank, rows = 32, 16, []
+    os.makedirs(out_dir, exist_ok=True)
+    model = nnx.merge(graphdef, state)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
+    positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
+    slots = jnp.arange(batch, dtype=jnp.int32) % SLOTS
+    for degree in degrees:
+        tp = TensorParallel.create(config, degree) if degree > 1 else None
+        g, st = (graphdef, state) if tp is None else tp.shard_model(model)
+        layout = config if tp is None else tp.layout
+        lora = random_lora(layout, rank)
+        lora = lora if tp is None else tp.shard_lora(lora)
+        cache = KVCache.zeros(layout, batch, 2 * CONTEXT, jnp.bfloat16)
+        cache = cache if tp is None else jax.device_put(cache, KVCache(tp.cache_sharding(), tp.cache_sharding()))
+        base, cache = time_steps(g, st, tokens, positions, cache, None, jnp.full(batch, -1),
+                                 jnp.zeros(SLOTS, jnp.int32), 16, tp)
+        sec, cache = time_steps(g, st, tokens, positions, cache, lora, slots, jnp.full(SLOTS, rank, jnp.int32), 16, tp)
+        floor = base + adapter_bytes(lora, SLOTS, batch) / (degree * bandwidth)
+        rows.append(dict(tp=degree, base_ms=base * 1e3, lora_ms=sec * 1e3, base_tokens_per_s=batch / base,
+                         lora_tokens_per_s=batch / sec, lora_overhead=sec / base, lora_vs_floor=sec / floor))
+        r = rows[-1]
+        print(f"TP={degree}: base {r['base_ms']:.2f} ms ({r['base_tokens_per_s']:.0f} tok/s), 32 adapters r=16 "
+              f"{r['lora_ms']:.2f} ms ({r['lora_tokens_per_s']:.0f} tok/s), LoRA x{r['lora_overhead']:.2f} of base, "
+              f"x{r['lora_vs_floor']:.2f} of floor; speed-up vs TP=1 {rows[0]['lora_ms'] / r['lora_ms']:.2f}x "
+              f"(base {rows[0]['base_ms'] / r['base_ms']:.2f}x)", flush=True)
+        del lora, cache, st
+    with open(os.path.join(out_dir, "model_tp.json"), "w") as f:
+        json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
 
 
 def plot(rows, path: str, device: str) -> None:

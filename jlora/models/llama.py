@@ -102,10 +102,11 @@ def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: Laye
             return base
         return lora_linear(x, base, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
                            backend=lora.backend)
-    base = jax.lax.psum(base, reduce_axis)
     if lora is None:
-        return base
-    s = jax.lax.psum(lora_shrink(x, group.a[name], lora.info, backend=lora.backend), reduce_axis)
+        return jax.lax.psum(base, reduce_axis)
+    # One all-reduce carries both partial sums: the base output and the small [T, R] shrink.
+    s = lora_shrink(x, group.a[name], lora.info, backend=lora.backend)
+    base, s = jax.lax.psum((base, s), reduce_axis)
     return lora_expand(s, group.b[name], lora.info, base, slice_sizes=slice_sizes, backend=lora.backend)
 
 
