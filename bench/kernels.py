@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jlora
+from common import copy_bandwidth
 from jlora import LoRABatchInfo
 
 CALLS, STACKS, RUNS, REPEATS = 32, 8, 4, 5
@@ -81,19 +82,6 @@ class Row:
 def block_m_for(tokens: int) -> int:
     """Row tile of the metadata: 16 for decode batches, 64 for prefill (more reuse of each B block)."""
     return 16 if tokens <= 256 else 64
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read plus written (1 GiB buffers)."""
-    x = jnp.asarray(np.random.default_rng(0).standard_normal(1 << 27), jnp.float32)  # 512 MiB
-    f = jax.jit(lambda v: [v * (1.0 + i * 1e-3) for i in range(8)])
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 8 * 2 * x.nbytes / statistics.median(times)
 
 
 def make_inputs(op: str, tokens: int, adapters: int, rank: int, rng):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from common import copy_bandwidth
 from jlora.engine import forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
@@ -57,18 +58,6 @@ def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
     """Bytes of LoRA weights a step must read for `used` adapters (the embedding A side: only T columns)."""
     per_slot = sum(x[0].nbytes for x in jax.tree.leaves(lora)) - lora.embed_a[0].nbytes
     return used * per_slot + tokens * lora.embed_a.shape[1] * 2
-
-
-def copy_bandwidth() -> float:
-    x = jax.random.normal(jax.random.key(2), (1 << 27,), jnp.float32)
-    f = jax.jit(lambda v: [v * (1.0 + i * 1e-3) for i in range(8)])
-    jax.block_until_ready(f(x))
-    t = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        t.append(time.perf_counter() - t0)
-    return 8 * 2 * x.nbytes / statistics.median(t)
 
 
 def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):

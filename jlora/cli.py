@@ -79,6 +79,7 @@ def _bench(args) -> int:
         raise FileNotFoundError(f"{script} not found: the benchmarks live in the repository's bench/ "
                                 f"({', '.join(BENCH_SCRIPTS.values())}); run from a source checkout")
     sys.argv = [script, *args.args]
+    sys.path.insert(0, bench_dir)  # the scripts import their shared helpers (bench/common.py)
     runpy.run_path(script, run_name="__main__")
     return 0
 

@@ -17,9 +17,6 @@ from safetensors.numpy import save_file
 
 __all__ = ["tiny_config", "write_model", "write_adapter", "write_tokenizer", "merge_adapter"]
 
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
     """An HF config.json dict of a tiny model of the given type."""
     cfg = {

@@ -1,7 +1,5 @@
 """Generation: greedy agreement with the logits, continuous batching, stops, sampling, compilations."""
 
-import json
-import os
 
 import numpy as np
 import pytest

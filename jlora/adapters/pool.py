@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 import numpy as np
 
-from jlora.adapters.peft import AdapterError, read_adapter
+from jlora.adapters.peft import read_adapter
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights
 from jlora.pallas import kernel_rank

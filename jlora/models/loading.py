@@ -11,7 +11,6 @@ import json
 import os
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open

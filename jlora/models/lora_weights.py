@@ -16,10 +16,7 @@ import jax.numpy as jnp
 
 from jlora.models.config import ModelConfig
 
-__all__ = ["LayerLoRA", "LoRAWeights", "module_shapes", "TARGET_GROUPS"]
-
-# Fused projection groups of a decoder layer: (group, [(PEFT module name, parent)], input dim, slice dims).
-TARGET_GROUPS = ("qkv", "o", "gate_up", "down")
+__all__ = ["LayerLoRA", "LoRAWeights", "module_shapes"]
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
