@@ -37,6 +37,7 @@ import numpy as np
 import jlora
 from common import copy_bandwidth
 from jlora import LoRABatchInfo
+from jlora.engine import row_tile
 
 CALLS, STACKS, RUNS, REPEATS = 32, 8, 4, 5
 REQUEST_LEN = 128  # prefill tokens per request
@@ -77,11 +78,6 @@ class Row:
     device_us: float  # device kernel time per call (profiler trace)
     floor_us: float
     gbps: float  # floor bytes / device time
-
-
-def block_m_for(tokens: int) -> int:
-    """Row tile of the metadata: 16 for decode batches, 64 for prefill (more reuse of each B block)."""
-    return 16 if tokens <= 256 else 64
 
 
 def make_inputs(op: str, tokens: int, adapters: int, rank: int, rng):
@@ -233,7 +229,7 @@ def profile(rng) -> None:
     """Device kernel time per call of the pallas target rows."""
     for op, tokens, adapters, rank in TARGETS:
         kind, slices, slots, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
-        info = make_info(slots, rank, block_m_for(tokens))
+        info = make_info(slots, rank, row_tile(tokens))
         sec, kernels = device_time_per_call(make_fn(kind, slices, "pallas"), info, *inputs)
         parts = ", ".join(f"{n[:40]} x{len(d)} {sum(d) / len(d):.1f}" for n, d in sorted(kernels.items()))
         print(f"PROFILE {op} T={tokens} n={adapters} r={rank}: device {sec * 1e6:.1f} µs per call [{parts}]",
@@ -264,7 +260,7 @@ def main() -> None:
     rows: list[Row] = []
     for op, tokens, adapters, rank in cases(args.quick):
         kind, slices, slots, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
-        info = make_info(slots, rank, block_m_for(tokens))
+        info = make_info(slots, rank, row_tile(tokens))
         floor = nbytes / bandwidth
         for backend in backends:
             fn = make_fn(kind, slices, backend)

@@ -41,6 +41,12 @@ def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def row_tile(num_tokens: int) -> int:
+    """`LoRABatchInfo.block_m` for a step of `num_tokens` tokens: 16 at decode sizes, 64 for prefill
+    (bench/kernels.py --sweep: larger row tiles re-read each adapter's weights less often)."""
+    return 16 if num_tokens <= 256 else 64
+
+
 def _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
                 valid=None, rows=None, tp: TensorParallel | None = None):
     """The model on one device, or under `shard_map` over the tensor-parallel mesh."""
@@ -200,10 +206,9 @@ class Engine:
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays; returns (logits [B, S, V] f32, cache)."""
-        block_m = 16 if tokens.size <= 256 else 64
         return forward(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(positions), cache,
                        self.pool.weights, jnp.asarray(token_slot), jnp.asarray(self.pool.ranks),
-                       block_m=block_m, backend=self.backend, tp=self.tp)
+                       block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
         """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
@@ -353,10 +358,9 @@ class Engine:
         return cache
 
     def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, temperature, top_p):
-        block_m = 16 if tokens.size <= 256 else 64
         next_tokens, cache = generate_step(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid),
             None if rows is None else jnp.asarray(rows), jnp.asarray(last), cache, self.pool.weights,
             jnp.asarray(token_slot), jnp.asarray(self.pool.ranks), key, jnp.asarray(temperature),
-            jnp.asarray(top_p), block_m=block_m, backend=self.backend, tp=self.tp)
+            jnp.asarray(top_p), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
         return np.asarray(next_tokens), cache

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from jlora.adapters.peft import HostAdapter
 from jlora.models.config import ModelConfig
-from jlora.models.lora_weights import LoRAWeights
 from jlora.models.llama import Transformer
+from jlora.models.lora_weights import LayerLoRA, LoRAWeights
 
 __all__ = ["TensorParallel"]
 
@@ -119,8 +119,6 @@ class TensorParallel:
         row-parallel layers split along K, the rest replicated."""
         layer = dict(a={"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)},
                      b={"qkv": P(None, AXIS, None), "o": P(), "gate_up": P(None, AXIS, None), "down": P()})
-        from jlora.models.lora_weights import LayerLoRA
-
         return LoRAWeights(layers=tuple(LayerLoRA(**layer) for _ in range(self.config.num_layers)),
                            embed_a=P(), embed_b=P(), lm_head_a=P(), lm_head_b=P())
 
