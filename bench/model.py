@@ -173,7 +173,7 @@ def tensor_parallel(config, graphdef, state, degrees, bandwidth, device, out_dir
         lora = random_lora(layout, rank)
         lora = lora if tp is None else tp.shard_lora(lora)
         cache = KVCache.zeros(layout, batch, 2 * CONTEXT, jnp.bfloat16)
-        cache = cache if tp is None else jax.device_put(cache, KVCache(tp.cache_sharding(), tp.cache_sharding()))
+        cache = cache if tp is None else jax.device_put(cache, tp.cache_sharding())
         base, cache = time_steps(g, st, tokens, positions, cache, None, jnp.full(batch, -1),
                                  jnp.zeros(SLOTS, jnp.int32), 16, tp)
         sec, cache = time_steps(g, st, tokens, positions, cache, lora, slots, jnp.full(SLOTS, rank, jnp.int32), 16, tp)

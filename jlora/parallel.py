@@ -133,7 +133,7 @@ class TensorParallel:
         return dataclasses.replace(host, layers=layers)
 
     # ---- running -----------------------------------------------------------------------------------------------
-    cache_spec = P(None, None, None, AXIS, None)  # [layers, B, max_seq, kv_heads, head_dim]
+    cache_spec = P(None, None, AXIS, None)  # each layer's [B, max_seq, kv_heads, head_dim]
 
     def cache_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, self.cache_spec)

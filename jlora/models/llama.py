@@ -5,7 +5,7 @@ explicitly from the top: q|k|v as one 3-slice call, o, gate|up as one 2-slice ca
 through `lora_embedding`; lm_head as a one-slice linear. Tokens are laid out [B, S] (B requests of S
 positions); the projections see them flattened to [T = B·S, ·], the token order of the batch info.
 
-The KV cache has static shape [layers, rows, max_seq, kv_heads, head_dim]; a token at position p is stored
+The KV cache has static shapes, per layer [rows, max_seq, kv_heads, head_dim]; a token at position p is stored
 at index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position
 p attends to cache indices <= p. A call may address any subset of cache rows (`rows`), which is how the
 engine prefills a new request into a free row while others are mid-generation.
@@ -31,13 +31,17 @@ __all__ = ["KVCache", "Transformer", "rope_frequencies"]
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [layers, B, max_seq, kv_heads, head_dim]
-    v: jax.Array  # [layers, B, max_seq, kv_heads, head_dim]
+    """Keys and values, one buffer per layer, so a donated cache is updated in place layer by layer (one
+    stacked [layers, ...] array would be rebuilt, i.e. copied whole, on every step)."""
+
+    k: tuple[jax.Array, ...]  # per layer [B, max_seq, kv_heads, head_dim]
+    v: tuple[jax.Array, ...]  # per layer [B, max_seq, kv_heads, head_dim]
 
     @staticmethod
     def zeros(config: ModelConfig, batch: int, max_seq: int, dtype) -> KVCache:
-        shape = (config.num_layers, batch, max_seq, config.num_kv_heads, config.head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        shape = (batch, max_seq, config.num_kv_heads, config.head_dim)
+        layers = range(config.num_layers)
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +224,7 @@ class Transformer(nnx.Module):
         Args:
           tokens: [B, S] int token ids.
           positions: [B, S] int positions (cache indices) of the tokens, each < max_seq.
-          cache: the KV cache, [layers, R, max_seq, kv_heads, head_dim] each.
+          cache: the KV cache, per layer [R, max_seq, kv_heads, head_dim] keys and values.
           lora: the adapter slots' weights, or None for the base model alone.
           info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
           valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.
@@ -255,4 +259,4 @@ class Transformer(nnx.Module):
         if ctx is not None:
             logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, info,
                                  slice_sizes=(self.config.vocab_size,), backend=backend)
-        return logits.astype(jnp.float32).reshape(b, s, -1), KVCache(jnp.stack(ks), jnp.stack(vs))
+        return logits.astype(jnp.float32).reshape(b, s, -1), KVCache(tuple(ks), tuple(vs))
