@@ -1,8 +1,8 @@
 """Segmented multi-LoRA expand: out[t, slice_i] = base[t, slice_i] + s_i[t] @ B[slot(t), slice_i, :rank]ᵀ.
 
 One launch covers every slice (q 4096 | k 1024 | v 1024): the grid's column axis enumerates the blocks of
-all slices, and each program finds its slice from static block offsets. Only the first `rank` columns of
-B are read (masked loads fetch nothing). The sum is written into `base`'s buffer (`input_output_aliases`),
+all slices, and each program finds its slice from static block offsets. B is read only up to each slot's
+rank, in 16-column chunks (masked loads fetch nothing). The sum is written into `base`'s buffer (`input_output_aliases`),
 so rows of slot -1 tokens are never touched and there is no extra pass over [T, N].
 """
 
@@ -18,8 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.batch_info import LoRABatchInfo
+from jlora.pallas.common import dot_precision, segment_rows
 from jlora.pallas.config import ExpandConfig, expand_config, pow2_divisor
-from jlora.pallas.shrink import _precision, segment_rows
 
 __all__ = ["expand"]
 
@@ -117,7 +117,7 @@ def expand(
         block_m=info.block_m,
         block_n=config.block_n,
         group=group,
-        precision=_precision(b.dtype),
+        precision=dot_precision(b.dtype),
     )
     return pl.pallas_call(
         kernel,

@@ -15,16 +15,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.batch_info import LoRABatchInfo
+from jlora.pallas.common import dot_precision, segment_rows
 from jlora.pallas.config import ShrinkConfig, shrink_config
 
-__all__ = ["shrink_partials", "segment_rows"]
-
-
-def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m: int) -> jax.Array:
-    """[block_m] token rows of segment `seg`. Positions past the segment's end repeat its last token, so
-    loads stay in bounds and duplicate stores write identical values (vLLM does the same)."""
-    pos = seg_start_ref[seg] + jnp.minimum(jnp.arange(block_m), seg_len_ref[seg] - 1)
-    return idx_ref[pos]
+__all__ = ["shrink_partials"]
 
 
 def _shrink_kernel(
@@ -105,7 +99,7 @@ def shrink_partials(
         block_m=info.block_m,
         block_k=config.block_k,
         k_per_split=k_per_split,
-        precision=_precision(x.dtype),
+        precision=dot_precision(x.dtype),
     )
     return pl.pallas_call(
         kernel,
@@ -115,8 +109,3 @@ def shrink_partials(
         interpret=jax.default_backend() != "gpu",
         name="jlora_shrink",
     )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, info.scalings, x, a)
-
-
-def _precision(dtype) -> jax.lax.Precision:
-    """f32 inputs get IEEE f32 products (no tf32), so f32 checks are exact; half types use the default."""
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

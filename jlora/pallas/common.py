@@ -1,0 +1,20 @@
+"""Pieces both kernels use."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["dot_precision", "segment_rows"]
+
+
+def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m: int) -> jax.Array:
+    """[block_m] token rows of segment `seg`. Positions past the segment's end repeat its last token, so
+    loads stay in bounds and duplicate stores write identical values (vLLM does the same)."""
+    pos = seg_start_ref[seg] + jnp.minimum(jnp.arange(block_m), seg_len_ref[seg] - 1)
+    return idx_ref[pos]
+
+
+def dot_precision(dtype) -> jax.lax.Precision:
+    """f32 inputs get IEEE f32 products (no tf32), so f32 checks are exact; half types use the default."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
