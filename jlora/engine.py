@@ -87,6 +87,21 @@ def generate_step(graphdef, state, tokens, positions, valid, rows, last, cache, 
     return sample_tokens(logits, key, temperature, top_p), cache
 
 
+def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """Prompts padded into power-of-two buckets: tokens [B, S] int32, positions [B, S] int32, token slots
+    [B, S] int32 (-1 on padding) and valid [B, S] bool (False on padding), B >= len(prompts), S >= 16."""
+    batch, seq = bucket(len(prompts)), bucket(max(len(p) for p in prompts), 16)
+    tokens = np.zeros((batch, seq), np.int32)
+    token_slot = np.full((batch, seq), -1, np.int32)
+    valid = np.zeros((batch, seq), bool)
+    for i, (p, slot) in enumerate(zip(prompts, slots)):
+        tokens[i, : len(p)] = p
+        token_slot[i, : len(p)] = slot
+        valid[i, : len(p)] = True
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+    return tokens, positions, token_slot, valid
+
+
 class Generation(list):
     """A request's generated token ids (a `list[int]`), with `text` (None without a tokenizer) and
     `finish_reason` ("stop": a stop token, not included; "length": max_new_tokens reached)."""
@@ -99,7 +114,6 @@ class Generation(list):
 
 @dataclasses.dataclass
 class _Request:
-    index: int
     prompt: list[int]
     slot: int
     max_new: int
@@ -230,15 +244,8 @@ class Engine:
         """
         prompts = self.encode(prompts)
         self._check_prompts(prompts, adapters)
-        slots = self._slots(adapters)
-        batch, seq = bucket(len(prompts)), bucket(max(len(p) for p in prompts), 16)
-        tokens = np.zeros((batch, seq), np.int32)
-        token_slot = np.full((batch, seq), -1, np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-            token_slot[i, : len(p)] = slots[i]
-        positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
-        cache = self.new_cache(batch, seq)
+        tokens, positions, token_slot, _ = pack_prompts(prompts, self._slots(adapters))
+        cache = self.new_cache(*tokens.shape)
         logits, _ = self.run(tokens, positions, token_slot.reshape(-1), cache)
         logits = np.asarray(logits)
         return [logits[i, : len(p)] for i, p in enumerate(prompts)]
@@ -277,7 +284,7 @@ class Engine:
         self._check_prompts(prompts, adapters, max_new_tokens)
         slots = self._slots(adapters)
         stop = set(stop_token_ids or ())
-        requests = [_Request(i, p, int(s), max_new_tokens, temperature, top_p) for i, (p, s) in enumerate(zip(prompts, slots))]
+        requests = [_Request(p, int(s), max_new_tokens, temperature, top_p) for p, s in zip(prompts, slots)]
         held = [a for a in adapters if a is not None]
         self.pool.hold(held)
         try:
@@ -335,20 +342,12 @@ class Engine:
 
     def _prefill_rows(self, admitted, cache, key, finish, running, position):
         """Prefills admitted requests into their cache rows and records each one's first token."""
-        n = bucket(len(admitted))
-        seq = bucket(max(len(r.prompt) for _, r in admitted), 16)
-        tokens = np.zeros((n, seq), np.int32)
-        valid = np.zeros((n, seq), bool)
-        slots = np.full((n, seq), -1, np.int32)
-        rows = np.zeros(n, np.int32)
-        last = np.zeros(n, np.int32)
+        tokens, positions, slots, valid = pack_prompts([r.prompt for _, r in admitted], [r.slot for _, r in admitted])
+        n = tokens.shape[0]
+        rows, last = np.zeros(n, np.int32), np.zeros(n, np.int32)  # padding requests: row 0, no cache writes
         temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
         for i, (row, r) in enumerate(admitted):
-            tokens[i, : len(r.prompt)] = r.prompt
-            valid[i, : len(r.prompt)] = True
-            slots[i, : len(r.prompt)] = r.slot
             rows[i], last[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.temperature, r.top_p
-        positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (n, seq))
         next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), key, temps,
                                         top_ps)
         for i, (row, r) in enumerate(admitted):
