@@ -50,10 +50,6 @@ class TensorParallel:
     qkv_perm: np.ndarray  # [tp · (q_l + 2 kv_l)] columns of the checkpoint's fused q|k|v, device by device
     gate_up_perm: np.ndarray  # [2 · intermediate] columns of gate|up, device by device
 
-    @property
-    def size(self) -> int:
-        return self.mesh.shape[AXIS]
-
     @classmethod
     def create(cls, config: ModelConfig, size: int, devices=None) -> TensorParallel:
         """Checks that `config` splits `size` ways and builds the layout; `devices` default to the first `size`."""
