@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -20,3 +25,22 @@ def copy_bandwidth(repeats: int = 5) -> float:
         jax.block_until_ready(f(x))
         times.append(time.perf_counter() - t0)
     return 8 * 2 * x.nbytes / statistics.median(times)
+
+
+def trace_kernels(run) -> dict[str, list[float]]:
+    """Durations in µs, by kernel name, of the GPU kernels that `run()` launches (a profiler trace of one
+    call, blocked on its result)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+        with gzip.open(path) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            kernels.setdefault(e["name"], []).append(float(e["dur"]))
+    return kernels

@@ -10,7 +10,8 @@ once, the used adapters' weights read once (only their rank rows), the output wr
 adding into it), over the copy bandwidth measured in the same run.
 
   python bench/kernels.py [--quick] [--backends pallas,reference,ragged] [--out bench/results]
-  python bench/kernels.py --sweep shrink,expand   # pallas tiles on the target rows; best per row
+  python bench/kernels.py --sweep shrink,expand,linear   # pallas tiles on the target rows (and the model's
+                                                         # decode projections for linear); best per row
   python bench/kernels.py --profile   # the target rows' device kernel time from a profiler trace
 Decode rows (T <= 256) are launch-bound in wall time when jitted kernels run outside a CUDA graph, so the
 table also reports their device time from a profiler trace, the figure comparable to the peers' graphs.
@@ -20,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
-import gzip
 import itertools
 import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 
 import jax
@@ -35,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jlora
-from common import copy_bandwidth
+from common import copy_bandwidth, trace_kernels
 from jlora import LoRABatchInfo
 from jlora.engine import row_tile
 
@@ -50,6 +48,9 @@ OPS = {  # name: (kind, K or None, slice sizes)
     "gate_up_expand": ("expand", None, (INTER, INTER)),
     "down_shrink": ("shrink", INTER, (HIDDEN,)),
     "qkv_linear": ("linear", HIDDEN, (HIDDEN, KV, KV)),
+    "o_linear": ("linear", HIDDEN, (HIDDEN,)),
+    "gate_up_linear": ("linear", HIDDEN, (INTER, INTER)),
+    "down_linear": ("linear", INTER, (HIDDEN,)),
 }
 # The kernels issue's target table: (op, T, adapters in batch, rank): (best peer µs, target µs).
 TARGETS = {
@@ -65,6 +66,9 @@ TARGETS = {
     ("gate_up_expand", 8192, 32, 64): (2460.0, 350),
     ("down_shrink", 8192, 32, 64): (115.3, 98),
 }
+
+# The end-to-end benchmark's decode step (bench/model.py): batch 32, each request its own r=16 adapter.
+MODEL_DECODE = [(op, 32, 32, 16) for op in ("qkv_linear", "o_linear", "gate_up_linear", "down_linear")]
 
 
 @dataclasses.dataclass
@@ -135,8 +139,12 @@ def make_fn(kind: str, slices: tuple[int, ...], backend: str, config=None):
     else:
         def fn(info, xs, a_stacks, b_stacks, y):
             for i, x in enumerate(xs):
-                y = jlora.lora_linear(x, y, a_stacks[i % STACKS], b_stacks[i % STACKS], info,
-                                      slice_sizes=slices, backend=backend)
+                a, b = a_stacks[i % STACKS], b_stacks[i % STACKS]
+                if config is not None:
+                    y = jlora.pallas.linear(x, y, a, b, info, slice_sizes=slices, shrink_config=config[0],
+                                            expand_config=config[1])
+                else:
+                    y = jlora.lora_linear(x, y, a, b, info, slice_sizes=slices, backend=backend)
             return y
     return jax.jit(fn)
 
@@ -166,9 +174,16 @@ def cases(quick: bool):
 
 
 def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
-    """(block_m, config) candidates for one row: row tiles, split-K / block_n and warps."""
+    """(block_m, config) candidates for one row: row tiles, split-K / block_n and warps; for a decode
+    `linear`, (shrink, expand) config pairs."""
     block_ms = (16,) if tokens <= 256 else (64, 128)
-    if kind == "shrink" and tokens <= 256:
+    if kind == "linear":
+        splits = (4, 8, 16) if k % 7 else (7, 14, 28)
+        for split, group, block_n in itertools.product(splits, (1, 4, 16), (128, 256)):
+            if k % (split * 128) == 0:
+                yield 16, (jlora.pallas.ShrinkConfig(block_k=128, k_splits=split, split_slices=True, num_stages=2),
+                           jlora.pallas.ExpandConfig(block_n=block_n, group=group))
+    elif kind == "shrink" and tokens <= 256:
         for bm, split, warps, block_k in itertools.product(block_ms, (4, 8, 14, 16, 28, 32), (2, 4), (64, 128)):
             if k % (split * block_k) == 0:
                 yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=2,
@@ -183,7 +198,7 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
 
 
 def sweep(rng, kinds: list[str], min_tokens: int, max_tokens: int) -> None:
-    for op, tokens, adapters, rank in TARGETS:
+    for op, tokens, adapters, rank in [*TARGETS, *MODEL_DECODE]:
         kind, k, slices = OPS[op]
         if kind not in kinds or tokens > max_tokens or tokens < min_tokens:
             continue
@@ -200,6 +215,8 @@ def sweep(rng, kinds: list[str], min_tokens: int, max_tokens: int) -> None:
             results.append((sec * 1e6, bm, cfg))
             print(f"  {op} T={tokens} bm={bm} {cfg}: {sec * 1e6:.1f} µs", flush=True)
         if results:
+            default = timer(make_fn(kind, slices, "pallas"), make_info(slots, rank, row_tile(tokens)), *inputs)
+            print(f"DEFAULT {op} T={tokens} n={adapters} r={rank}: {default * 1e6:.1f} µs (heuristic tiles)")
             best = min(results, key=lambda r: r[0])
             print(f"BEST {op} T={tokens} n={adapters} r={rank}: {best[0]:.1f} µs block_m={best[1]} {best[2]}", flush=True)
         del inputs
@@ -209,19 +226,7 @@ def device_time_per_call(fn, *args) -> tuple[float, dict[str, list[float]]]:
     """Device seconds per op call from a profiler trace of one run (kernel durations on the GPU streams,
     summed, divided by the calls), and the kernels' durations by name in µs."""
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(fn(*args))
-        path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-        with gzip.open(path) as f:
-            events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", ""))}
-    kernels: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            kernels.setdefault(e["name"], []).append(float(e["dur"]))
+    kernels = trace_kernels(lambda: fn(*args))
     return sum(sum(d) for d in kernels.values()) / CALLS * 1e-6, kernels
 
 
@@ -241,7 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the kernels issue's target rows")
     parser.add_argument("--sweep", metavar="KINDS", help="time pallas tile settings on the target rows of "
-                        "these op kinds (comma-separated: shrink,expand)")
+                        "these op kinds (comma-separated: shrink,expand,linear)")
     parser.add_argument("--min-tokens", type=int, default=0, help="--sweep only rows with T >= this")
     parser.add_argument("--max-tokens", type=int, default=1 << 30, help="--sweep only rows with T <= this")
     parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")

@@ -7,6 +7,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
 
   python bench/model.py [--quick] [--layers 32] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
+  python bench/model.py --profile       # batch-32 decode step: device time by kernel vs wall time
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import copy_bandwidth
+from common import copy_bandwidth, trace_kernels
 from jlora.engine import forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 32 decode and T=2048 prefill only")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
+    parser.add_argument("--profile", action="store_true", help="where a batch-32 decode step spends its time")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     config = llama3_8b(args.layers)
@@ -90,6 +92,8 @@ def main() -> None:
           flush=True)
     graphdef, state = random_model(config)
     rng = np.random.default_rng(0)
+    if args.profile:
+        return profile(config, graphdef, state)
     if args.tp:
         return tensor_parallel(config, graphdef, state, [int(t) for t in args.tp.split(",")], bandwidth, device,
                                args.out)
@@ -156,6 +160,36 @@ def main() -> None:
         prefill(total)
     for batch in [b for b in batches if b != 32]:
         decode(batch)
+
+
+def profile(config, graphdef, state, batch: int = 32, rank: int = 16) -> None:
+    """Batch-32 decode, base and 32 distinct r=16 adapters: wall time per step, device kernel time per step
+    (the sum of kernel durations in a profiler trace; wall well above it means the GPU waits on the host)
+    and the kernels that take the most of it."""
+    cache = KVCache.zeros(config, batch, 2 * CONTEXT, jnp.bfloat16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
+    positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
+    for name, lora, slots, ranks in (
+        ("base", None, jnp.full(batch, -1), jnp.zeros(SLOTS, jnp.int32)),
+        (f"{SLOTS} adapters r={rank}", random_lora(config, rank), jnp.arange(batch) % SLOTS,
+         jnp.full(SLOTS, rank, jnp.int32)),
+    ):
+        sec, cache = time_steps(graphdef, state, tokens, positions, cache, lora, slots, ranks, 16)
+
+        def steps():
+            nonlocal cache
+            for _ in range(STEPS):
+                logits, cache = forward(graphdef, state, tokens, positions, cache, lora, slots, ranks, block_m=16,
+                                        backend="auto")
+            return logits, cache
+
+        kernels = trace_kernels(steps)
+        busy = sum(map(sum, kernels.values())) / STEPS
+        print(f"PROFILE {name}: wall {sec * 1e3:.2f} ms per step, device kernels {busy / 1e3:.2f} ms per step, "
+              f"{sum(map(len, kernels.values())) / STEPS:.0f} kernels per step", flush=True)
+        for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]:
+            print(f"  {sum(d) / STEPS / 1e3:7.3f} ms  x{len(d) / STEPS:5.0f}  {sum(d) / len(d):8.1f} µs  {kname[:90]}",
+                  flush=True)
 
 
 def tensor_parallel(config, graphdef, state, degrees, bandwidth, device, out_dir) -> None:

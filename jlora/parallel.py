@@ -129,7 +129,7 @@ class TensorParallel:
         return dataclasses.replace(host, layers=layers)
 
     # ---- running -----------------------------------------------------------------------------------------------
-    cache_spec = P(None, None, AXIS, None)  # each layer's [B, max_seq, kv_heads, head_dim]
+    cache_spec = P(None, AXIS, None, None)  # each layer's [B, kv_heads, max_seq, head_dim]
 
     def cache_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, self.cache_spec)

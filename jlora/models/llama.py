@@ -5,7 +5,8 @@ explicitly from the top: q|k|v as one 3-slice call, o, gate|up as one 2-slice ca
 through `lora_embedding`; lm_head as a one-slice linear. Tokens are laid out [B, S] (B requests of S
 positions); the projections see them flattened to [T = B·S, ·], the token order of the batch info.
 
-The KV cache has static shapes, per layer [rows, max_seq, kv_heads, head_dim]; a token at position p is stored
+The KV cache has static shapes, per layer [rows, kv_heads, max_seq, head_dim] (heads before positions: the
+layout the attention contractions read, so XLA never transposes the cache); a token at position p is stored
 at index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position
 p attends to cache indices <= p. A call may address any subset of cache rows (`rows`), which is how the
 engine prefills a new request into a free row while others are mid-generation.
@@ -34,12 +35,12 @@ class KVCache:
     """Keys and values, one buffer per layer, so a donated cache is updated in place layer by layer (one
     stacked [layers, ...] array would be rebuilt, i.e. copied whole, on every step)."""
 
-    k: tuple[jax.Array, ...]  # per layer [B, max_seq, kv_heads, head_dim]
-    v: tuple[jax.Array, ...]  # per layer [B, max_seq, kv_heads, head_dim]
+    k: tuple[jax.Array, ...]  # per layer [B, kv_heads, max_seq, head_dim]
+    v: tuple[jax.Array, ...]  # per layer [B, kv_heads, max_seq, head_dim]
 
     @staticmethod
     def zeros(config: ModelConfig, batch: int, max_seq: int, dtype) -> KVCache:
-        shape = (batch, max_seq, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, max_seq, config.head_dim)
         layers = range(config.num_layers)
         return KVCache(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers))
 
@@ -133,7 +134,7 @@ class Attention(nnx.Module):
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis):
-        """x [T, H] (T = B·S), positions [B, S], caches [R, max_seq, kv_heads, D] -> ([T, H], caches).
+        """x [T, H] (T = B·S), positions [B, S], caches [R, kv_heads, max_seq, D] -> ([T, H], caches).
 
         Request b reads and writes cache row `rows[b]` (b itself when rows is None, R = B); tokens with
         `valid` False ([B, S]) leave the cache untouched.
@@ -147,21 +148,23 @@ class Attention(nnx.Module):
         v = v.reshape(k.shape)
         row = (jnp.arange(b) if rows is None else rows)[:, None]  # [B, 1]
         keep = valid[:, :, None, None]
-        k_cache = k_cache.at[row, positions].set(jnp.where(keep, k.astype(k_cache.dtype), k_cache[row, positions]))
-        v_cache = v_cache.at[row, positions].set(jnp.where(keep, v.astype(v_cache.dtype), v_cache[row, positions]))
+        # [row, :, position] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
+        at = (row, slice(None), positions)
+        k_cache = k_cache.at[at].set(jnp.where(keep, k.astype(k_cache.dtype), k_cache[at]))
+        v_cache = v_cache.at[at].set(jnp.where(keep, v.astype(v_cache.dtype), v_cache[at]))
         keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
 
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
-        scores = jnp.einsum("BSKGD,BTKD->BKGST", q, keys, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("BSKGD,BKTD->BKGST", q, keys, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
-        key_pos = jnp.arange(keys.shape[1])[None, None, :]
+        key_pos = jnp.arange(keys.shape[2])[None, None, :]
         visible = key_pos <= positions[:, :, None]  # [B, S, max_seq]: causal
         if c.sliding_window is not None:
             visible &= key_pos > positions[:, :, None] - c.sliding_window
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("BKGST,BTKD->BSKGD", probs, values).reshape(b * s, c.q_size).astype(x.dtype)
+        out = jnp.einsum("BKGST,BKTD->BSKGD", probs, values).reshape(b * s, c.q_size).astype(x.dtype)
         return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
 
 
@@ -224,7 +227,7 @@ class Transformer(nnx.Module):
         Args:
           tokens: [B, S] int token ids.
           positions: [B, S] int positions (cache indices) of the tokens, each < max_seq.
-          cache: the KV cache, per layer [R, max_seq, kv_heads, head_dim] keys and values.
+          cache: the KV cache, per layer [R, kv_heads, max_seq, head_dim] keys and values.
           lora: the adapter slots' weights, or None for the base model alone.
           info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
           valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.

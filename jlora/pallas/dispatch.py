@@ -82,12 +82,21 @@ def expand(
 
 
 def linear(
-    x: jax.Array, base: jax.Array, a: jax.Array, b: jax.Array, info: LoRABatchInfo, *, slice_sizes: tuple[int, ...]
+    x: jax.Array,
+    base: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    info: LoRABatchInfo,
+    *,
+    slice_sizes: tuple[int, ...],
+    shrink_config: ShrinkConfig | None = None,
+    expand_config: ExpandConfig | None = None,
 ) -> jax.Array:
-    """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly."""
+    """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly.
+    The configs override the heuristic tiles of either kernel."""
     _require(x.shape[1], slice_sizes, info)
     rank = b.shape[2]
     a = _pad_slices(a, 1, len(slice_sizes), rank)
     b = _pad_slices(b, 2, 1, rank)
-    partials = shrink_partials(x, a, info, num_slices=len(slice_sizes))
-    return _expand(partials, b, info, base, slice_sizes=slice_sizes)
+    partials = shrink_partials(x, a, info, num_slices=len(slice_sizes), config=shrink_config)
+    return _expand(partials, b, info, base, slice_sizes=slice_sizes, config=expand_config)

@@ -126,5 +126,5 @@ def expand(
         input_output_aliases={7: 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
-        name="jlora_expand",
+        name=f"jlora_expand_{len(slice_sizes)}x{rank}x{base.shape[1]}",  # shapes: readable profiles
     )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, base)

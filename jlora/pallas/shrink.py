@@ -107,5 +107,5 @@ def shrink_partials(
         grid=(info.num_segments, config.k_splits, num_slices // slices_per_program),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
-        name="jlora_shrink",
+        name=f"jlora_shrink_{k}x{num_slices}x{rank}",  # shapes in the name: readable profiles
     )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, info.scalings, x, a)
