@@ -178,8 +178,8 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
     `linear`, (shrink, expand) config pairs."""
     block_ms = (16,) if tokens <= 256 else (64, 128)
     if kind == "linear":
-        splits = (4, 8, 16) if k % 7 else (7, 14, 28)
-        for split, group, block_n in itertools.product(splits, (1, 4, 16), (128, 256)):
+        splits = (2, 4, 8, 16) if k % 7 else (7, 14, 28)
+        for split, group, block_n in itertools.product(splits, (1,), (128, 256, 512, 1024)):
             if k % (split * 128) == 0:
                 yield 16, (jlora.pallas.ShrinkConfig(block_k=128, k_splits=split, split_slices=True, num_stages=2),
                            jlora.pallas.ExpandConfig(block_n=block_n, group=group))
@@ -192,6 +192,9 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
         for bm, split, warps, block_k in itertools.product(block_ms, (1, 2, 4, 7), (4, 8), (32, 64, 128)):
             if k % (split * block_k) == 0 and 3 * (bm + width) * block_k * 2 <= 200 * 1024:
                 yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=3)
+    elif kind == "expand" and tokens <= 256:
+        for bn, warps in itertools.product((128, 256, 512, 1024), (4, 8)):
+            yield 16, jlora.pallas.ExpandConfig(block_n=bn, num_warps=warps)
     elif kind == "expand":
         for bm, bn, group, warps in itertools.product(block_ms, (64, 128), (1, 4, 8), (4, 8)):
             yield bm, jlora.pallas.ExpandConfig(block_n=bn, group=group, num_warps=warps)
