@@ -7,7 +7,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
 
   python bench/model.py [--quick] [--layers 32] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
-  python bench/model.py --profile       # batch-32 decode step: device time by kernel vs wall time
+  python bench/model.py --profile [--tp 2]  # batch-32 decode step: device time by kernel vs wall time
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     graphdef, state = random_model(config)
     rng = np.random.default_rng(0)
     if args.profile:
-        return profile(config, graphdef, state)
+        return profile(config, graphdef, state, int(args.tp or 1))
     if args.tp:
         return tensor_parallel(config, graphdef, state, [int(t) for t in args.tp.split(",")], bandwidth, device,
                                args.out)
@@ -162,56 +162,58 @@ def main() -> None:
         decode(batch)
 
 
-def profile(config, graphdef, state, batch: int = 32, rank: int = 16) -> None:
-    """Batch-32 decode, base and 32 distinct r=16 adapters: wall time per step, device kernel time per step
-    (the sum of kernel durations in a profiler trace; wall well above it means the GPU waits on the host)
-    and the kernels that take the most of it."""
-    cache = KVCache.zeros(config, batch, 2 * CONTEXT, jnp.bfloat16)
+def setup(config, graphdef, state, degree: int, rank: int = 16, batch: int = 32):
+    """The batch-32 decode inputs at one TP degree: (graphdef, state, lora, cache, tokens, positions, slots, tp)."""
+    tp = TensorParallel.create(config, degree) if degree > 1 else None
+    g, st = (graphdef, state) if tp is None else tp.shard_model(nnx.merge(graphdef, state))
+    layout = config if tp is None else tp.layout
+    lora = random_lora(layout, rank)
+    lora = lora if tp is None else tp.shard_lora(lora)
+    cache = KVCache.zeros(layout, batch, 2 * CONTEXT, jnp.bfloat16)
+    cache = cache if tp is None else jax.device_put(cache, tp.cache_sharding())
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
     positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
-    for name, lora, slots, ranks in (
-        ("base", None, jnp.full(batch, -1), jnp.zeros(SLOTS, jnp.int32)),
-        (f"{SLOTS} adapters r={rank}", random_lora(config, rank), jnp.arange(batch) % SLOTS,
-         jnp.full(SLOTS, rank, jnp.int32)),
-    ):
-        sec, cache = time_steps(graphdef, state, tokens, positions, cache, lora, slots, ranks, 16)
+    slots = jnp.arange(batch, dtype=jnp.int32) % SLOTS
+    return g, st, lora, cache, tokens, positions, slots, tp
+
+
+def profile(config, graphdef, state, degree: int, rank: int = 16) -> None:
+    """Batch-32 decode at one TP degree, base and 32 distinct r=16 adapters: wall time per step, device kernel
+    time per step and GPU (the sum of kernel durations in a profiler trace; wall well above it means the GPUs
+    wait on the host or on each other) and the kernels that take the most of it."""
+    g, st, lora, cache, tokens, positions, slots, tp = setup(config, graphdef, state, degree, rank)
+    no_lora = (None, jnp.full(slots.shape, -1), jnp.zeros(SLOTS, jnp.int32))
+    for name, (lw, sl, ranks) in (("base", no_lora),
+                                  (f"{SLOTS} adapters r={rank}", (lora, slots, jnp.full(SLOTS, rank, jnp.int32)))):
+        sec, cache = time_steps(g, st, tokens, positions, cache, lw, sl, ranks, 16, tp)
 
         def steps():
             nonlocal cache
             for _ in range(STEPS):
-                logits, cache = forward(graphdef, state, tokens, positions, cache, lora, slots, ranks, block_m=16,
-                                        backend="auto")
+                logits, cache = forward(g, st, tokens, positions, cache, lw, sl, ranks, block_m=16, backend="auto",
+                                        tp=tp)
             return logits, cache
 
         kernels = trace_kernels(steps)
-        busy = sum(map(sum, kernels.values())) / STEPS
-        print(f"PROFILE {name}: wall {sec * 1e3:.2f} ms per step, device kernels {busy / 1e3:.2f} ms per step, "
-              f"{sum(map(len, kernels.values())) / STEPS:.0f} kernels per step", flush=True)
+        per_step = STEPS * degree
+        busy = sum(map(sum, kernels.values())) / per_step
+        print(f"PROFILE TP={degree} {name}: wall {sec * 1e3:.2f} ms per step, device kernels {busy / 1e3:.2f} ms "
+              f"per step and GPU, {sum(map(len, kernels.values())) / per_step:.0f} kernels", flush=True)
         for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]:
-            print(f"  {sum(d) / STEPS / 1e3:7.3f} ms  x{len(d) / STEPS:5.0f}  {sum(d) / len(d):8.1f} µs  {kname[:90]}",
-                  flush=True)
+            print(f"  {sum(d) / per_step / 1e3:7.3f} ms  x{len(d) / per_step:5.0f}  {sum(d) / len(d):8.1f} µs  "
+                  f"{kname[:90]}", flush=True)
 
 
 def tensor_parallel(config, graphdef, state, degrees, bandwidth, device, out_dir) -> None:
     """Batch-32 decode of the base model and with 32 distinct r=16 adapters at each TP degree."""
     batch, rank, rows = 32, 16, []
     os.makedirs(out_dir, exist_ok=True)
-    model = nnx.merge(graphdef, state)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
-    positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
-    slots = jnp.arange(batch, dtype=jnp.int32) % SLOTS
     for degree in degrees:
-        tp = TensorParallel.create(config, degree) if degree > 1 else None
-        g, st = (graphdef, state) if tp is None else tp.shard_model(model)
-        layout = config if tp is None else tp.layout
-        lora = random_lora(layout, rank)
-        lora = lora if tp is None else tp.shard_lora(lora)
-        cache = KVCache.zeros(layout, batch, 2 * CONTEXT, jnp.bfloat16)
-        cache = cache if tp is None else jax.device_put(cache, tp.cache_sharding())
-        base, cache = time_steps(g, st, tokens, positions, cache, None, jnp.full(batch, -1),
+        g, st, lora, cache, tokens, positions, slots, tp = setup(config, graphdef, state, degree, rank)
+        base, cache = time_steps(g, st, tokens, positions, cache, None, jnp.full(slots.shape, -1),
                                  jnp.zeros(SLOTS, jnp.int32), 16, tp)
         sec, cache = time_steps(g, st, tokens, positions, cache, lora, slots, jnp.full(SLOTS, rank, jnp.int32), 16, tp)
-        floor = base + adapter_bytes(lora, SLOTS, batch) / (degree * bandwidth)
+        floor = base + adapter_bytes(lora, SLOTS, slots.shape[0]) / (degree * bandwidth)
         rows.append(dict(tp=degree, base_ms=base * 1e3, lora_ms=sec * 1e3, base_tokens_per_s=batch / base,
                          lora_tokens_per_s=batch / sec, lora_overhead=sec / base, lora_vs_floor=sec / floor))
         r = rows[-1]
