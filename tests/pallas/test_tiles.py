@@ -45,6 +45,18 @@ def test_shrink_split_k(config):
     assert (np.asarray(y)[slots < 0] == 0).all()
 
 
+def test_linear_with_both_configs():
+    """lora_linear's two kernels under explicit tiles: the expand adds the shrink's 4 split-K partials."""
+    slots, ranks, scal, x, a, b, base = _case(4)
+    info = LoRABatchInfo.build(slots, ranks, scal, block_m=16)
+    out = jlora.pallas.linear(jnp.asarray(x), jnp.asarray(base), jnp.asarray(a), jnp.asarray(b), info,
+                              slice_sizes=(64, 32, 32), shrink_config=ShrinkConfig(block_k=32, k_splits=4),
+                              expand_config=ExpandConfig(block_n=32, group=2))
+    ref = expand_np(shrink_np(x, a, slots, ranks, scal, 3), b, slots, ranks, base, (64, 32, 32))
+    assert rel_err(out, ref) < 1e-5
+    np.testing.assert_array_equal(np.asarray(out)[slots < 0], base[slots < 0])
+
+
 def test_shrink_config_fits_shared_memory_and_tiles_k():
     for tokens, k, width, block_m in [(64, 4096, 16, 16), (64, 14336, 48, 16), (8192, 4096, 192, 64)]:
         cfg = shrink_config(tokens, k, width, block_m)
