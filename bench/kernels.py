@@ -179,10 +179,10 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
     block_ms = (16,) if tokens <= 256 else (64, 128)
     if kind == "linear":
         splits = (2, 4, 8, 16) if k % 7 else (7, 14, 28)
-        for split, group, block_n in itertools.product(splits, (1,), (128, 256, 512, 1024)):
+        for split, block_n in itertools.product(splits, (128, 256, 512, 1024)):
             if k % (split * 128) == 0:
                 yield 16, (jlora.pallas.ShrinkConfig(block_k=128, k_splits=split, split_slices=True, num_stages=2),
-                           jlora.pallas.ExpandConfig(block_n=block_n, group=group))
+                           jlora.pallas.ExpandConfig(block_n=block_n))
     elif kind == "shrink" and tokens <= 256:
         for bm, split, warps, block_k in itertools.product(block_ms, (4, 8, 14, 16, 28, 32), (2, 4), (64, 128)):
             if k % (split * block_k) == 0:
@@ -219,7 +219,8 @@ def sweep(rng, kinds: list[str], min_tokens: int, max_tokens: int) -> None:
             print(f"  {op} T={tokens} bm={bm} {cfg}: {sec * 1e6:.1f} µs", flush=True)
         if results:
             default = timer(make_fn(kind, slices, "pallas"), make_info(slots, rank, row_tile(tokens)), *inputs)
-            print(f"DEFAULT {op} T={tokens} n={adapters} r={rank}: {default * 1e6:.1f} µs (heuristic tiles)")
+            print(f"DEFAULT {op} T={tokens} n={adapters} r={rank}: {default * 1e6:.1f} µs (heuristic tiles)",
+                  flush=True)
             best = min(results, key=lambda r: r[0])
             print(f"BEST {op} T={tokens} n={adapters} r={rank}: {best[0]:.1f} µs block_m={best[1]} {best[2]}", flush=True)
         del inputs
