@@ -199,7 +199,7 @@ def profile(config, graphdef, state, degree: int, rank: int = 16) -> None:
         busy = sum(map(sum, kernels.values())) / per_step
         print(f"PROFILE TP={degree} {name}: wall {sec * 1e3:.2f} ms per step, device kernels {busy / 1e3:.2f} ms "
               f"per step and GPU, {sum(map(len, kernels.values())) / per_step:.0f} kernels", flush=True)
-        for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:40]:
             print(f"  {sum(d) / per_step / 1e3:7.3f} ms  x{len(d) / per_step:5.0f}  {sum(d) / len(d):8.1f} µs  "
                   f"{kname[:90]}", flush=True)
 
