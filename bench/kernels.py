@@ -189,9 +189,10 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
                 yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=2,
                                                     split_slices=True)
     elif kind == "shrink":
-        for bm, split, warps, block_k in itertools.product(block_ms, (1, 2, 4, 7), (4, 8), (32, 64, 128)):
-            if k % (split * block_k) == 0 and 3 * (bm + width) * block_k * 2 <= 200 * 1024:
-                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=3)
+        for bm, split, warps, block_k, stages in itertools.product(block_ms, (1, 2), (4, 8), (64, 128), (3, 4)):
+            if k % (split * block_k) == 0 and stages * (bm + width) * block_k * 2 <= 200 * 1024:
+                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps,
+                                                    num_stages=stages)
     elif kind == "expand" and tokens <= 256:
         for bn, warps in itertools.product((128, 256, 512, 1024), (4, 8)):
             yield 16, jlora.pallas.ExpandConfig(block_n=bn, num_warps=warps)

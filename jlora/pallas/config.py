@@ -86,6 +86,11 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...]) -> ExpandConfig
 
     An expand program reads [block_m, R] of s, [block_n, R] of B and [block_m, block_n] of base, and writes
     the same; 128 columns of bf16 give 256-byte rows, enough for full-width loads, and keep the grid large.
+    Measured on an H200 at T=8192, r=64 (bench/kernels.py --sweep expand: block_m 64/128 x group 1-8 x
+    num_stages 2-4 x warps 4/8): N=4096 best 58.7 µs at these tiles; gate|up best 372.7 µs (block_m=128,
+    group=8) against 386.4 here. The base's read-add-write bounds these rows: the same kernel without the
+    LoRA product runs at 3.6 TB/s (37.3 µs for N=4096; XLA's own `base + 1` takes 41.3 µs;
+    bench/expand_limits.py).
     """
     block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
     return ExpandConfig(block_n=block_n, num_warps=4, num_stages=2)
