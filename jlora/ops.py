@@ -20,13 +20,14 @@ import jax.numpy as jnp
 from jlora import pallas, reference
 from jlora.batch_info import LoRABatchInfo
 
-__all__ = ["Backend", "BACKENDS", "lora_shrink", "lora_expand", "lora_linear", "lora_embedding"]
+__all__ = ["Backend", "BACKENDS", "lora_shrink", "lora_expand", "lora_linear", "lora_embedding", "resolve_backend"]
 
 Backend = Literal["auto", "reference", "ragged", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "pallas")
 
 
-def _resolve(backend: str) -> str:
+def resolve_backend(backend: str) -> str:
+    """The backend that runs: "auto" is pallas on GPU and reference elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -121,7 +122,7 @@ def lora_shrink(
       rows of slot -1 tokens 0.
     """
     _check_shrink(x, a, info, num_slices)
-    return _shrink(x, a, info, num_slices=num_slices, backend=_resolve(backend))
+    return _shrink(x, a, info, num_slices=num_slices, backend=resolve_backend(backend))
 
 
 @functools.partial(jax.jit, static_argnames=("num_slices", "backend"))
@@ -158,7 +159,7 @@ def lora_expand(
     """
     slice_sizes = tuple(slice_sizes)
     _check_expand(s, b, info, base, slice_sizes)
-    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=_resolve(backend))
+    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=resolve_backend(backend))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
@@ -199,7 +200,7 @@ def lora_linear(
     _check_expand(jax.ShapeDtypeStruct((x.shape[0], a.shape[1]), x.dtype), b, info, base, slice_sizes)
     if a.shape[1] // len(slice_sizes) != b.shape[2]:
         raise ValueError(f"A {a.shape} and B {b.shape} disagree on the max rank R")
-    return _linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=_resolve(backend))
+    return _linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=resolve_backend(backend))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
@@ -243,7 +244,7 @@ def lora_embedding(
     _check_same_dtype(A_emb=a_emb, B_emb=b_emb, base=base)
     s_spec = jax.ShapeDtypeStruct((base.shape[0], b_emb.shape[2]), base.dtype)
     _check_expand(s_spec, b_emb, info, base, (b_emb.shape[1],))
-    return _embedding(token_ids, a_emb, b_emb, info, base, backend=_resolve(backend))
+    return _embedding(token_ids, a_emb, b_emb, info, base, backend=resolve_backend(backend))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))

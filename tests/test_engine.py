@@ -40,6 +40,18 @@ def test_greedy_generation_matches_logits_with_continuous_batching(engine):
     assert sum(list(a) != list(b) for a, b in zip(out, base)) >= 3
 
 
+def test_pallas_backend_generates_the_same(engine):
+    # Under "pallas" the decode steps also run the decode-attention kernel, over the rows the continuous
+    # batching hands out (interpret mode on CPU).
+    ref = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=4)
+    backend, engine.backend = engine.backend, "pallas"
+    try:
+        out = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=4)
+    finally:
+        engine.backend = backend
+    assert [list(o) for o in out] == [list(r) for r in ref]
+
+
 def test_stop_tokens(engine):
     full = engine.generate(PROMPTS[:2], ADAPTERS[:2], max_new_tokens=6)
     stop = full[0][2]

@@ -9,7 +9,9 @@ The KV cache has static shapes, per layer [rows, kv_heads, max_seq, head_dim] (h
 layout the attention contractions read, so XLA never transposes the cache); a token at position p is stored
 at index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position
 p attends to cache indices <= p. A call may address any subset of cache rows (`rows`), which is how the
-engine prefills a new request into a free row while others are mid-generation.
+engine prefills a new request into a free row while others are mid-generation. Decode calls (S = 1) under
+the pallas backend run attention in `jlora.pallas.decode_attention`, which reads each request's cache row
+only up to its position; everything else, and every other backend, uses XLA's masked contractions.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from flax import nnx
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights
-from jlora.ops import lora_embedding, lora_expand, lora_linear, lora_shrink
+from jlora.ops import lora_embedding, lora_expand, lora_linear, lora_shrink, resolve_backend
+from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
 
 __all__ = ["KVCache", "Transformer", "rope_frequencies"]
 
@@ -133,11 +136,13 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis):
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis,
+                 attention_kernel):
         """x [T, H] (T = B·S), positions [B, S], caches [R, kv_heads, max_seq, D] -> ([T, H], caches).
 
         Request b reads and writes cache row `rows[b]` (b itself when rows is None, R = B); tokens with
-        `valid` False ([B, S]) leave the cache untouched.
+        `valid` False ([B, S]) leave the cache untouched. With `attention_kernel` (decode, S = 1) attention
+        runs in the Pallas decode-attention kernel, which reads only the positions each request can see.
         """
         c = self.config
         b, s = positions.shape
@@ -152,10 +157,13 @@ class Attention(nnx.Module):
         at = (row, slice(None), positions)
         k_cache = k_cache.at[at].set(jnp.where(keep, k.astype(k_cache.dtype), k_cache[at]))
         v_cache = v_cache.at[at].set(jnp.where(keep, v.astype(v_cache.dtype), v_cache[at]))
-        keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
-
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
+        if attention_kernel:
+            out = decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], row[:, 0], window=c.sliding_window)
+            out = out.reshape(b * s, c.q_size).astype(x.dtype)
+            return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
+        keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
         scores = jnp.einsum("BSKGD,BKTD->BKGST", q, keys, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
         key_pos = jnp.arange(keys.shape[2])[None, None, :]
@@ -188,9 +196,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis):
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis,
+                 attention_kernel):
         h, k_cache, v_cache = self.attn(self.input_norm(x), positions, inv_freq, k_cache, v_cache, lora, group,
-                                        valid, rows, reduce_axis)
+                                        valid, rows, reduce_axis, attention_kernel)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x), lora, group, reduce_axis), k_cache, v_cache
 
@@ -232,7 +241,8 @@ class Transformer(nnx.Module):
           info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
           valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.
           rows: [B] int cache row of each request (default: row b, with R = B).
-          backend: the LoRA ops' backend.
+          backend: the LoRA ops' backend; under "pallas" (what "auto" picks on GPU) decode calls (S = 1)
+            also run attention in the Pallas decode-attention kernel.
           reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
             row-parallel over (`jlora.parallel`); None on one device.
 
@@ -248,10 +258,13 @@ class Transformer(nnx.Module):
         if ctx is not None:
             x = lora_embedding(flat, lora.embed_a, lora.embed_b, info, x, backend=backend)
         inv_freq = rope_frequencies(self.config)
+        attention_kernel = (s == 1 and resolve_backend(backend) == "pallas"
+                            and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             group = None if ctx is None else lora.layers[i]
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows, reduce_axis)
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows, reduce_axis,
+                            attention_kernel)
             ks.append(k)
             vs.append(v)
         x = self.norm(x)

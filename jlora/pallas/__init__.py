@@ -1,12 +1,16 @@
-"""Pallas (Triton-lowered) kernels for the multi-LoRA ops; on CPU they run with `interpret=True`."""
+"""Pallas (Triton-lowered) kernels for the multi-LoRA ops and the model's decode attention; on CPU they run
+with `interpret=True`."""
 
 from jlora.pallas.config import ExpandConfig, ShrinkConfig, expand_config, shrink_config
+from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
 from jlora.pallas.dispatch import expand, kernel_rank, linear, shrink, supported
 from jlora.pallas.shrink import shrink_partials
 
 __all__ = [
     "ExpandConfig",
     "ShrinkConfig",
+    "decode_attention",
+    "decode_attention_supported",
     "expand",
     "expand_config",
     "kernel_rank",

@@ -91,10 +91,12 @@ def test_checkpoint_errors(tmp_path):
         Engine.from_pretrained(model_dir, progress=False)
 
 
-def test_prefill_then_decode_matches_full_forward(tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "pallas"])  # pallas: decode steps in the decode-attention kernel
+def test_prefill_then_decode_matches_full_forward(tmp_path, backend):
     model_dir = _model(tmp_path, "mistral")
     testing.write_adapter(str(tmp_path / "a"), MODELS["mistral"], seed=5, r=8, alpha=16, target_modules=ALL)
-    engine = Engine.from_pretrained(model_dir, max_loras=2, max_lora_rank=8, dtype="float32", progress=False)
+    engine = Engine.from_pretrained(model_dir, max_loras=2, max_lora_rank=8, dtype="float32", progress=False,
+                                    backend=backend)
     engine.load_adapter("a", str(tmp_path / "a"))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     full = engine.prefill_logits(prompts, ["a", None])

@@ -1,0 +1,100 @@
+"""Decode attention (one query token per request) over the model's KV cache, reading only the positions
+each request can see.
+
+XLA's attention contracts every request's query against the whole cache, all `max_seq` positions, and
+masks afterwards; a batched [G, D] x [D, max_seq] product per KV head is also a poor fit for its GEMMs.
+Here one program per (request, KV head) walks the cache in blocks up to the request's position (from the
+window start under sliding-window attention) with an online softmax, so the bytes read follow the
+requests' context lengths, not the cache size. The G query heads sharing a KV head are the rows of the
+products, padded to a power of two >= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jlora.pallas.config import pow2_divisor
+
+__all__ = ["decode_attention", "decode_attention_supported"]
+
+_NEG = -1e30  # the running max's start: finite, so exp(start - max) is 0 rather than NaN
+
+
+def _block_t(max_seq: int) -> int:
+    return pow2_divisor(max_seq, 64)
+
+
+def decode_attention_supported(head_dim: int, max_seq: int) -> bool:
+    """The kernel loads [block, head_dim] tiles: head_dim a power of two >= 16, max_seq a multiple of 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _block_t(max_seq) >= 16
+
+
+def _kernel(pos_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, block_t: int, scale: float, window: int | None):
+    b, h = pl.program_id(0), pl.program_id(1)
+    pos, row = pos_ref[b], rows_ref[b]
+    q = q_ref[b, h]  # [GP, D]
+    first = 0 if window is None else jnp.maximum(pos - window + 1, 0) // block_t
+
+    def step(j, carry):
+        m, l, acc = carry  # [GP, 1] running max, [GP, 1] running sum, [GP, D] weighted values
+        t = pl.ds(pl.multiple_of(j * block_t, block_t), block_t)
+        s = pltriton.dot(q, k_ref[row, h, t, :], trans_b=True) * scale  # [GP, BT] f32
+        key = j * block_t + jnp.arange(block_t)[None, :]  # [1, BT] positions of this block
+        visible = key <= pos
+        if window is not None:
+            visible &= key > pos - window
+        s = jnp.where(visible, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)  # [GP, BT]
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha + pltriton.dot(p.astype(v_ref.dtype), v_ref[row, h, t, :])
+        return m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True), acc
+
+    gp, d = q.shape
+    init = (jnp.full((gp, 1), _NEG, jnp.float32), jnp.zeros((gp, 1), jnp.float32), jnp.zeros((gp, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(first, pos // block_t + 1, step, init)
+    o_ref[b, h] = (acc / l).astype(o_ref.dtype)
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    rows: jax.Array,
+    *,
+    window: int | None = None,
+) -> jax.Array:
+    """Attention of one query per request over its cache row, keys at positions <= its own.
+
+    Args:
+      q: [B, KV, G, D] queries, the G heads of each KV head together.
+      k_cache, v_cache: [R, KV, max_seq, D]; request b reads row rows[b], positions 0..positions[b] (the
+        query's own key and value already written there).
+      positions: [B] int, each request's query position, in [0, max_seq).
+      rows: [B] int cache row of each request.
+      window: sliding window: keys at positions > position - window only.
+
+    Returns:
+      [B, KV, G, D] in q's dtype (softmax with scale 1/sqrt(D), f32 accumulation).
+    """
+    batch, kv, groups, d = q.shape
+    max_seq = k_cache.shape[2]
+    gp = max(16, 1 << (groups - 1).bit_length())
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
+    kernel = functools.partial(_kernel, block_t=_block_t(max_seq), scale=1 / math.sqrt(d), window=window)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(batch, kv),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        interpret=jax.default_backend() != "gpu",
+        name=f"jlora_decode_attention_{kv}x{groups}x{d}",
+    )(jnp.clip(positions, 0, max_seq - 1).astype(jnp.int32), rows.astype(jnp.int32), q, k_cache, v_cache)
+    return out[:, :, :groups]
