@@ -3,6 +3,7 @@
 #   bash bench/run_gpu.sh check   # GPU tests (kernels at real sizes, HF agreement, model on pallas) + demo
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
+#   bash bench/run_gpu.sh limits  # what bounds the prefill expand (bench/expand_limits.py)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,6 @@ case "${1:-}" in
     python3 -m jlora demo 2>&1 | grep -v "loading model" | tail -16 ;;
   kernels) python3 bench/kernels.py --quick --out "$out" 2>&1 | grep -E "^\||^Device" ;;
   model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
-  *) echo "usage: $0 check|kernels|model" >&2; exit 2 ;;
+  limits) python3 bench/expand_limits.py 2>&1 | grep -E "^#|µs" ;;
+  *) echo "usage: $0 check|kernels|model|limits" >&2; exit 2 ;;
 esac
