@@ -18,14 +18,14 @@ import jax
 import numpy as np
 
 from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 
 __all__ = ["run_demo"]
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name: write_adapter arguments
     "chat-r8": dict(r=8, alpha=16, target_modules=["q_proj", "v_proj"]),
-    "code-r16": dict(r=16, alpha=16, target_modules=ALL, use_rslora=True),
+    "code-r16": dict(r=16, alpha=16, target_modules=LINEAR_MODULES, use_rslora=True),
     "math-r4": dict(r=4, alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], rank_pattern={"down_proj": 2}),
     "style-r8": dict(r=8, alpha=8, target_modules=["k_proj", "o_proj"], embeddings=True, lm_head=True),
 }

@@ -1,14 +1,13 @@
 """Generation: greedy agreement with the logits, continuous batching, stops, sampling, compilations."""
 
-
 import numpy as np
 import pytest
 
 from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine, generate_step
 
 CFG = testing.tiny_config("llama")
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +16,7 @@ def engine(tmp_path_factory):
     testing.write_model(str(root / "m"), CFG, seed=7)
     eng = Engine.from_pretrained(str(root / "m"), max_loras=3, max_lora_rank=16, dtype="float32", max_batch=2,
                                  max_seq_len=64, progress=False)
-    for i, (r, targets) in enumerate([(4, ["q_proj", "v_proj"]), (16, ALL), (8, ["gate_proj", "down_proj"])]):
+    for i, (r, targets) in enumerate([(4, ["q_proj", "v_proj"]), (16, LINEAR_MODULES), (8, ["gate_proj", "down_proj"])]):
         testing.write_adapter(str(root / f"a{i}"), CFG, r=r, alpha=2 * r, seed=i, target_modules=targets)
         eng.load_adapter(f"a{i}", str(root / f"a{i}"))
     eng.root = root

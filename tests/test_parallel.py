@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from jlora.adapters.peft import LINEAR_MODULES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def compare(tp: int, kv_heads: int, backend: str) -> None:
@@ -25,7 +26,7 @@ def compare(tp: int, kv_heads: int, backend: str) -> None:
     cfg = testing.tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=128,
                               intermediate_size=128)
     testing.write_model(f"{root}/m", cfg, seed=1)
-    testing.write_adapter(f"{root}/a", cfg, r=8, alpha=16, seed=2, target_modules=ALL, embeddings=True, lm_head=True)
+    testing.write_adapter(f"{root}/a", cfg, r=8, alpha=16, seed=2, target_modules=LINEAR_MODULES, embeddings=True, lm_head=True)
     testing.write_adapter(f"{root}/b", cfg, r=4, alpha=4, seed=3, target_modules=["o_proj", "down_proj", "v_proj"])
     prompts, adapters = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14]], ["a", None, "b", "a"]
     results = []

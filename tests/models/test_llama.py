@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.models.llama import KVCache
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
 
 MODELS = {
@@ -23,8 +23,8 @@ MODELS = {
 }
 ADAPTERS = {  # name: (write_adapter kwargs); embed/lm_head LoRA only on untied models
     "small": dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all_rslora": dict(r=16, alpha=16, target_modules=ALL, use_rslora=True),
-    "patterns": dict(r=8, alpha=16, target_modules=ALL, rank_pattern={"down_proj": 2, r"layers\.1\.self_attn\.o_proj": 12},
+    "all_rslora": dict(r=16, alpha=16, target_modules=LINEAR_MODULES, use_rslora=True),
+    "patterns": dict(r=8, alpha=16, target_modules=LINEAR_MODULES, rank_pattern={"down_proj": 2, r"layers\.1\.self_attn\.o_proj": 12},
                      alpha_pattern={"q_proj": 4}, layers_to_transform=[1]),
     "regex_mlp": dict(r=8, alpha=32, target_modules=r".*\.mlp\.(gate|up)_proj"),
     "emb_head": dict(r=8, alpha=8, target_modules=["k_proj"], embeddings=True, lm_head=True),
@@ -94,7 +94,7 @@ def test_checkpoint_errors(tmp_path):
 @pytest.mark.parametrize("backend", ["auto", "pallas"])  # pallas: decode steps in the decode-attention kernel
 def test_prefill_then_decode_matches_full_forward(tmp_path, backend):
     model_dir = _model(tmp_path, "mistral")
-    testing.write_adapter(str(tmp_path / "a"), MODELS["mistral"], seed=5, r=8, alpha=16, target_modules=ALL)
+    testing.write_adapter(str(tmp_path / "a"), MODELS["mistral"], seed=5, r=8, alpha=16, target_modules=LINEAR_MODULES)
     engine = Engine.from_pretrained(model_dir, max_loras=2, max_lora_rank=8, dtype="float32", progress=False,
                                     backend=backend)
     engine.load_adapter("a", str(tmp_path / "a"))
