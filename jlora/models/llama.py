@@ -118,6 +118,21 @@ def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: Laye
     return lora_expand(s, group.b[name], lora.info, base, slice_sizes=slice_sizes, backend=lora.backend)
 
 
+def _masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
+                      sliding_window: int | None) -> jax.Array:
+    """q [B, S, KV, G, D] against every position of keys / values [B, KV, max_seq, D], the invisible ones
+    (later than the query, or outside the sliding window) masked: [B, S, KV, G, D] (the form XLA runs)."""
+    scores = jnp.einsum("BSKGD,BKTD->BKGST", q, keys, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+    key_pos = jnp.arange(keys.shape[2])[None, None, :]
+    visible = key_pos <= positions[:, :, None]  # [B, S, max_seq]: causal
+    if sliding_window is not None:
+        visible &= key_pos > positions[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("BKGST,BKTD->BSKGD", probs, values)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -161,18 +176,10 @@ class Attention(nnx.Module):
         q = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
         if attention_kernel:
             out = decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], row[:, 0], window=c.sliding_window)
-            out = out.reshape(b * s, c.q_size).astype(x.dtype)
-            return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
-        keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
-        scores = jnp.einsum("BSKGD,BKTD->BKGST", q, keys, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
-        key_pos = jnp.arange(keys.shape[2])[None, None, :]
-        visible = key_pos <= positions[:, :, None]  # [B, S, max_seq]: causal
-        if c.sliding_window is not None:
-            visible &= key_pos > positions[:, :, None] - c.sliding_window
-        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("BKGST,BKTD->BSKGD", probs, values).reshape(b * s, c.q_size).astype(x.dtype)
+        else:
+            keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
+            out = _masked_attention(q, keys, values, positions, c.sliding_window)
+        out = out.reshape(b * s, c.q_size).astype(x.dtype)
         return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
 
 
