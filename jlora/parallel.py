@@ -68,12 +68,12 @@ class TensorParallel:
             kv_heads = sorted({q // group for q in heads})  # one copy each; several devices may share one
             assert len(kv_heads) == kv_l, (kv_heads, kv_l)
             q_cols.append(np.concatenate([np.arange(q * d, (q + 1) * d) for q in heads]))
-            k = np.concatenate([np.arange(j * d, (j + 1) * d) for j in kv_heads])
-            kv_cols.append((k, k))
-            gate_up += [np.arange(dev * inter_l, (dev + 1) * inter_l), inter + np.arange(dev * inter_l, (dev + 1) * inter_l)]
+            kv_cols.append(np.concatenate([np.arange(j * d, (j + 1) * d) for j in kv_heads]))  # same for k, v
+            own = np.arange(dev * inter_l, (dev + 1) * inter_l)
+            gate_up += [own, inter + own]
         q_size, kv_size = h * d, kv * d
-        qkv_perm = np.concatenate([np.concatenate([q, q_size + k, q_size + kv_size + v])
-                                   for q, (k, v) in zip(q_cols, kv_cols)])
+        qkv_perm = np.concatenate([np.concatenate([q, q_size + kv, q_size + kv_size + kv])
+                                   for q, kv in zip(q_cols, kv_cols)])
         local = dataclasses.replace(config, num_heads=h_l, num_kv_heads=kv_l, intermediate_size=inter_l)
         layout = dataclasses.replace(config, num_kv_heads=size * kv_l)
         return cls(Mesh(np.array(devices), (AXIS,)), config, local, layout, qkv_perm, np.concatenate(gate_up))
