@@ -35,7 +35,8 @@ def _read_requests(args) -> list[dict]:
                 raise ValueError(f"{args.prompts_file}:{n}: not JSON ({err})") from None
             if ("prompt" in req) == ("prompt_ids" in req):
                 raise ValueError(f"{args.prompts_file}:{n}: give exactly one of 'prompt' (text) or 'prompt_ids'")
-            requests.append({"prompt": req.get("prompt", req.get("prompt_ids")), "adapter": req.get("adapter", args.adapter)})
+            requests.append({"prompt": req.get("prompt", req.get("prompt_ids")),
+                             "adapter": req.get("adapter", args.adapter)})
     if not requests:
         raise ValueError(f"{args.prompts_file} holds no requests")
     return requests

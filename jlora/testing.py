@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 
 __all__ = ["tiny_config", "write_model", "write_adapter", "write_tokenizer", "merge_adapter"]
 
+
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
     """An HF config.json dict of a tiny model of the given type."""
     cfg = {

@@ -2,8 +2,8 @@
 
 One launch covers every slice (q 4096 | k 1024 | v 1024): the grid's column axis enumerates the blocks of
 all slices, and each program finds its slice from static block offsets. B is read only up to each slot's
-rank, in 16-column chunks (masked loads fetch nothing). The sum is written into `base`'s buffer (`input_output_aliases`),
-so rows of slot -1 tokens are never touched and there is no extra pass over [T, N].
+rank, in 16-column chunks (masked loads fetch nothing). The sum is written into `base`'s buffer
+(`input_output_aliases`), so rows of slot -1 tokens are never touched and there is no extra pass over [T, N].
 """
 
 from __future__ import annotations
