@@ -9,7 +9,8 @@ dispatch hides behind the GPU; the time is divided by the calls made. The floor 
 once, the used adapters' weights read once (only their rank rows), the output written (and read, when
 adding into it), over the copy bandwidth measured in the same run.
 
-  python bench/kernels.py [--quick] [--backends pallas,reference,ragged] [--out bench/results]
+  python bench/kernels.py [--quick] [--backends pallas,gather,reference,ragged] [--out bench/results]
+  python bench/kernels.py --crossover   # pallas vs gather on the model's decode projections, T = 16..256
   python bench/kernels.py --sweep shrink,expand,linear   # pallas tiles on the target rows (and the model's
                                                          # decode projections for linear); best per row
   python bench/kernels.py --profile   # the target rows' device kernel time from a profiler trace
@@ -161,9 +162,18 @@ def time_per_call(fn, *args) -> float:
     return statistics.median(samples)
 
 
-def cases(quick: bool):
-    if quick:
+GATHER_MAX_ROW = 256  # gather reads every token's weights: run it on decode rows only
+
+
+def cases(mode: str):
+    if mode == "quick":
         yield from ((op, t, n, r) for (op, t, n, r) in TARGETS)
+        return
+    if mode == "crossover":  # where "auto" should switch from gather to pallas (jlora.ops.GATHER_MAX_TOKENS)
+        for op in ("qkv_linear", "o_linear", "gate_up_linear", "down_linear"):
+            for tokens in (16, 32, 64, 128, 256):
+                for adapters in sorted({min(tokens, 8), min(tokens, 32)}):
+                    yield op, tokens, adapters, 16
         return
     for op in OPS:
         for rank in (16, 64):
@@ -250,29 +260,34 @@ def profile(rng) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the kernels issue's target rows")
+    parser.add_argument("--crossover", action="store_true",
+                        help="pallas vs gather on the model's decode projections at T = 16..256")
     parser.add_argument("--sweep", metavar="KINDS", help="time pallas tile settings on the target rows of "
                         "these op kinds (comma-separated: shrink,expand,linear)")
     parser.add_argument("--min-tokens", type=int, default=0, help="--sweep only rows with T >= this")
     parser.add_argument("--max-tokens", type=int, default=1 << 30, help="--sweep only rows with T <= this")
     parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")
-    parser.add_argument("--backends", default="pallas,reference,ragged")
+    parser.add_argument("--backends", default="pallas,gather,reference,ragged")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.sweep:
         return sweep(np.random.default_rng(0), args.sweep.split(","), args.min_tokens, args.max_tokens)
     if args.profile:
         return profile(np.random.default_rng(0))
-    backends = args.backends.split(",")
+    mode = "quick" if args.quick else "crossover" if args.crossover else "full"
+    backends = ["pallas", "gather"] if args.crossover else args.backends.split(",")
     bandwidth = copy_bandwidth()
     device = jax.devices()[0].device_kind
     print(f"# {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     rng = np.random.default_rng(0)
     rows: list[Row] = []
-    for op, tokens, adapters, rank in cases(args.quick):
+    for op, tokens, adapters, rank in cases(mode):
         kind, slices, slots, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
         info = make_info(slots, rank, row_tile(tokens))
         floor = nbytes / bandwidth
         for backend in backends:
+            if backend == "gather" and tokens > GATHER_MAX_ROW:
+                continue
             fn = make_fn(kind, slices, backend)
             try:
                 sec = time_per_call(fn, info, *inputs)
@@ -286,7 +301,7 @@ def main() -> None:
                   f"{r.device_us:9.1f} µs device, floor {r.floor_us:7.1f} µs ({r.floor_us / r.device_us:5.1%}) "
                   f"{r.gbps:7.0f} GB/s", flush=True)
         del inputs
-    write_results(rows, device, bandwidth, args.out, "quick" if args.quick else "full")
+    write_results(rows, device, bandwidth, args.out, mode)
 
 
 def write_results(rows: list[Row], device: str, bandwidth: float, out_dir: str, tag: str) -> None:
@@ -298,18 +313,18 @@ def write_results(rows: list[Row], device: str, bandwidth: float, out_dir: str, 
     by_key = {(r.op, r.tokens, r.adapters, r.rank, r.backend): r for r in rows}
     lines = [f"Device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, {SLOTS} slots; µs per call: "
              "device kernel time (profiler), wall time in parentheses.", "",
-             "| op | T | adapters | r | floor µs | pallas µs | floor / pallas | reference µs | ragged µs "
-             "| reference / pallas | best peer µs | target µs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | T | adapters | r | floor µs | pallas µs | floor / pallas | gather µs | reference µs "
+             "| ragged µs | reference / pallas | best peer µs | target µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in dict.fromkeys((r.op, r.tokens, r.adapters, r.rank) for r in rows):
         get = lambda b: by_key.get(key + (b,))
-        p, ref, rag = get("pallas"), get("reference"), get("ragged")
-        any_row = p or ref or rag
+        p, gat, ref, rag = get("pallas"), get("gather"), get("reference"), get("ragged")
+        any_row = p or gat or ref or rag
         peer, target = TARGETS.get(key, ("", ""))
         fmt = lambda r: f"{r.device_us:.1f} ({r.us:.1f})" if r else "—"
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {any_row.floor_us:.1f} | {fmt(p)} | "
-            f"{f'{p.floor_us / p.device_us:.0%}' if p else '—'} | {fmt(ref)} | {fmt(rag)} | "
+            f"{f'{p.floor_us / p.device_us:.0%}' if p else '—'} | {fmt(gat)} | {fmt(ref)} | {fmt(rag)} | "
             f"{f'{ref.device_us / p.device_us:.1f}x' if p and ref else '—'} | {peer} | {target} |"
         )
     table = "\n".join(lines)
@@ -329,11 +344,12 @@ def plot(rows: list[Row], bandwidth: float, path: str, device: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(12, 5))
     keys = list(dict.fromkeys((r.op, r.tokens, r.adapters, r.rank) for r in rows))
-    for i, backend in enumerate(("pallas", "reference", "ragged")):
+    names = ("pallas", "gather", "reference", "ragged")
+    for i, backend in enumerate(names):
         xs = [j for j, k in enumerate(keys) if any(r.backend == backend and (r.op, r.tokens, r.adapters, r.rank) == k
                                                    for r in rows)]
         ys = [r.gbps for k in keys for r in rows if r.backend == backend and (r.op, r.tokens, r.adapters, r.rank) == k]
-        ax.bar([x + (i - 1) * 0.27 for x in xs], ys, width=0.27, label=backend)
+        ax.bar([x + (i - 1.5) * 0.2 for x in xs], ys, width=0.2, label=backend)
     ax.axhline(bandwidth / 1e9, color="k", linestyle="--", label="copy bandwidth (floor)")
     ax.set_xticks(range(len(keys)), [f"{o} T={t} n={n} r={r}" for o, t, n, r in keys], rotation=75, fontsize=7)
     ax.set_ylabel("achieved GB/s (floor bytes / device time)")

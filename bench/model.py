@@ -5,7 +5,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
 2048 and 8192 tokens. The LoRA overhead is reported against the base step and against the floor
 `base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in the same run.
 
-  python bench/model.py [--quick] [--layers 32] [--out bench/results]
+  python bench/model.py [--quick] [--layers 32] [--backend auto] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
   python bench/model.py --profile [--tp 2]  # batch-32 decode step: device time by kernel vs wall time
 """
@@ -31,6 +31,7 @@ from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
 
 SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512
+BACKEND = "auto"  # the LoRA backend every call runs (--backend)
 
 
 def llama3_8b(layers: int) -> ModelConfig:
@@ -64,7 +65,7 @@ def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
 def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
     """Median seconds of one model call, STEPS calls dispatched back to back (cache threaded through)."""
     run = lambda c: forward(graphdef, state, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
-                            backend="auto", tp=tp)
+                            backend=BACKEND, tp=tp)
     logits, cache = run(cache)
     jax.block_until_ready(logits)
     samples = []
@@ -83,8 +84,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
     parser.add_argument("--profile", action="store_true", help="where a batch-32 decode step spends its time")
+    parser.add_argument("--backend", default="auto", help="LoRA backend (auto: gather at decode, pallas prefill)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
+    global BACKEND
+    BACKEND = args.backend
     config = llama3_8b(args.layers)
     device = jax.devices()[0].device_kind
     bandwidth = copy_bandwidth()
@@ -101,7 +105,7 @@ def main() -> None:
     ranks_tested = (16,) if args.quick else (16, 64)
     rows = []
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "model_quick" if args.quick else "model")
+    stem = os.path.join(args.out, "model" + "_quick" * args.quick + ("" if BACKEND == "auto" else f"_{BACKEND}"))
 
     def save() -> None:  # after every row, so a run cut short keeps what it measured
         with open(stem + ".json", "w") as f:
@@ -190,7 +194,7 @@ def profile(config, graphdef, state, degree: int, rank: int = 16) -> None:
         def steps():
             nonlocal cache
             for _ in range(STEPS):
-                logits, cache = forward(g, st, tokens, positions, cache, lw, sl, ranks, block_m=16, backend="auto",
+                logits, cache = forward(g, st, tokens, positions, cache, lw, sl, ranks, block_m=16, backend=BACKEND,
                                         tp=tp)
             return logits, cache
 

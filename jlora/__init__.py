@@ -5,7 +5,7 @@ One base model serves many LoRA adapters in the same batch, each token using its
 
 - `LoRABatchInfo`: the batch's static-shape metadata (tokens grouped by adapter slot, segments, ranks).
 - `lora_shrink`, `lora_expand`, `lora_linear`, `lora_embedding`: the multi-LoRA ops, each with
-  `backend=` in {"auto", "reference", "ragged", "pallas"}.
+  `backend=` in {"auto", "reference", "ragged", "gather", "pallas"}.
 - `Engine`: a Hugging Face Llama-family checkpoint plus PEFT adapters in device slots.
 """
 

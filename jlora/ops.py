@@ -2,11 +2,13 @@
 
 Semantics shared by every backend: token t with slot s >= 0 gets, per slice i,
 `scalings[s] * (x[t] @ A[s, i*R : i*R + r_s]ᵀ) @ B[s, slice_i, :r_s]ᵀ` added to `base[t, slice_i]`; slot -1
-tokens keep `base[t]`; rows and columns of a slot beyond its rank `r_s` contribute nothing, whatever the
-stored weights hold there.
+tokens keep `base[t]`; rows and columns of a slot beyond its rank `r_s` contribute nothing, whatever finite
+values the stored weights hold there.
 
-Backends: "reference" (one-hot einsum), "ragged" (`jax.lax.ragged_dot`), "pallas" (the kernels in
-`jlora.pallas`; on CPU they run in interpret mode) and "auto" (pallas on GPU, reference elsewhere).
+Backends: "reference" (one-hot einsum), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in plain
+jnp: each token reads its own slot's weights inside one fused XLA reduction), "pallas" (the segmented
+kernels in `jlora.pallas`; on CPU they run in interpret mode) and "auto": on GPU, gather for calls of at
+most `GATHER_MAX_TOKENS` tokens (decode) and pallas above; reference elsewhere.
 """
 
 from __future__ import annotations
@@ -20,19 +22,27 @@ import jax.numpy as jnp
 from jlora import pallas, reference
 from jlora.batch_info import LoRABatchInfo
 
-__all__ = ["Backend", "BACKENDS", "lora_shrink", "lora_expand", "lora_linear", "lora_embedding", "resolve_backend"]
+__all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKENS", "lora_shrink", "lora_expand", "lora_linear",
+           "lora_embedding", "resolve_backend"]
 
-Backend = Literal["auto", "reference", "ragged", "pallas"]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "pallas")
+Backend = Literal["auto", "reference", "ragged", "gather", "pallas"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "gather", "pallas")
+# "auto" runs calls of at most this many tokens through "gather" on GPU. Each token reads its slot's weights
+# itself, so the reads grow with T; the segmented kernels read each used slot once but pay a chain of
+# dependent loads per launch. H200, bf16, r=16 (bench/kernels.py --crossover): see the README's table.
+GATHER_MAX_TOKENS = 64
 
 
-def resolve_backend(backend: str) -> str:
-    """The backend that runs: "auto" is pallas on GPU and reference elsewhere."""
+def resolve_backend(backend: str, num_tokens: int | None = None) -> str:
+    """The backend that runs a call of `num_tokens` tokens: "auto" is gather (at most GATHER_MAX_TOKENS
+    tokens) or pallas on GPU, and reference elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return backend
+    if backend != "auto":
+        return backend
+    if jax.default_backend() != "gpu":
+        return "reference"
+    return "gather" if num_tokens is not None and num_tokens <= GATHER_MAX_TOKENS else "pallas"
 
 
 def _is_concrete(x: jax.Array) -> bool:
@@ -115,21 +125,22 @@ def lora_shrink(
       a: [L, S·R, K] stacked A weights (PEFT's `lora_A.weight` [r, K] per slice, zero-padded to R rows).
       info: the batch's `LoRABatchInfo` (T tokens, L slots).
       num_slices: S, the number of fused projections sharing x (3 for q|k|v).
-      backend: "auto", "reference", "ragged" or "pallas".
+      backend: "auto", "reference", "ragged", "gather" or "pallas".
 
     Returns:
       [T, S·R] in x.dtype: `scalings[slot] * x @ A[slot]ᵀ`, columns at or beyond the slot's rank 0,
       rows of slot -1 tokens 0.
     """
     _check_shrink(x, a, info, num_slices)
-    return _shrink(x, a, info, num_slices=num_slices, backend=resolve_backend(backend))
+    return _shrink(x, a, info, num_slices=num_slices, backend=resolve_backend(backend, x.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("num_slices", "backend"))
 def _shrink(x, a, info, *, num_slices, backend):
     if backend == "pallas":
         return pallas.shrink(x, a, info, num_slices=num_slices)
-    impl = reference.shrink_ragged if backend == "ragged" else reference.shrink_reference
+    impl = {"ragged": reference.shrink_ragged, "gather": reference.shrink_gather}.get(backend,
+                                                                                    reference.shrink_reference)
     return impl(x, a, info, num_slices=num_slices)
 
 
@@ -151,7 +162,7 @@ def lora_expand(
       info: the batch's `LoRABatchInfo`.
       base: [T, N] base-layer output.
       slice_sizes: static output widths (n_1, ..., n_S), summing to N; e.g. (4096, 1024, 1024) for q|k|v.
-      backend: "auto", "reference", "ragged" or "pallas".
+      backend: "auto", "reference", "ragged", "gather" or "pallas".
 
     Returns:
       [T, N] in base.dtype: `base + s_i @ B[slot, slice_i, :rank]ᵀ` per slice; slot -1 rows equal `base`.
@@ -159,14 +170,15 @@ def lora_expand(
     """
     slice_sizes = tuple(slice_sizes)
     _check_expand(s, b, info, base, slice_sizes)
-    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=resolve_backend(backend))
+    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=resolve_backend(backend, s.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
 def _expand(s, b, info, base, *, slice_sizes, backend):
     if backend == "pallas":
         return pallas.expand(s, b, info, base, slice_sizes=slice_sizes)
-    impl = reference.expand_ragged if backend == "ragged" else reference.expand_reference
+    impl = {"ragged": reference.expand_ragged, "gather": reference.expand_gather}.get(backend,
+                                                                                    reference.expand_reference)
     return impl(s, b, info, base, slice_sizes=slice_sizes)
 
 
@@ -188,7 +200,7 @@ def lora_linear(
       a: [L, S·R, K] and b: [L, N, R] stacked weights, S = len(slice_sizes).
       info: the batch's `LoRABatchInfo`.
       slice_sizes: static output widths of the fused projections, e.g. (q, k, v) or (gate, up).
-      backend: "auto", "reference", "ragged" or "pallas".
+      backend: "auto", "reference", "ragged", "gather" or "pallas".
 
     Returns:
       [T, N] in base.dtype, base plus each token's adapter delta.
@@ -200,7 +212,7 @@ def lora_linear(
     _check_expand(jax.ShapeDtypeStruct((x.shape[0], a.shape[1]), x.dtype), b, info, base, slice_sizes)
     if a.shape[1] // len(slice_sizes) != b.shape[2]:
         raise ValueError(f"A {a.shape} and B {b.shape} disagree on the max rank R")
-    return _linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=resolve_backend(backend))
+    return _linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=resolve_backend(backend, x.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
@@ -228,7 +240,7 @@ def lora_embedding(
       b_emb: [L, H, R] stacked `lora_embedding_B` (PEFT's [H, r]), zero-padded to R columns.
       info: the batch's `LoRABatchInfo`.
       base: [T, H] base embeddings of `token_ids`.
-      backend: "auto", "reference", "ragged" or "pallas" (the A side is a gather in every backend).
+      backend: "auto", "reference", "ragged", "gather" or "pallas" (the A side is a gather in every backend).
 
     Returns:
       [T, H] in base.dtype.
@@ -244,7 +256,8 @@ def lora_embedding(
     _check_same_dtype(A_emb=a_emb, B_emb=b_emb, base=base)
     s_spec = jax.ShapeDtypeStruct((base.shape[0], b_emb.shape[2]), base.dtype)
     _check_expand(s_spec, b_emb, info, base, (b_emb.shape[1],))
-    return _embedding(token_ids, a_emb, b_emb, info, base, backend=resolve_backend(backend))
+    return _embedding(token_ids, a_emb, b_emb, info, base,
+                      backend=resolve_backend(backend, base.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))

@@ -1,9 +1,12 @@
-"""Plain-jnp backends: `reference` (one-hot einsum) and `ragged` (`jax.lax.ragged_dot`).
+"""Plain-jnp backends: `reference` (one-hot einsum), `ragged` (`jax.lax.ragged_dot`) and `gather`.
 
-Both compute exactly the semantics of `jlora.ops` and are what a JAX user would write without custom
+All compute exactly the semantics of `jlora.ops` and are what a JAX user would write without custom
 kernels. The reference contracts every token against every slot's weights through a one-hot [T, L] matrix
-instead of gathering one weight matrix per token: the gather materializes [T, R, K] (13 GB for T=8192,
-R=192, K=4096 in bf16), while the one-hot form reads each slot's weights once and costs only arithmetic.
+instead of gathering one weight matrix per token: a materialized gather would be [T, R, K] (13 GB for
+T=8192, R=192, K=4096 in bf16), while the one-hot form reads each slot's weights once and costs only
+arithmetic. `gather` is Punica's BGMV for few tokens: every token reads its own slot's weights, written as
+an elementwise product and a sum, so XLA fuses the gather into the reduction and nothing [T, R, K] is
+materialized; it reads T copies of the weights (from L2 where tokens share a slot), so it suits decode.
 Arguments arrive checked by `jlora.ops`.
 """
 
@@ -14,7 +17,8 @@ import jax.numpy as jnp
 
 from jlora.batch_info import LoRABatchInfo
 
-__all__ = ["column_scale", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged"]
+__all__ = ["column_scale", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged",
+           "shrink_gather", "expand_gather"]
 
 _F32 = jnp.float32
 
@@ -93,3 +97,28 @@ def expand_ragged(
         for i, (start, stop) in enumerate(_slice_bounds(slice_sizes))
     ]
     return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+
+
+def shrink_gather(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
+    """`shrink_reference` as a batched gather-matvec: row t of [T, S·R] is x[t] @ A[slot(t)]ᵀ."""
+    rank = a.shape[1] // num_slices
+    slot = jnp.maximum(info.token_slot, 0)
+    y = jnp.sum(x.astype(_F32)[:, None, :] * a[slot].astype(_F32), axis=-1)  # [T, S·R]; a[slot] stays fused
+    scale = column_scale(info, rank, num_slices, scaled=True)
+    return jnp.where(scale != 0, y * scale, 0.0).astype(x.dtype)  # where: past-rank rows may hold anything
+
+
+def expand_gather(
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+) -> jax.Array:
+    """`expand_reference` as a batched gather-matvec: row t gets s_i[t] @ B[slot(t), slice_i]ᵀ per slice."""
+    num_tokens, rank = s.shape[0], b.shape[2]
+    keep = column_scale(info, rank, len(slice_sizes), scaled=False) != 0  # [T, S·R]
+    s = jnp.where(keep, s.astype(_F32), 0.0)
+    # Each output column n sees its slice's R values of s (and whether they are in rank): [T, N, R].
+    per_col = lambda v: jnp.concatenate(
+        [jnp.broadcast_to(v[:, None, i * rank : (i + 1) * rank], (num_tokens, n, rank))
+         for i, n in enumerate(slice_sizes)], axis=1)
+    b_rows = b[jnp.maximum(info.token_slot, 0)].astype(_F32)  # [T, N, R], fused into the sum
+    delta = jnp.sum(jnp.where(per_col(keep), per_col(s) * b_rows, 0.0), axis=-1)
+    return (base.astype(_F32) + delta).astype(base.dtype)

@@ -9,7 +9,7 @@ import jlora
 from jlora import LoRABatchInfo
 from tests.oracle import expand_np, rel_err, shrink_np
 
-BACKENDS = ["reference", "ragged", "pallas"]
+BACKENDS = ["reference", "ragged", "gather", "pallas"]
 DTYPES = [jnp.float32, jnp.bfloat16]
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 NUM_SLOTS, K, R = 4, 64, 16
@@ -144,6 +144,30 @@ def test_auto_backend_runs_and_agrees():
     auto = jlora.lora_linear(x, base, a, b, info, slice_sizes=(32,), backend="auto")
     ref = jlora.lora_linear(x, base, a, b, info, slice_sizes=(32,), backend="reference")
     np.testing.assert_allclose(auto, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_by_device_and_tokens(monkeypatch):
+    assert jlora.ops.resolve_backend("auto", 8) == "reference"  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    limit = jlora.ops.GATHER_MAX_TOKENS
+    assert [jlora.ops.resolve_backend("auto", t) for t in (1, limit, limit + 1, None)] == [
+        "gather", "gather", "pallas", "pallas"]
+    assert jlora.ops.resolve_backend("ragged", 1) == "ragged"
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        jlora.ops.resolve_backend("cuda", 1)
+
+
+@pytest.mark.parametrize("backend", ["gather", "pallas"])
+def test_unused_slots_never_reach_the_output(backend):
+    """NaN weights in a slot no token uses (slot 0, which slot -1 tokens would index if unmasked) stay out."""
+    rng = np.random.default_rng(13)
+    slots = np.array([1, 2, -1, 3, 1, -1, 3])
+    slice_sizes = (32, 16)
+    info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, jnp.float32, slice_sizes)
+    a, b = a.at[0].set(jnp.nan), b.at[0].set(jnp.nan)
+    out = jlora.lora_linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=backend)
+    y = shrink_np(xn, an, slots, RANKS, scal, 2)
+    check(out, expand_np(y, bn, slots, RANKS, basen, slice_sizes), jnp.float32, info, basen)
 
 
 def test_jitted_lora_linear_compiles_once_over_adapter_mixes():

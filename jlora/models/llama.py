@@ -9,9 +9,9 @@ The KV cache has static shapes, per layer [rows, kv_heads, max_seq, head_dim] (h
 layout the attention contractions read, so XLA never transposes the cache); a token at position p is stored
 at index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position
 p attends to cache indices <= p. A call may address any subset of cache rows (`rows`), which is how the
-engine prefills a new request into a free row while others are mid-generation. Decode calls (S = 1) under
-the pallas backend run attention in `jlora.pallas.decode_attention`, which reads each request's cache row
-only up to its position; everything else, and every other backend, uses XLA's masked contractions.
+engine prefills a new request into a free row while others are mid-generation. Decode calls (S = 1) on GPU
+(or under an explicit "pallas" backend) run attention in `jlora.pallas.decode_attention`, which reads each
+request's cache row only up to its position; everything else uses XLA's masked contractions.
 """
 
 from __future__ import annotations
@@ -116,6 +116,14 @@ def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: Laye
     s = lora_shrink(x, group.a[name], lora.info, backend=lora.backend)
     base, s = jax.lax.psum((base, s), reduce_axis)
     return lora_expand(s, group.b[name], lora.info, base, slice_sizes=slice_sizes, backend=lora.backend)
+
+
+def _kernel_attention(backend: str) -> bool:
+    """Whether decode attention runs in the Pallas kernel: on GPU under the GPU backends ("auto", "gather",
+    "pallas"), and under an explicit "pallas" anywhere (interpret mode on CPU); reference and ragged keep
+    XLA's contractions."""
+    resolve_backend(backend)  # rejects unknown names
+    return backend == "pallas" or (backend in ("auto", "gather") and jax.default_backend() == "gpu")
 
 
 def _masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
@@ -248,7 +256,7 @@ class Transformer(nnx.Module):
           info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
           valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.
           rows: [B] int cache row of each request (default: row b, with R = B).
-          backend: the LoRA ops' backend; under "pallas" (what "auto" picks on GPU) decode calls (S = 1)
+          backend: the LoRA ops' backend; on GPU (and under an explicit "pallas") decode calls (S = 1)
             also run attention in the Pallas decode-attention kernel.
           reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
             row-parallel over (`jlora.parallel`); None on one device.
@@ -265,7 +273,7 @@ class Transformer(nnx.Module):
         if ctx is not None:
             x = lora_embedding(flat, lora.embed_a, lora.embed_b, info, x, backend=backend)
         inv_freq = rope_frequencies(self.config)
-        attention_kernel = (s == 1 and resolve_backend(backend) == "pallas"
+        attention_kernel = (s == 1 and _kernel_attention(backend)
                             and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
