@@ -112,13 +112,13 @@ def expand_gather(
     s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
 ) -> jax.Array:
     """`expand_reference` as a batched gather-matvec: row t gets s_i[t] @ B[slot(t), slice_i]ᵀ per slice."""
-    num_tokens, rank = s.shape[0], b.shape[2]
+    rank = b.shape[2]
     keep = column_scale(info, rank, len(slice_sizes), scaled=False) != 0  # [T, S·R]
     s = jnp.where(keep, s.astype(_F32), 0.0)
-    # Each output column n sees its slice's R values of s (and whether they are in rank): [T, N, R].
-    per_col = lambda v: jnp.concatenate(
-        [jnp.broadcast_to(v[:, None, i * rank : (i + 1) * rank], (num_tokens, n, rank))
-         for i, n in enumerate(slice_sizes)], axis=1)
-    b_rows = b[jnp.maximum(info.token_slot, 0)].astype(_F32)  # [T, N, R], fused into the sum
-    delta = jnp.sum(jnp.where(per_col(keep), per_col(s) * b_rows, 0.0), axis=-1)
-    return (base.astype(_F32) + delta).astype(base.dtype)
+    slot = jnp.maximum(info.token_slot, 0)
+    deltas = []
+    for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):  # one fused reduction per slice
+        cols = slice(i * rank, (i + 1) * rank)
+        b_rows = b[:, start:stop, :][slot].astype(_F32)  # [T, n_i, R], fused into the sum
+        deltas.append(jnp.sum(jnp.where(keep[:, None, cols], s[:, None, cols] * b_rows, 0.0), axis=-1))
+    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)

@@ -45,7 +45,7 @@ def compare(tp: int, kv_heads: int, backend: str) -> None:
 
 @pytest.mark.parametrize(
     "tp, kv_heads, backend",
-    [(4, 4, "reference"), (4, 2, "reference"), (4, 1, "reference"), (2, 8, "ragged"), (2, 2, "pallas")],
+    [(4, 4, "reference"), (4, 2, "reference"), (4, 1, "gather"), (2, 8, "ragged"), (2, 2, "pallas")],
 )
 def test_tensor_parallel_matches_single_device(tp, kv_heads, backend):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=ROOT,
