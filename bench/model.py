@@ -226,8 +226,8 @@ def tensor_parallel(config, graphdef, state, degrees, bandwidth, device, out_dir
               f"x{r['lora_vs_floor']:.2f} of floor; speed-up vs TP=1 {rows[0]['lora_ms'] / r['lora_ms']:.2f}x "
               f"(base {rows[0]['base_ms'] / r['base_ms']:.2f}x)", flush=True)
         del lora, cache, st
-    with open(os.path.join(out_dir, "model_tp.json"), "w") as f:
-        json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
+        with open(os.path.join(out_dir, "model_tp.json"), "w") as f:  # after every degree: a cut run keeps them
+            json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
 
 
 def plot(rows, path: str, device: str) -> None:
