@@ -5,7 +5,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
 2048 and 8192 tokens. The LoRA overhead is reported against the base step and against the floor
 `base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in the same run.
 
-  python bench/model.py [--quick] [--layers 32] [--backend auto] [--out bench/results]
+  python bench/model.py [--quick] [--layers 32] [--backend auto] [--batches 1,8,32,64] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
   python bench/model.py --profile [--tp 2]  # batch-32 decode step: device time by kernel vs wall time
 """
@@ -81,10 +81,11 @@ def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, rank
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch 32 decode and T=2048 prefill only")
+    parser.add_argument("--batches", default="1,8,32,64", help="decode batch sizes (prefill runs with 32)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
     parser.add_argument("--profile", action="store_true", help="where a batch-32 decode step spends its time")
-    parser.add_argument("--backend", default="auto", help="LoRA backend (auto: gather at decode, pallas prefill)")
+    parser.add_argument("--backend", default="auto", help="LoRA backend (auto: gather for decode, pallas above)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     global BACKEND
@@ -101,7 +102,7 @@ def main() -> None:
     if args.tp:
         return tensor_parallel(config, graphdef, state, [int(t) for t in args.tp.split(",")], bandwidth, device,
                                args.out)
-    batches = (32,) if args.quick else (1, 8, 32, 64)
+    batches = (32,) if args.quick else tuple(int(b) for b in args.batches.split(","))
     ranks_tested = (16,) if args.quick else (16, 64)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -159,9 +160,10 @@ def main() -> None:
 
     # The target row (batch 32) first, then prefill, then the other batch sizes, so a run cut short by a
     # time limit keeps the most important figures (every row is saved as it is measured).
-    decode(32)
-    for total in (2048,) if args.quick else (2048, 8192):
-        prefill(total)
+    if 32 in batches:
+        decode(32)
+        for total in (2048,) if args.quick else (2048, 8192):
+            prefill(total)
     for batch in [b for b in batches if b != 32]:
         decode(batch)
 

@@ -155,8 +155,8 @@ class Engine:
           max_loras: adapter slots on the device.
           max_lora_rank: the largest adapter rank accepted.
           dtype: "bfloat16", "float16" or "float32"; default bfloat16 on GPU, float32 elsewhere.
-          backend: the LoRA ops' backend ("auto": on GPU gather for decode, pallas for prefill; reference
-            elsewhere).
+          backend: the LoRA ops' backend ("auto": on GPU gather for small calls, tokens x rank <= 1024,
+            i.e. decode, and pallas above; reference elsewhere).
           evict: when the pool is full, "lru" evicts the least recently used idle adapter; "refuse" raises.
           max_batch: cache rows decoding together in `generate`.
           max_seq_len: the longest prompt + generation accepted.

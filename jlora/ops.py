@@ -7,8 +7,8 @@ values the stored weights hold there.
 
 Backends: "reference" (one-hot einsum), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in plain
 jnp: each token reads its own slot's weights inside one fused XLA reduction), "pallas" (the segmented
-kernels in `jlora.pallas`; on CPU they run in interpret mode) and "auto": on GPU, gather for calls of at
-most `GATHER_MAX_TOKENS` tokens (decode) and pallas above; reference elsewhere.
+kernels in `jlora.pallas`; on CPU they run in interpret mode) and "auto": on GPU, gather for calls whose
+tokens x max rank is at most `GATHER_MAX_TOKEN_RANK` (decode) and pallas above; reference elsewhere.
 """
 
 from __future__ import annotations
@@ -22,27 +22,29 @@ import jax.numpy as jnp
 from jlora import pallas, reference
 from jlora.batch_info import LoRABatchInfo
 
-__all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKENS", "lora_shrink", "lora_expand", "lora_linear",
+__all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKEN_RANK", "lora_shrink", "lora_expand", "lora_linear",
            "lora_embedding", "resolve_backend"]
 
 Backend = Literal["auto", "reference", "ragged", "gather", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "gather", "pallas")
-# "auto" runs calls of at most this many tokens through "gather" on GPU. Each token reads its slot's weights
-# itself, so the reads grow with T; the segmented kernels read each used slot once but pay a chain of
-# dependent loads per launch. H200, bf16, r=16 (bench/kernels.py --crossover): see the README's table.
-GATHER_MAX_TOKENS = 64
+# "auto" runs a call through "gather" on GPU when T x R (tokens x the weight stack's max rank) is at most
+# this. Each token reads its own slot's weights, so gather's reads grow with T·R; the segmented kernels read
+# each used slot once but pay a chain of dependent loads per launch. On an H200 in bf16 gather wins up to
+# T=64 at R=16 (bench/kernels.py --crossover) and loses end to end at T=64, R=64 (bench/model.py).
+GATHER_MAX_TOKEN_RANK = 1024
 
 
-def resolve_backend(backend: str, num_tokens: int | None = None) -> str:
-    """The backend that runs a call of `num_tokens` tokens: "auto" is gather (at most GATHER_MAX_TOKENS
-    tokens) or pallas on GPU, and reference elsewhere."""
+def resolve_backend(backend: str, num_tokens: int | None = None, rank: int | None = None) -> str:
+    """The backend that runs a call of `num_tokens` tokens on weights of max rank `rank`: "auto" is gather
+    (T·R <= GATHER_MAX_TOKEN_RANK) or pallas on GPU, and reference elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
     if jax.default_backend() != "gpu":
         return "reference"
-    return "gather" if num_tokens is not None and num_tokens <= GATHER_MAX_TOKENS else "pallas"
+    small = num_tokens is not None and rank is not None and num_tokens * rank <= GATHER_MAX_TOKEN_RANK
+    return "gather" if small else "pallas"
 
 
 def _is_concrete(x: jax.Array) -> bool:
@@ -132,7 +134,8 @@ def lora_shrink(
       rows of slot -1 tokens 0.
     """
     _check_shrink(x, a, info, num_slices)
-    return _shrink(x, a, info, num_slices=num_slices, backend=resolve_backend(backend, x.shape[0]))
+    return _shrink(x, a, info, num_slices=num_slices,
+                   backend=resolve_backend(backend, x.shape[0], a.shape[1] // num_slices))
 
 
 @functools.partial(jax.jit, static_argnames=("num_slices", "backend"))
@@ -170,7 +173,8 @@ def lora_expand(
     """
     slice_sizes = tuple(slice_sizes)
     _check_expand(s, b, info, base, slice_sizes)
-    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=resolve_backend(backend, s.shape[0]))
+    return _expand(s, b, info, base, slice_sizes=slice_sizes,
+                   backend=resolve_backend(backend, s.shape[0], b.shape[2]))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
@@ -212,7 +216,8 @@ def lora_linear(
     _check_expand(jax.ShapeDtypeStruct((x.shape[0], a.shape[1]), x.dtype), b, info, base, slice_sizes)
     if a.shape[1] // len(slice_sizes) != b.shape[2]:
         raise ValueError(f"A {a.shape} and B {b.shape} disagree on the max rank R")
-    return _linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=resolve_backend(backend, x.shape[0]))
+    return _linear(x, base, a, b, info, slice_sizes=slice_sizes,
+                   backend=resolve_backend(backend, x.shape[0], b.shape[2]))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
@@ -257,7 +262,7 @@ def lora_embedding(
     s_spec = jax.ShapeDtypeStruct((base.shape[0], b_emb.shape[2]), base.dtype)
     _check_expand(s_spec, b_emb, info, base, (b_emb.shape[1],))
     return _embedding(token_ids, a_emb, b_emb, info, base,
-                      backend=resolve_backend(backend, base.shape[0]))
+                      backend=resolve_backend(backend, base.shape[0], b_emb.shape[2]))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))

@@ -148,11 +148,12 @@ def test_auto_backend_runs_and_agrees():
 
 def test_auto_backend_by_device_and_tokens(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert jlora.ops.resolve_backend("auto", 8) == "reference"
+    assert jlora.ops.resolve_backend("auto", 8, 16) == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    limit = jlora.ops.GATHER_MAX_TOKENS
-    assert [jlora.ops.resolve_backend("auto", t) for t in (1, limit, limit + 1, None)] == [
-        "gather", "gather", "pallas", "pallas"]
+    limit = jlora.ops.GATHER_MAX_TOKEN_RANK
+    calls = [(1, 16), (limit // 16, 16), (limit // 16 + 1, 16), (limit // 64, 64), (limit // 64 + 1, 64), (8, None)]
+    assert [jlora.ops.resolve_backend("auto", t, r) for t, r in calls] == [
+        "gather", "gather", "pallas", "gather", "pallas", "pallas"]
     assert jlora.ops.resolve_backend("ragged", 1) == "ragged"
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         jlora.ops.resolve_backend("cuda", 1)
