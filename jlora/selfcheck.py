@@ -47,7 +47,7 @@ def run_selfcheck(seed: int = 0) -> bool:
           f"{int((token_slot < 0).sum())} base-only tokens")
     print(f"{'backend':10s} {'dtype':9s} {'rel err':>9s} {'tol':>6s} {'ms':>8s}  check")
     ok = True
-    for backend in ("reference", "ragged", "pallas"):
+    for backend in ("reference", "ragged", "gather", "pallas"):
         for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
             args = [jnp.asarray(v, dtype) for v in (x, base, a, b)]
             jax.block_until_ready(lora_linear(*args, info, slice_sizes=slice_sizes, backend=backend))  # compile
