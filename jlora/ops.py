@@ -32,6 +32,11 @@ BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "gather", "pallas")
 # each used slot once but pay a chain of dependent loads per launch. On an H200 in bf16 gather wins up to
 # T=64 at R=16 (bench/kernels.py --crossover) and loses end to end at T=64, R=64 (bench/model.py).
 GATHER_MAX_TOKEN_RANK = 1024
+# The plain-jnp backends' implementations (pallas dispatches to jlora.pallas).
+_JNP_SHRINK = {"reference": reference.shrink_reference, "ragged": reference.shrink_ragged,
+               "gather": reference.shrink_gather}
+_JNP_EXPAND = {"reference": reference.expand_reference, "ragged": reference.expand_ragged,
+               "gather": reference.expand_gather}
 
 
 def resolve_backend(backend: str, num_tokens: int | None = None, rank: int | None = None) -> str:
@@ -142,9 +147,7 @@ def lora_shrink(
 def _shrink(x, a, info, *, num_slices, backend):
     if backend == "pallas":
         return pallas.shrink(x, a, info, num_slices=num_slices)
-    impl = {"ragged": reference.shrink_ragged, "gather": reference.shrink_gather}.get(backend,
-                                                                                    reference.shrink_reference)
-    return impl(x, a, info, num_slices=num_slices)
+    return _JNP_SHRINK[backend](x, a, info, num_slices=num_slices)
 
 
 def lora_expand(
@@ -181,9 +184,7 @@ def lora_expand(
 def _expand(s, b, info, base, *, slice_sizes, backend):
     if backend == "pallas":
         return pallas.expand(s, b, info, base, slice_sizes=slice_sizes)
-    impl = {"ragged": reference.expand_ragged, "gather": reference.expand_gather}.get(backend,
-                                                                                    reference.expand_reference)
-    return impl(s, b, info, base, slice_sizes=slice_sizes)
+    return _JNP_EXPAND[backend](s, b, info, base, slice_sizes=slice_sizes)
 
 
 def lora_linear(
