@@ -169,7 +169,7 @@ def cases(mode: str):
     if mode == "quick":
         yield from ((op, t, n, r) for (op, t, n, r) in TARGETS)
         return
-    if mode == "crossover":  # where "auto" should switch from gather to pallas (jlora.ops.GATHER_MAX_TOKENS)
+    if mode == "crossover":  # where "auto" should switch from gather to pallas (jlora.ops.GATHER_MAX_TOKEN_RANK)
         for op in ("qkv_linear", "o_linear", "gate_up_linear", "down_linear"):
             for tokens in (16, 32, 64, 128, 256):
                 for adapters in sorted({min(tokens, 8), min(tokens, 32)}):
