@@ -72,8 +72,8 @@ class TensorParallel:
             own = np.arange(dev * inter_l, (dev + 1) * inter_l)
             gate_up += [own, inter + own]
         q_size, kv_size = h * d, kv * d
-        qkv_perm = np.concatenate([np.concatenate([q, q_size + kv, q_size + kv_size + kv])
-                                   for q, kv in zip(q_cols, kv_cols)])
+        qkv_perm = np.concatenate([np.concatenate([q, q_size + k_or_v, q_size + kv_size + k_or_v])
+                                   for q, k_or_v in zip(q_cols, kv_cols)])
         local = dataclasses.replace(config, num_heads=h_l, num_kv_heads=kv_l, intermediate_size=inter_l)
         layout = dataclasses.replace(config, num_kv_heads=size * kv_l)
         return cls(Mesh(np.array(devices), (AXIS,)), config, local, layout, qkv_perm, np.concatenate(gate_up))

@@ -1,11 +1,16 @@
-"""Pieces both kernels use."""
+"""Pieces the kernels share."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dot_precision", "segment_rows"]
+__all__ = ["dot_dim", "dot_precision", "segment_rows"]
+
+
+def dot_dim(n: int) -> int:
+    """The smallest power of two >= max(n, 16): what a `dot` dimension must be under the Triton lowering."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m: int) -> jax.Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jlora.pallas.common import dot_dim
 from jlora.pallas.config import pow2_divisor
 
 __all__ = ["decode_attention", "decode_attention_supported"]
@@ -88,7 +89,7 @@ def decode_attention(
     """
     batch, kv, groups, d = q.shape
     max_seq = k_cache.shape[2]
-    gp = max(16, 1 << (groups - 1).bit_length())
+    gp = dot_dim(groups)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
     kernel = functools.partial(_kernel, block_t=_block_t(max_seq), scale=1 / math.sqrt(d), window=window)
     out = pl.pallas_call(

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jlora.batch_info import LoRABatchInfo
+from jlora.pallas.common import dot_dim
 from jlora.pallas.config import ExpandConfig, ShrinkConfig
 from jlora.pallas.expand import expand as _expand
 from jlora.pallas.shrink import shrink_partials
@@ -20,7 +21,7 @@ __all__ = ["kernel_rank", "supported", "shrink", "expand", "linear"]
 
 def kernel_rank(rank: int) -> int:
     """The rank the kernels run at: the next power of two >= max(rank, 16)."""
-    return max(16, 1 << (rank - 1).bit_length())
+    return dot_dim(rank)
 
 
 def supported(k: int | None, slice_sizes: tuple[int, ...], block_m: int) -> str | None:
