@@ -62,10 +62,15 @@ def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
     return used * per_slot + tokens * lora.embed_a.shape[1] * 2
 
 
+def model_step(graphdef, state, tokens, positions, lora, token_slot, ranks, block_m, tp=None):
+    """cache -> (logits, cache): one jitted model call on these inputs."""
+    return lambda c: forward(graphdef, state, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
+                             backend=BACKEND, tp=tp)
+
+
 def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
     """Median seconds of one model call, STEPS calls dispatched back to back (cache threaded through)."""
-    run = lambda c: forward(graphdef, state, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
-                            backend=BACKEND, tp=tp)
+    run = model_step(graphdef, state, tokens, positions, lora, token_slot, ranks, block_m, tp)
     logits, cache = run(cache)
     jax.block_until_ready(logits)
     samples = []
@@ -192,12 +197,12 @@ def profile(config, graphdef, state, degree: int, rank: int = 16) -> None:
     for name, (lw, sl, ranks) in (("base", no_lora),
                                   (f"{SLOTS} adapters r={rank}", (lora, slots, jnp.full(SLOTS, rank, jnp.int32)))):
         sec, cache = time_steps(g, st, tokens, positions, cache, lw, sl, ranks, 16, tp)
+        run = model_step(g, st, tokens, positions, lw, sl, ranks, 16, tp)
 
         def steps():
             nonlocal cache
             for _ in range(STEPS):
-                logits, cache = forward(g, st, tokens, positions, cache, lw, sl, ranks, block_m=16, backend=BACKEND,
-                                        tp=tp)
+                logits, cache = run(cache)
             return logits, cache
 
         kernels = trace_kernels(steps)
