@@ -13,8 +13,10 @@ Layout (every device runs the same model code on its shard, built from a *local*
 
 LoRA follows vLLM's fully sharded LoRA: for the column-parallel layers A is replicated (every device computes
 the small [T, S·R] shrink) and B is split along its output rows like the base weight; for the row-parallel
-layers A is split along its input dim, the partial [T, R] shrink results are summed with a `psum` (R values
-per token instead of H), and the expand with the replicated B adds into the all-reduced base output. The
+layers A is split along its input dim and B is replicated. vLLM all-reduces the partial [T, R] shrink results
+before the expand; here each device expands its own partial shrink into its partial base output (the expand
+is linear in the shrink), so the layer's one all-reduce of the base output carries the LoRA deltas too and
+LoRA adds no collective (the expand's work is the same: every device expanded the full N either way). The
 Pallas kernels run per shard inside `shard_map`.
 """
 

@@ -26,7 +26,7 @@ from flax import nnx
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights
-from jlora.ops import lora_embedding, lora_expand, lora_linear, lora_shrink, resolve_backend
+from jlora.ops import lora_embedding, lora_linear, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
 
 __all__ = ["KVCache", "Transformer", "rope_frequencies"]
@@ -100,22 +100,16 @@ def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: Laye
                slice_sizes: tuple[int, ...], reduce_axis: str | None = None) -> jax.Array:
     """The projection's output [T, N], plus its adapters' deltas when LoRA is on.
 
-    With `reduce_axis` the layer is row-parallel under tensor parallelism: x and the weights' input rows
-    (and A's input columns) are this device's shard, so the base output and the small [T, R] shrink are
-    summed over the axis before the expand adds the delta.
+    With `reduce_axis` the layer is row-parallel under tensor parallelism: x, the weight's input rows and A's
+    input columns are this device's shard. The expand is linear in the shrink, so each device expands its
+    partial [T, R] shrink (B is replicated) into its partial output, and the layer's one all-reduce sums
+    base and deltas together: LoRA adds no collective.
     """
-    base = proj(x)
-    if reduce_axis is None:
-        if lora is None:
-            return base
-        return lora_linear(x, base, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
-                           backend=lora.backend)
-    if lora is None:
-        return jax.lax.psum(base, reduce_axis)
-    # One all-reduce carries both partial sums: the base output and the small [T, R] shrink.
-    s = lora_shrink(x, group.a[name], lora.info, backend=lora.backend)
-    base, s = jax.lax.psum((base, s), reduce_axis)
-    return lora_expand(s, group.b[name], lora.info, base, slice_sizes=slice_sizes, backend=lora.backend)
+    out = proj(x)
+    if lora is not None:
+        out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
+                          backend=lora.backend)
+    return out if reduce_axis is None else jax.lax.psum(out, reduce_axis)
 
 
 def _kernel_attention(backend: str) -> bool:
