@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from common import copy_bandwidth, trace_kernels
-from jlora.engine import forward
+from jlora.engine import ModelDef, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights
@@ -41,13 +43,13 @@ def llama3_8b(layers: int) -> ModelConfig:
                        tie_word_embeddings=False, sliding_window=None)
 
 
-def random_model(config: ModelConfig):
+def random_model(config: ModelConfig) -> tuple[ModelDef, list[jax.Array]]:
     abstract = nnx.eval_shape(lambda: Transformer(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     keys = iter(jax.random.split(jax.random.key(0), 4096))
     filled = [(path, type(v)((jax.random.normal(next(keys), v.shape, jnp.float32) * 0.02).astype(jnp.bfloat16)))
               for path, v in nnx.to_flat_state(state)]
-    return graphdef, nnx.from_flat_state(filled)
+    return ModelDef.split(graphdef, nnx.from_flat_state(filled))
 
 
 def random_lora(config: ModelConfig, rank: int) -> LoRAWeights:
@@ -62,15 +64,15 @@ def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
     return used * per_slot + tokens * lora.embed_a.shape[1] * 2
 
 
-def model_step(graphdef, state, tokens, positions, lora, token_slot, ranks, block_m, tp=None):
+def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp=None):
     """cache -> (logits, cache): one jitted model call on these inputs."""
-    return lambda c: forward(graphdef, state, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
+    return lambda c: forward(model_def, params, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
                              backend=BACKEND, tp=tp)
 
 
-def time_steps(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
+def time_steps(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
     """Median seconds of one model call, STEPS calls dispatched back to back (cache threaded through)."""
-    run = model_step(graphdef, state, tokens, positions, lora, token_slot, ranks, block_m, tp)
+    run = model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp)
     logits, cache = run(cache)
     jax.block_until_ready(logits)
     samples = []
@@ -100,12 +102,12 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"# {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; Llama-3-8B shape, {args.layers} layers, bf16",
           flush=True)
-    graphdef, state = random_model(config)
+    model_def, params = random_model(config)
     rng = np.random.default_rng(0)
     if args.profile:
-        return profile(config, graphdef, state, int(args.tp or 1))
+        return profile(config, model_def, params, int(args.tp or 1))
     if args.tp:
-        return tensor_parallel(config, graphdef, state, [int(t) for t in args.tp.split(",")], bandwidth, device,
+        return tensor_parallel(config, model_def, params, [int(t) for t in args.tp.split(",")], bandwidth, device,
                                args.out)
     batches = (32,) if args.quick else tuple(int(b) for b in args.batches.split(","))
     ranks_tested = (16,) if args.quick else (16, 64)
@@ -136,13 +138,13 @@ def main() -> None:
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32)
         positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
         no_slots = jnp.zeros(SLOTS, jnp.int32)
-        base, cache = time_steps(graphdef, state, tokens, positions, cache, None, jnp.full(batch, -1), no_slots, 16)
+        base, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(batch, -1), no_slots, 16)
         record("decode", batch, batch, 0, 0, base, base)
         for rank in ranks_tested:
             lora = random_lora(config, rank)
             for adapters in (a for a in (1, 8, 32) if a <= batch):
                 slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
-                sec, cache = time_steps(graphdef, state, tokens, positions, cache, lora, slots,
+                sec, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
                                         jnp.full(SLOTS, rank, jnp.int32), 16)
                 record("decode", batch, batch, rank, adapters, sec, base, lora)
             del lora
@@ -153,12 +155,12 @@ def main() -> None:
         cache = KVCache.zeros(config, batch, seq, jnp.bfloat16)
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq)), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-        base, cache = time_steps(graphdef, state, tokens, positions, cache, None, jnp.full(total, -1),
+        base, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(total, -1),
                                  jnp.zeros(SLOTS, jnp.int32), 64)
         record("prefill", batch, total, 0, 0, base, base)
         lora = random_lora(config, 16)
         slots = jnp.repeat(jnp.arange(batch) % SLOTS, seq).astype(jnp.int32)
-        sec, cache = time_steps(graphdef, state, tokens, positions, cache, lora, slots,
+        sec, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
                                 jnp.full(SLOTS, 16, jnp.int32), 64)
         record("prefill", batch, total, 16, min(batch, SLOTS), sec, base, lora)
         del lora, cache
@@ -173,29 +175,35 @@ def main() -> None:
         decode(batch)
 
 
-def setup(config, graphdef, state, degree: int, rank: int = 16, batch: int = 32):
-    """The batch-32 decode inputs at one TP degree: (graphdef, state, lora, cache, tokens, positions, slots, tp)."""
+def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 32):
+    """The batch-32 decode inputs at one TP degree: (model_def, params, cache, tokens, positions, cases, tp), with
+    cases = {"base": (None, slots, ranks), "lora": (LoRA weights, slots, ranks)} (32 distinct adapters).
+
+    Under TP every input is placed on the mesh first (the small ones replicated), so steps time the model,
+    not a copy of uncommitted inputs from device 0 to the others on every call.
+    """
     tp = TensorParallel.create(config, degree) if degree > 1 else None
-    g, st = (graphdef, state) if tp is None else tp.shard_model(nnx.merge(graphdef, state))
+    g, st = (model_def, params) if tp is None else ModelDef.split(*tp.shard_model(model_def.merge(params)), tp)
     layout = config if tp is None else tp.layout
     lora = random_lora(layout, rank)
     lora = lora if tp is None else tp.shard_lora(lora)
     cache = KVCache.zeros(layout, batch, 2 * CONTEXT, jnp.bfloat16)
     cache = cache if tp is None else jax.device_put(cache, tp.cache_sharding())
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
-    positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
-    slots = jnp.arange(batch, dtype=jnp.int32) % SLOTS
-    return g, st, lora, cache, tokens, positions, slots, tp
+    place = (lambda x: x) if tp is None else (lambda x: jax.device_put(x, NamedSharding(tp.mesh, P())))
+    tokens = place(jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32))
+    positions = place(jnp.full((batch, 1), CONTEXT, jnp.int32))
+    cases = {"base": (None, place(jnp.full(batch, -1, jnp.int32)), place(jnp.zeros(SLOTS, jnp.int32))),
+             "lora": (lora, place(jnp.arange(batch, dtype=jnp.int32) % SLOTS), place(jnp.full(SLOTS, rank, jnp.int32)))}
+    return g, st, cache, tokens, positions, cases, tp
 
 
-def profile(config, graphdef, state, degree: int, rank: int = 16) -> None:
+def profile(config, model_def, params, degree: int, rank: int = 16) -> None:
     """Batch-32 decode at one TP degree, base and 32 distinct r=16 adapters: wall time per step, device kernel
     time per step and GPU (the sum of kernel durations in a profiler trace; wall well above it means the GPUs
     wait on the host or on each other) and the kernels that take the most of it."""
-    g, st, lora, cache, tokens, positions, slots, tp = setup(config, graphdef, state, degree, rank)
-    no_lora = (None, jnp.full(slots.shape, -1), jnp.zeros(SLOTS, jnp.int32))
-    for name, (lw, sl, ranks) in (("base", no_lora),
-                                  (f"{SLOTS} adapters r={rank}", (lora, slots, jnp.full(SLOTS, rank, jnp.int32)))):
+    g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank)
+    for name, (lw, sl, ranks) in cases.items():
+        name = name if lw is None else f"{SLOTS} adapters r={rank}"
         sec, cache = time_steps(g, st, tokens, positions, cache, lw, sl, ranks, 16, tp)
         run = model_step(g, st, tokens, positions, lw, sl, ranks, 16, tp)
 
@@ -215,16 +223,16 @@ def profile(config, graphdef, state, degree: int, rank: int = 16) -> None:
                   f"{kname[:90]}", flush=True)
 
 
-def tensor_parallel(config, graphdef, state, degrees, bandwidth, device, out_dir) -> None:
+def tensor_parallel(config, model_def, params, degrees, bandwidth, device, out_dir) -> None:
     """Batch-32 decode of the base model and with 32 distinct r=16 adapters at each TP degree."""
     batch, rank, rows = 32, 16, []
     os.makedirs(out_dir, exist_ok=True)
     for degree in degrees:
-        g, st, lora, cache, tokens, positions, slots, tp = setup(config, graphdef, state, degree, rank)
-        base, cache = time_steps(g, st, tokens, positions, cache, None, jnp.full(slots.shape, -1),
-                                 jnp.zeros(SLOTS, jnp.int32), 16, tp)
-        sec, cache = time_steps(g, st, tokens, positions, cache, lora, slots, jnp.full(SLOTS, rank, jnp.int32), 16, tp)
-        floor = base + adapter_bytes(lora, SLOTS, slots.shape[0]) / (degree * bandwidth)
+        g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank)
+        base, cache = time_steps(g, st, tokens, positions, cache, *cases["base"], 16, tp)
+        sec, cache = time_steps(g, st, tokens, positions, cache, *cases["lora"], 16, tp)
+        lora = cases["lora"][0]
+        floor = base + adapter_bytes(lora, SLOTS, batch) / (degree * bandwidth)
         rows.append(dict(tp=degree, base_ms=base * 1e3, lora_ms=sec * 1e3, base_tokens_per_s=batch / base,
                          lora_tokens_per_s=batch / sec, lora_overhead=sec / base, lora_vs_floor=sec / floor))
         r = rows[-1]
@@ -232,7 +240,7 @@ def tensor_parallel(config, graphdef, state, degrees, bandwidth, device, out_dir
               f"{r['lora_ms']:.2f} ms ({r['lora_tokens_per_s']:.0f} tok/s), LoRA x{r['lora_overhead']:.2f} of base, "
               f"x{r['lora_vs_floor']:.2f} of floor; speed-up vs TP=1 {rows[0]['lora_ms'] / r['lora_ms']:.2f}x "
               f"(base {rows[0]['base_ms'] / r['base_ms']:.2f}x)", flush=True)
-        del lora, cache, st
+        del lora, cases, cache, st
         with open(os.path.join(out_dir, "model_tp.json"), "w") as f:  # after every degree: a cut run keeps them
             json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
 

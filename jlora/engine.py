@@ -1,8 +1,8 @@
 """`Engine`: a base model from a Hugging Face directory plus PEFT adapters in device slots, and generation.
 
-The model runs as one jitted pure function of (graphdef, state, batch, cache, adapter weights); the batch's
-`LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading adapters
-never recompiles. Prompt lengths and batch sizes are padded to power-of-two buckets, which bound the
+The model runs as one jitted pure function of (model definition, parameters, batch, cache, adapter weights);
+the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading
+adapters never recompiles. Prompt lengths and batch sizes are padded to power-of-two buckets, which bound the
 compilations: one decode step per (rows, max_seq) and one prefill per (admitted requests, prompt length).
 
 Generation is continuously batched: `max_batch` cache rows decode together; a finished request frees its
@@ -33,7 +33,7 @@ from jlora.models.loading import load_model
 from jlora.parallel import TensorParallel
 from jlora.sampling import sample_tokens
 
-__all__ = ["Engine", "Generation", "bucket"]
+__all__ = ["Engine", "Generation", "ModelDef", "bucket", "forward", "generate_step"]
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -47,41 +47,67 @@ def row_tile(num_tokens: int) -> int:
     return 16 if num_tokens <= 256 else 64
 
 
-def _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelDef:
+    """The static half of a split model, for the jitted calls: its nnx graph, the tree structure of its
+    parameters and, under tensor parallelism, their PartitionSpecs.
+
+    The parameters travel as a flat list of arrays and this object is hashed by identity: flattening an
+    `nnx.State` runs Python for every parameter, and hashing a GraphDef walks the whole graph, which together
+    cost milliseconds of host time on every call (more than the GPU step under tensor parallelism).
+    """
+
+    graphdef: nnx.GraphDef
+    treedef: jax.tree_util.PyTreeDef
+    specs: tuple[P, ...] | None = None  # one per parameter leaf, under tensor parallelism
+
+    @staticmethod
+    def split(graphdef: nnx.GraphDef, state: nnx.State, tp: TensorParallel | None = None
+              ) -> tuple[ModelDef, list[jax.Array]]:
+        """(definition, parameter leaves) of a model split by `nnx.split` (or `TensorParallel.shard_model`)."""
+        leaves, treedef = jax.tree.flatten(state)
+        specs = None if tp is None else tuple(jax.tree.leaves(tp.state_specs(state),
+                                                               is_leaf=lambda x: isinstance(x, P)))
+        return ModelDef(graphdef, treedef, specs), leaves
+
+    def merge(self, params: Sequence[jax.Array]) -> Transformer:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+
+
+def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
                 valid=None, rows=None, tp: TensorParallel | None = None):
     """The model on one device, or under `shard_map` over the tensor-parallel mesh."""
-    def run(state, tokens, positions, cache, lora, token_slot, ranks, valid, rows):
-        model = nnx.merge(graphdef, state)
+    def run(params, tokens, positions, cache, lora, token_slot, ranks, valid, rows):
         info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
-        return model(tokens, positions, cache, lora, info, valid=valid, rows=rows, backend=backend,
-                     reduce_axis=None if tp is None else parallel.AXIS)
+        return model_def.merge(params)(tokens, positions, cache, lora, info, valid=valid, rows=rows,
+                                       backend=backend, reduce_axis=None if tp is None else parallel.AXIS)
 
-    args = (state, tokens, positions, cache, lora, token_slot, ranks, valid, rows)
+    args = (params, tokens, positions, cache, lora, token_slot, ranks, valid, rows)
     if tp is None:
         return run(*args)
     rep = P()
     cache_spec = KVCache(tp.cache_spec, tp.cache_spec)
-    in_specs = (tp.state_specs(state), rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
+    in_specs = (list(model_def.specs), rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
                 None if valid is None else rep, None if rows is None else rep)
     return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(rep, cache_spec), check_vma=False)(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend", "tp"), donate_argnames=("cache",))
-def forward(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int, backend: str,
-            tp: TensorParallel | None = None):
+@functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp"), donate_argnames=("cache",))
+def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int,
+            backend: str, tp: TensorParallel | None = None):
     """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache)."""
-    return _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp)
+    return _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "block_m", "backend", "tp"), donate_argnames=("cache",))
-def generate_step(graphdef, state, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks, key,
-                  temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None):
+@functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp"), donate_argnames=("cache",))
+def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks,
+                  key, temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None):
     """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
     (None: row b) and samples each request's next token from its position `last` [B].
 
     Returns (next tokens [B] int32, cache).
     """
-    logits, cache = _model_call(graphdef, state, tokens, positions, cache, lora, token_slot, ranks, block_m,
+    logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
                                 backend, valid, rows, tp)
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     return sample_tokens(logits, key, temperature, top_p), cache
@@ -139,7 +165,8 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.tokenizer = tokenizer
         self.tp = TensorParallel.create(self.config, tensor_parallel) if tensor_parallel > 1 else None
-        self.graphdef, self.state = nnx.split(model) if self.tp is None else self.tp.shard_model(model)
+        graphdef, state = nnx.split(model) if self.tp is None else self.tp.shard_model(model)
+        self.model_def, self.params = ModelDef.split(graphdef, state, self.tp)
         self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
                                 evict=evict, tp=self.tp)
 
@@ -221,9 +248,8 @@ class Engine:
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays; returns (logits [B, S, V] f32, cache)."""
-        return forward(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(positions), cache,
-                       self.pool.weights, jnp.asarray(token_slot), jnp.asarray(self.pool.ranks),
-                       block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
+        return forward(self.model_def, self.params, tokens, positions, cache, self.pool.weights, token_slot,
+                       self.pool.ranks.copy(), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
         """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
@@ -358,9 +384,10 @@ class Engine:
         return cache
 
     def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, temperature, top_p):
+        # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
+        # (a jnp.asarray would land on device 0 first).
         next_tokens, cache = generate_step(
-            self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid),
-            None if rows is None else jnp.asarray(rows), jnp.asarray(last), cache, self.pool.weights,
-            jnp.asarray(token_slot), jnp.asarray(self.pool.ranks), key, jnp.asarray(temperature),
-            jnp.asarray(top_p), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
+            self.model_def, self.params, tokens, positions, valid, rows, last, cache, self.pool.weights,
+            token_slot, self.pool.ranks.copy(), key, temperature, top_p, block_m=row_tile(tokens.size),
+            backend=self.backend, tp=self.tp)
         return np.asarray(next_tokens), cache
