@@ -71,18 +71,21 @@ def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, bl
 
 
 def time_steps(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
-    """Median seconds of one model call, STEPS calls dispatched back to back (cache threaded through)."""
+    """(wall, dispatch, cache): median seconds per model call with STEPS calls dispatched back to back (cache
+    threaded through), and the host's share of it: seconds per call until the dispatch loop returns. A
+    dispatch close to the wall time means the host, not the GPU, sets the pace."""
     run = model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp)
     logits, cache = run(cache)
     jax.block_until_ready(logits)
-    samples = []
+    walls, dispatches = [], []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
         for _ in range(STEPS):
             logits, cache = run(cache)
+        dispatches.append((time.perf_counter() - t0) / STEPS)
         jax.block_until_ready((logits, cache))
-        samples.append((time.perf_counter() - t0) / STEPS)
-    return statistics.median(samples), cache
+        walls.append((time.perf_counter() - t0) / STEPS)
+    return statistics.median(walls), statistics.median(dispatches), cache
 
 
 def main() -> None:
@@ -138,13 +141,14 @@ def main() -> None:
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32)
         positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
         no_slots = jnp.zeros(SLOTS, jnp.int32)
-        base, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(batch, -1), no_slots, 16)
+        base, _, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(batch, -1), no_slots,
+                                    16)
         record("decode", batch, batch, 0, 0, base, base)
         for rank in ranks_tested:
             lora = random_lora(config, rank)
             for adapters in (a for a in (1, 8, 32) if a <= batch):
                 slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
-                sec, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
+                sec, _, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
                                         jnp.full(SLOTS, rank, jnp.int32), 16)
                 record("decode", batch, batch, rank, adapters, sec, base, lora)
             del lora
@@ -155,12 +159,12 @@ def main() -> None:
         cache = KVCache.zeros(config, batch, seq, jnp.bfloat16)
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq)), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-        base, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(total, -1),
+        base, _, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(total, -1),
                                  jnp.zeros(SLOTS, jnp.int32), 64)
         record("prefill", batch, total, 0, 0, base, base)
         lora = random_lora(config, 16)
         slots = jnp.repeat(jnp.arange(batch) % SLOTS, seq).astype(jnp.int32)
-        sec, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
+        sec, _, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
                                 jnp.full(SLOTS, 16, jnp.int32), 64)
         record("prefill", batch, total, 16, min(batch, SLOTS), sec, base, lora)
         del lora, cache
@@ -204,7 +208,7 @@ def profile(config, model_def, params, degree: int, rank: int = 16) -> None:
     g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank)
     for name, (lw, sl, ranks) in cases.items():
         name = name if lw is None else f"{SLOTS} adapters r={rank}"
-        sec, cache = time_steps(g, st, tokens, positions, cache, lw, sl, ranks, 16, tp)
+        sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, lw, sl, ranks, 16, tp)
         run = model_step(g, st, tokens, positions, lw, sl, ranks, 16, tp)
 
         def steps():
@@ -216,7 +220,8 @@ def profile(config, model_def, params, degree: int, rank: int = 16) -> None:
         kernels = trace_kernels(steps)
         per_step = STEPS * degree
         busy = sum(map(sum, kernels.values())) / per_step
-        print(f"PROFILE TP={degree} {name}: wall {sec * 1e3:.2f} ms per step, device kernels {busy / 1e3:.2f} ms "
+        print(f"PROFILE TP={degree} {name}: wall {sec * 1e3:.2f} ms per step (host dispatch {dispatch * 1e3:.2f}), "
+              f"device kernels {busy / 1e3:.2f} ms "
               f"per step and GPU, {sum(map(len, kernels.values())) / per_step:.0f} kernels", flush=True)
         for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:40]:
             print(f"  {sum(d) / per_step / 1e3:7.3f} ms  x{len(d) / per_step:5.0f}  {sum(d) / len(d):8.1f} µs  "
@@ -229,17 +234,19 @@ def tensor_parallel(config, model_def, params, degrees, bandwidth, device, out_d
     os.makedirs(out_dir, exist_ok=True)
     for degree in degrees:
         g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank)
-        base, cache = time_steps(g, st, tokens, positions, cache, *cases["base"], 16, tp)
-        sec, cache = time_steps(g, st, tokens, positions, cache, *cases["lora"], 16, tp)
+        base, base_dispatch, cache = time_steps(g, st, tokens, positions, cache, *cases["base"], 16, tp)
+        sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, *cases["lora"], 16, tp)
         lora = cases["lora"][0]
         floor = base + adapter_bytes(lora, SLOTS, batch) / (degree * bandwidth)
-        rows.append(dict(tp=degree, base_ms=base * 1e3, lora_ms=sec * 1e3, base_tokens_per_s=batch / base,
+        rows.append(dict(tp=degree, base_ms=base * 1e3, lora_ms=sec * 1e3, base_dispatch_ms=base_dispatch * 1e3,
+                         lora_dispatch_ms=dispatch * 1e3, base_tokens_per_s=batch / base,
                          lora_tokens_per_s=batch / sec, lora_overhead=sec / base, lora_vs_floor=sec / floor))
         r = rows[-1]
         print(f"TP={degree}: base {r['base_ms']:.2f} ms ({r['base_tokens_per_s']:.0f} tok/s), 32 adapters r=16 "
               f"{r['lora_ms']:.2f} ms ({r['lora_tokens_per_s']:.0f} tok/s), LoRA x{r['lora_overhead']:.2f} of base, "
               f"x{r['lora_vs_floor']:.2f} of floor; speed-up vs TP=1 {rows[0]['lora_ms'] / r['lora_ms']:.2f}x "
-              f"(base {rows[0]['base_ms'] / r['base_ms']:.2f}x)", flush=True)
+              f"(base {rows[0]['base_ms'] / r['base_ms']:.2f}x); host dispatch per step {r['base_dispatch_ms']:.2f} / "
+              f"{r['lora_dispatch_ms']:.2f} ms", flush=True)
         del lora, cases, cache, st
         with open(os.path.join(out_dir, "model_tp.json"), "w") as f:  # after every degree: a cut run keeps them
             json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
