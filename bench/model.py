@@ -187,7 +187,7 @@ def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 3
     not a copy of uncommitted inputs from device 0 to the others on every call.
     """
     tp = TensorParallel.create(config, degree) if degree > 1 else None
-    g, st = (model_def, params) if tp is None else ModelDef.split(*tp.shard_model(model_def.merge(params)), tp)
+    g, st = (model_def, params) if tp is None else ModelDef.split(*tp.shard_model(model_def.merge(params)))
     layout = config if tp is None else tp.layout
     lora = random_lora(layout, rank)
     lora = lora if tp is None else tp.shard_lora(lora)

@@ -49,8 +49,8 @@ def row_tile(num_tokens: int) -> int:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelDef:
-    """The static half of a split model, for the jitted calls: its nnx graph, the tree structure of its
-    parameters and, under tensor parallelism, their PartitionSpecs.
+    """The static half of a split model, for the jitted calls: its nnx graph and the tree structure of its
+    parameters.
 
     The parameters travel as a flat list of arrays and this object is hashed by identity: flattening an
     `nnx.State` runs Python for every parameter, and hashing a GraphDef walks the whole graph; together they
@@ -60,20 +60,20 @@ class ModelDef:
 
     graphdef: nnx.GraphDef
     treedef: jax.tree_util.PyTreeDef
-    specs: tuple[P, ...] | None = None  # one per parameter leaf, under tensor parallelism
 
     @staticmethod
-    def split(graphdef: nnx.GraphDef, state: nnx.State, tp: TensorParallel | None = None
-              ) -> tuple[ModelDef, list[jax.Array]]:
+    def split(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[ModelDef, list[jax.Array]]:
         """(definition, parameter leaves) of a model split by `nnx.split` (or `TensorParallel.shard_model`)."""
         leaves, treedef = jax.tree.flatten(state)
-        specs = None if tp is None else tuple(jax.tree.leaves(tp.state_specs(state),
-                                                               is_leaf=lambda x: isinstance(x, P)))
-        return ModelDef(graphdef, treedef, specs), leaves
+        return ModelDef(graphdef, treedef), leaves
+
+    def state(self, params: Sequence) -> nnx.State:
+        """The parameter leaves as the model's nnx.State."""
+        return jax.tree.unflatten(self.treedef, params)
 
     def merge(self, params: Sequence[jax.Array]) -> Transformer:
         """The model with these parameter leaves (inside a jitted call: no copies)."""
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+        return nnx.merge(self.graphdef, self.state(params))
 
 
 def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
@@ -89,7 +89,8 @@ def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, tok
         return run(*args)
     rep = P()
     cache_spec = KVCache(tp.cache_spec, tp.cache_spec)
-    in_specs = (list(model_def.specs), rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
+    param_specs = jax.tree.leaves(tp.state_specs(model_def.state(params)), is_leaf=lambda x: isinstance(x, P))
+    in_specs = (param_specs, rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
                 None if valid is None else rep, None if rows is None else rep)
     return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(rep, cache_spec), check_vma=False)(*args)
 
@@ -168,7 +169,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.tp = TensorParallel.create(self.config, tensor_parallel) if tensor_parallel > 1 else None
         graphdef, state = nnx.split(model) if self.tp is None else self.tp.shard_model(model)
-        self.model_def, self.params = ModelDef.split(graphdef, state, self.tp)
+        self.model_def, self.params = ModelDef.split(graphdef, state)
         self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
                                 evict=evict, tp=self.tp)
 
