@@ -8,6 +8,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
   python bench/model.py [--quick] [--layers 32] [--backend auto] [--batches 1,8,32,64] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
   python bench/model.py --profile [--tp 2]  # batch-32 decode step: device time by kernel vs wall time
+  python bench/model.py --engine        # Engine.generate end to end: ms per decode step against the bare step
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -26,11 +28,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import copy_bandwidth, trace_kernels
-from jlora.engine import ModelDef, forward
+from jlora.engine import Engine, ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
+from jlora.testing import write_adapter
 
 SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512
 BACKEND = "auto"  # the LoRA backend every call runs (--backend)
@@ -95,6 +98,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
     parser.add_argument("--profile", action="store_true", help="where a batch-32 decode step spends its time")
+    parser.add_argument("--engine", action="store_true", help="Engine.generate end to end against the bare step")
     parser.add_argument("--backend", default="auto", help="LoRA backend (auto: gather for decode, pallas above)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -109,6 +113,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if args.profile:
         return profile(config, model_def, params, int(args.tp or 1))
+    if args.engine:
+        return engine_throughput(config, model_def, params, bandwidth, device, args.out)
     if args.tp:
         return tensor_parallel(config, model_def, params, [int(t) for t in args.tp.split(",")], bandwidth, device,
                                args.out)
@@ -250,6 +256,55 @@ def tensor_parallel(config, model_def, params, degrees, bandwidth, device, out_d
         del lora, cases, cache, st
         with open(os.path.join(out_dir, "model_tp.json"), "w") as f:  # after every degree: a cut run keeps them
             json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
+
+
+def engine_throughput(config, model_def, params, bandwidth, device, out_dir, prompt_len: int = 128,
+                      new_tokens: int = 128, rank: int = 16) -> None:
+    """`Engine.generate` for 32 requests (prompts of `prompt_len` random tokens, `new_tokens` greedy tokens
+    each), base model and 32 distinct r=16 adapters loaded through the PEFT path: decode ms per step (the
+    time of a `new_tokens` run less that of a 1-token run, which is the prefill, over the extra steps) against
+    the bare jitted step at the same batch and mid-generation position, which sets the pace the engine can
+    reach."""
+    batch, rows = 32, []
+    engine = Engine(model_def.merge(params), max_loras=SLOTS, max_lora_rank=rank, dtype=jnp.bfloat16,
+                    max_batch=batch, max_seq_len=prompt_len + new_tokens)
+    hf = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+              num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+              num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    with tempfile.TemporaryDirectory() as adapter_dir:  # one random adapter, loaded into every slot
+        write_adapter(adapter_dir, hf, r=rank, alpha=2 * rank, seed=0, target_modules=modules)
+        for i in range(SLOTS):
+            engine.load_adapter(f"a{i}", adapter_dir)
+    prompts = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt_len)).tolist()
+    cache = KVCache.zeros(config, batch, bucket(prompt_len + new_tokens, 16), jnp.bfloat16)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    positions = jnp.full((batch, 1), prompt_len + new_tokens // 2, jnp.int32)
+    for name, adapters, lora, slots in (
+            ("base", [None] * batch, None, jnp.full(batch, -1, jnp.int32)),
+            (f"{SLOTS} adapters r={rank}", [f"a{i}" for i in range(batch)], engine.pool.weights,
+             jnp.arange(batch, dtype=jnp.int32) % SLOTS)):
+        def run(n: int) -> float:
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, adapters, max_new_tokens=n)
+            assert all(len(o) == n for o in out), "a request stopped early"
+            return time.perf_counter() - t0
+
+        run(2)  # compiles the prefill and decode buckets
+        prefill = statistics.median(run(1) for _ in range(3))
+        total = statistics.median(run(new_tokens) for _ in range(3))
+        step = (total - prefill) / (new_tokens - 1)
+        bare, _, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
+                                    jnp.asarray(engine.pool.ranks), 16)
+        rows.append(dict(case=name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                         engine_step_ms=step * 1e3, bare_step_ms=bare * 1e3, engine_vs_bare=step / bare,
+                         decode_tokens_per_s=batch / step, generate_s=total))
+        print(f"engine {name}: {step * 1e3:.2f} ms per decode step ({batch / step:.0f} tok/s), bare jitted step "
+              f"{bare * 1e3:.2f} ms: engine x{step / bare:.2f}; generate({batch} x {new_tokens} tokens) {total:.2f} s",
+              flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "model_engine.json"), "w") as f:
+        json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
 
 
 def plot(rows, path: str, device: str) -> None:
