@@ -102,18 +102,21 @@ def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_s
     return _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp)
 
 
-@functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"),
+                   donate_argnames=("cache",))
 def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks,
-                  key, temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None):
+                  key, temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None,
+                  nucleus: bool = False):
     """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
-    (None: row b) and samples each request's next token from its position `last` [B].
+    (None: row b) and samples each request's next token from its position `last` [B] (`nucleus`: see
+    `sample_tokens`).
 
     Returns (next tokens [B] int32, cache).
     """
     logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
                                 backend, valid, rows, tp)
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
-    return sample_tokens(logits, key, temperature, top_p), cache
+    return sample_tokens(logits, key, temperature, top_p, nucleus=nucleus), cache
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -325,9 +328,17 @@ class Engine:
         return [Generation(r.out, decode(r.out), r.finish) for r in requests]
 
     def _run_batched(self, requests: list[_Request], stop: set[int], seed: int, progress) -> None:
-        """The continuous-batching loop: admit waiting requests into free rows, decode all rows a step."""
+        """The continuous-batching loop: admit waiting requests into free rows, decode all rows a step.
+
+        Decode steps are pipelined: step n+1 is dispatched, its input tokens being step n's output still on
+        the device, before the host reads step n's tokens, so the host's work (dispatch, bookkeeping, the
+        device-to-host copy) overlaps the device's. A request that ends at step n (a stop token) was already
+        given to step n+1; that token is dropped and its cache write is never read. Admissions wait for the
+        step in flight, since they need every row's state.
+        """
         num_rows = bucket(min(len(requests), self.max_batch))
         max_seq = bucket(max(len(r.prompt) + r.max_new for r in requests), 16)
+        nucleus = any(r.temperature > 0 and r.top_p < 1 for r in requests)
         cache = self.new_cache(num_rows, max_seq)
         waiting = collections.deque(requests)
         running: list[_Request | None] = [None] * num_rows
@@ -335,6 +346,7 @@ class Engine:
         last_token = np.zeros(num_rows, np.int32)
         key = jax.random.key(seed)
         step = 0
+        in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens, its rows)
 
         def finish(row: int, token: int) -> None:
             r = running[row]
@@ -347,30 +359,53 @@ class Engine:
             else:
                 last_token[row] = token
 
+        def collect() -> None:  # reads the step in flight and records its tokens
+            nonlocal in_flight
+            tokens, rows = np.asarray(in_flight[0]), in_flight[1]
+            in_flight = None
+            live = [row for row in rows if running[row] is not None]  # not ended by the step before
+            for row in live:
+                finish(row, int(tokens[row]))
+            if progress:
+                progress(len(live))
+
         while waiting or any(running):
             free = [row for row in range(num_rows) if running[row] is None]
             if waiting and free:
+                if in_flight is not None:
+                    collect()
+                    continue
                 admitted = [(row, waiting.popleft()) for row in free[: len(waiting)]]
-                cache = self._prefill_rows(admitted, cache, jax.random.fold_in(key, step), finish, running, position)
+                cache = self._prefill_rows(admitted, cache, jax.random.fold_in(key, step), finish, running, position,
+                                           nucleus)
                 step += 1
                 if progress:
                     progress(len(admitted))
                 continue
-            active = np.array([r is not None for r in running])
+            pending = set() if in_flight is None else set(in_flight[1].tolist())
+            rows = np.array([row for row, r in enumerate(running)
+                             if r is not None and len(r.out) + (row in pending) < r.max_new], np.int64)
+            if rows.size == 0:  # every running request completes with the step in flight
+                collect()
+                continue
+            active = np.zeros(num_rows, bool)
+            active[rows] = True
             slots = np.array([r.slot if r is not None else -1 for r in running], np.int32)
             temps = np.array([r.temperature if r is not None else 0.0 for r in running], np.float32)
             top_ps = np.array([r.top_p if r is not None else 1.0 for r in running], np.float32)
-            tokens, cache = self._step(last_token[:, None], np.where(active, position, 0)[:, None], active[:, None],
-                                       None, np.zeros(num_rows, np.int32), cache, slots,
-                                       jax.random.fold_in(key, step), temps, top_ps)
+            last = last_token[:, None] if in_flight is None else in_flight[0][:, None]  # on the device
+            tokens, cache = self._step(last, np.where(active, position, 0)[:, None], active[:, None], None,
+                                       np.zeros(num_rows, np.int32), cache, slots, jax.random.fold_in(key, step),
+                                       temps, top_ps, nucleus)
             step += 1
-            for row in np.flatnonzero(active):
-                position[row] += 1
-                finish(row, int(tokens[row]))
-            if progress:
-                progress(int(active.sum()))
+            position[rows] += 1
+            if in_flight is not None:
+                collect()  # while the step just dispatched runs
+            in_flight = (tokens, rows)
+        if in_flight is not None:  # tokens of requests that all ended on the step before
+            collect()
 
-    def _prefill_rows(self, admitted, cache, key, finish, running, position):
+    def _prefill_rows(self, admitted, cache, key, finish, running, position, nucleus):
         """Prefills admitted requests into their cache rows and records each one's first token."""
         tokens, positions, slots, valid = pack_prompts([r.prompt for _, r in admitted], [r.slot for _, r in admitted])
         n = tokens.shape[0]
@@ -379,18 +414,19 @@ class Engine:
         for i, (row, r) in enumerate(admitted):
             rows[i], last[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.temperature, r.top_p
         next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), key, temps,
-                                        top_ps)
+                                        top_ps, nucleus)
+        next_tokens = np.asarray(next_tokens)
         for i, (row, r) in enumerate(admitted):
             running[row] = r
             position[row] = len(r.prompt)
             finish(row, int(next_tokens[i]))
         return cache
 
-    def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, temperature, top_p):
+    def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, temperature, top_p, nucleus):
+        """Dispatches one generate_step; returns (next tokens [B] on the device, cache)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first).
-        next_tokens, cache = generate_step(
+        return generate_step(
             self.model_def, self.params, tokens, positions, valid, rows, last, cache, self.pool.weights,
             token_slot, self.pool.ranks.copy(), key, temperature, top_p, block_m=row_tile(tokens.size),
-            backend=self.backend, tp=self.tp)
-        return np.asarray(next_tokens), cache
+            backend=self.backend, tp=self.tp, nucleus=nucleus)

@@ -51,11 +51,16 @@ def test_pallas_backend_generates_the_same(engine):
     assert [list(o) for o in out] == [list(r) for r in ref]
 
 
-def test_stop_tokens(engine):
-    full = engine.generate(PROMPTS[:2], ADAPTERS[:2], max_new_tokens=6)
-    stop = full[0][2]
-    out = engine.generate(PROMPTS[:2], ADAPTERS[:2], max_new_tokens=6, stop_token_ids=[stop])
-    assert list(out[0]) == list(full[0][: full[0].index(stop)]) and out[0].finish_reason == "stop"
+def test_stop_tokens_with_continuous_batching(engine):
+    # 5 requests on 2 rows; two of them stop early, so rows free up while a decode step is in flight (the
+    # engine pipelines steps): the token decoded past a stop must be dropped and the next request admitted.
+    full = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=6)
+    stops = {full[0][2], full[1][1]}
+    out = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=6, stop_token_ids=sorted(stops))
+    for o, f in zip(out, full):
+        cut = next((i for i, t in enumerate(f) if t in stops), None)
+        assert list(o) == list(f[:cut]) and o.finish_reason == ("length" if cut is None else "stop")
+    assert out[0].finish_reason == out[1].finish_reason == "stop"
 
 
 def test_sampling_is_seeded(engine):
