@@ -3,7 +3,9 @@
 The model runs as one jitted pure function of (model definition, parameters, batch, cache, adapter weights);
 the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading
 adapters never recompiles. Prompt lengths and batch sizes are padded to power-of-two buckets, which bound the
-compilations: one decode step per (rows, max_seq) and one prefill per (admitted requests, prompt length).
+compilations: one decode step per (rows, max_seq) and one prefill per (admitted requests, prompt length), each
+with and without the LoRA ops (a batch of base-model requests only skips them), and with the top-p sort only
+when a request asks for it.
 
 Generation is continuously batched: `max_batch` cache rows decode together; a finished request frees its
 row and the next waiting request is prefilled into it, so throughput holds with mixed lengths. Requests
@@ -425,8 +427,10 @@ class Engine:
     def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, temperature, top_p, nucleus):
         """Dispatches one generate_step; returns (next tokens [B] on the device, cache)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
-        # (a jnp.asarray would land on device 0 first).
+        # (a jnp.asarray would land on device 0 first). A batch of base-model requests only runs without the
+        # LoRA ops (a second compiled variant): with every slot -1 they would add nothing at full cost.
+        lora = self.pool.weights if (token_slot >= 0).any() else None
         return generate_step(
-            self.model_def, self.params, tokens, positions, valid, rows, last, cache, self.pool.weights,
+            self.model_def, self.params, tokens, positions, valid, rows, last, cache, lora,
             token_slot, self.pool.ranks.copy(), key, temperature, top_p, block_m=row_tile(tokens.size),
             backend=self.backend, tp=self.tp, nucleus=nucleus)
