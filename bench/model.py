@@ -8,7 +8,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
   python bench/model.py [--quick] [--layers 32] [--backend auto] [--batches 1,8,32,64] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
   python bench/model.py --profile [--tp 2]  # batch-32 decode step: device time by kernel vs wall time
-  python bench/model.py --engine        # Engine.generate end to end: ms per decode step against the bare step
+  python bench/model.py --engine [--tp 1,2]  # Engine.generate end to end: ms per decode step vs the bare step
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ def main() -> None:
     if args.profile:
         return profile(config, model_def, params, int(args.tp or 1))
     if args.engine:
-        return engine_throughput(config, model_def, params, bandwidth, device, args.out)
+        for degree in (args.tp or "1").split(","):
+            engine_throughput(config, model_def, params, bandwidth, device, args.out, int(degree))
+        return
     if args.tp:
         return tensor_parallel(config, model_def, params, [int(t) for t in args.tp.split(",")], bandwidth, device,
                                args.out)
@@ -258,16 +260,16 @@ def tensor_parallel(config, model_def, params, degrees, bandwidth, device, out_d
             json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
 
 
-def engine_throughput(config, model_def, params, bandwidth, device, out_dir, prompt_len: int = 128,
+def engine_throughput(config, model_def, params, bandwidth, device, out_dir, degree: int = 1, prompt_len: int = 128,
                       new_tokens: int = 128, rank: int = 16) -> None:
     """`Engine.generate` for 32 requests (prompts of `prompt_len` random tokens, `new_tokens` greedy tokens
-    each), base model and 32 distinct r=16 adapters loaded through the PEFT path: decode ms per step (the
-    time of a `new_tokens` run less that of a 1-token run, which is the prefill, over the extra steps) against
-    the bare jitted step at the same batch and mid-generation position, which sets the pace the engine can
-    reach."""
+    each), base model and 32 distinct r=16 adapters loaded through the PEFT path, on `degree` GPUs: decode ms
+    per step (the time of a `new_tokens` run less that of a 1-token run, which is the prefill, over the extra
+    steps) against the bare jitted step at the same batch and mid-generation position, which sets the pace
+    the engine can reach."""
     batch, rows = 32, []
     engine = Engine(model_def.merge(params), max_loras=SLOTS, max_lora_rank=rank, dtype=jnp.bfloat16,
-                    max_batch=batch, max_seq_len=prompt_len + new_tokens)
+                    max_batch=batch, max_seq_len=prompt_len + new_tokens, tensor_parallel=degree)
     hf = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
               num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
               num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim)
@@ -277,13 +279,13 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, pro
         for i in range(SLOTS):
             engine.load_adapter(f"a{i}", adapter_dir)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt_len)).tolist()
-    cache = KVCache.zeros(config, batch, bucket(prompt_len + new_tokens, 16), jnp.bfloat16)
-    tokens = jnp.zeros((batch, 1), jnp.int32)
-    positions = jnp.full((batch, 1), prompt_len + new_tokens // 2, jnp.int32)
+    cache = engine.new_cache(batch, bucket(prompt_len + new_tokens, 16))
+    tokens = np.zeros((batch, 1), np.int32)  # host arrays, as the engine passes them
+    positions = np.full((batch, 1), prompt_len + new_tokens // 2, np.int32)
     for name, adapters, lora, slots in (
-            ("base", [None] * batch, None, jnp.full(batch, -1, jnp.int32)),
+            ("base", [None] * batch, None, np.full(batch, -1, np.int32)),
             (f"{SLOTS} adapters r={rank}", [f"a{i}" for i in range(batch)], engine.pool.weights,
-             jnp.arange(batch, dtype=jnp.int32) % SLOTS)):
+             np.arange(batch, dtype=np.int32) % SLOTS)):
         def run(n: int) -> float:
             t0 = time.perf_counter()
             out = engine.generate(prompts, adapters, max_new_tokens=n)
@@ -294,16 +296,16 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, pro
         prefill = statistics.median(run(1) for _ in range(3))
         total = statistics.median(run(new_tokens) for _ in range(3))
         step = (total - prefill) / (new_tokens - 1)
-        bare, _, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
-                                    jnp.asarray(engine.pool.ranks), 16)
-        rows.append(dict(case=name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+        bare, _, cache = time_steps(engine.model_def, engine.params, tokens, positions, cache, lora, slots,
+                                    engine.pool.ranks.copy(), 16, engine.tp)
+        rows.append(dict(case=name, tp=degree, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                          engine_step_ms=step * 1e3, bare_step_ms=bare * 1e3, engine_vs_bare=step / bare,
                          decode_tokens_per_s=batch / step, generate_s=total))
-        print(f"engine {name}: {step * 1e3:.2f} ms per decode step ({batch / step:.0f} tok/s), bare jitted step "
+        print(f"engine TP={degree} {name}: {step * 1e3:.2f} ms per decode step ({batch / step:.0f} tok/s), bare jitted step "
               f"{bare * 1e3:.2f} ms: engine x{step / bare:.2f}; generate({batch} x {new_tokens} tokens) {total:.2f} s",
               flush=True)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "model_engine.json"), "w") as f:
+    with open(os.path.join(out_dir, f"model_engine{'' if degree == 1 else f'_tp{degree}'}.json"), "w") as f:
         json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
 
 
