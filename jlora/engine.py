@@ -107,18 +107,20 @@ def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_s
 @functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"),
                    donate_argnames=("cache",))
 def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks,
-                  key, temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None,
+                  key, step, temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None,
                   nucleus: bool = False):
     """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
-    (None: row b) and samples each request's next token from its position `last` [B] (`nucleus`: see
-    `sample_tokens`).
+    (None: row b) and samples each request's next token from its position `last` [B] with the key
+    `fold_in(key, step)` (`nucleus`: see `sample_tokens`).
 
-    Returns (next tokens [B] int32, cache).
+    Returns (next tokens [B, 1] int32, the next decode step's `tokens`; cache). The key folding and the
+    token layout live here so the engine's pipelined loop dispatches nothing else per step.
     """
     logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
                                 backend, valid, rows, tp)
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
-    return sample_tokens(logits, key, temperature, top_p, nucleus=nucleus), cache
+    key = jax.random.fold_in(key, step)
+    return sample_tokens(logits, key, temperature, top_p, nucleus=nucleus)[:, None], cache
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -177,6 +179,7 @@ class Engine:
         self.model_def, self.params = ModelDef.split(graphdef, state)
         self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
                                 evict=evict, tp=self.tp)
+        self._sharded_zeros = {}  # (rows, max_seq) -> jitted maker of an empty cache split over the mesh
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,
@@ -263,9 +266,11 @@ class Engine:
         """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
         if self.tp is None:
             return KVCache.zeros(self.config, batch, max_seq, self.dtype)
-        sharding = self.tp.cache_sharding()
-        make = functools.partial(KVCache.zeros, self.tp.layout, batch, max_seq, self.dtype)
-        return jax.jit(make, out_shardings=KVCache(sharding, sharding))()
+        if (batch, max_seq) not in self._sharded_zeros:  # one compiled maker per bucket, not one per call
+            sharding = self.tp.cache_sharding()
+            make = functools.partial(KVCache.zeros, self.tp.layout, batch, max_seq, self.dtype)
+            self._sharded_zeros[batch, max_seq] = jax.jit(make, out_shardings=KVCache(sharding, sharding))
+        return self._sharded_zeros[batch, max_seq]()
 
     def prefill_logits(self, prompts: Sequence[str | Sequence[int]], adapters: Sequence[str | None]) -> list[np.ndarray]:
         """Logits of every prompt position, each request with its own adapter (None: the base model).
@@ -348,7 +353,7 @@ class Engine:
         last_token = np.zeros(num_rows, np.int32)
         key = jax.random.key(seed)
         step = 0
-        in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens, its rows)
+        in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens [rows, 1], rows)
 
         def finish(row: int, token: int) -> None:
             r = running[row]
@@ -363,7 +368,7 @@ class Engine:
 
         def collect() -> None:  # reads the step in flight and records its tokens
             nonlocal in_flight
-            tokens, rows = np.asarray(in_flight[0]), in_flight[1]
+            tokens, rows = np.asarray(in_flight[0])[:, 0], in_flight[1]
             in_flight = None
             live = [row for row in rows if running[row] is not None]  # not ended by the step before
             for row in live:
@@ -378,8 +383,7 @@ class Engine:
                     collect()
                     continue
                 admitted = [(row, waiting.popleft()) for row in free[: len(waiting)]]
-                cache = self._prefill_rows(admitted, cache, jax.random.fold_in(key, step), finish, running, position,
-                                           nucleus)
+                cache = self._prefill_rows(admitted, cache, key, step, finish, running, position, nucleus)
                 step += 1
                 if progress:
                     progress(len(admitted))
@@ -395,10 +399,9 @@ class Engine:
             slots = np.array([r.slot if r is not None else -1 for r in running], np.int32)
             temps = np.array([r.temperature if r is not None else 0.0 for r in running], np.float32)
             top_ps = np.array([r.top_p if r is not None else 1.0 for r in running], np.float32)
-            last = last_token[:, None] if in_flight is None else in_flight[0][:, None]  # on the device
+            last = last_token[:, None] if in_flight is None else in_flight[0]  # [rows, 1], on the device
             tokens, cache = self._step(last, np.where(active, position, 0)[:, None], active[:, None], None,
-                                       np.zeros(num_rows, np.int32), cache, slots, jax.random.fold_in(key, step),
-                                       temps, top_ps, nucleus)
+                                       np.zeros(num_rows, np.int32), cache, slots, key, step, temps, top_ps, nucleus)
             step += 1
             position[rows] += 1
             if in_flight is not None:
@@ -407,7 +410,7 @@ class Engine:
         if in_flight is not None:  # tokens of requests that all ended on the step before
             collect()
 
-    def _prefill_rows(self, admitted, cache, key, finish, running, position, nucleus):
+    def _prefill_rows(self, admitted, cache, key, step, finish, running, position, nucleus):
         """Prefills admitted requests into their cache rows and records each one's first token."""
         tokens, positions, slots, valid = pack_prompts([r.prompt for _, r in admitted], [r.slot for _, r in admitted])
         n = tokens.shape[0]
@@ -415,22 +418,22 @@ class Engine:
         temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
         for i, (row, r) in enumerate(admitted):
             rows[i], last[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.temperature, r.top_p
-        next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), key, temps,
-                                        top_ps, nucleus)
-        next_tokens = np.asarray(next_tokens)
+        next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), key, step,
+                                        temps, top_ps, nucleus)
+        next_tokens = np.asarray(next_tokens)[:, 0]
         for i, (row, r) in enumerate(admitted):
             running[row] = r
             position[row] = len(r.prompt)
             finish(row, int(next_tokens[i]))
         return cache
 
-    def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, temperature, top_p, nucleus):
-        """Dispatches one generate_step; returns (next tokens [B] on the device, cache)."""
+    def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, step, temperature, top_p, nucleus):
+        """Dispatches one generate_step; returns (next tokens [B, 1] on the device, cache)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first). A batch of base-model requests only runs without the
         # LoRA ops (a second compiled variant): with every slot -1 they would add nothing at full cost.
         lora = self.pool.weights if (token_slot >= 0).any() else None
         return generate_step(
             self.model_def, self.params, tokens, positions, valid, rows, last, cache, lora,
-            token_slot, self.pool.ranks.copy(), key, temperature, top_p, block_m=row_tile(tokens.size),
+            token_slot, self.pool.ranks.copy(), key, np.int32(step), temperature, top_p, block_m=row_tile(tokens.size),
             backend=self.backend, tp=self.tp, nucleus=nucleus)
