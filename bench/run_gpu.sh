@@ -3,6 +3,7 @@
 #   bash bench/run_gpu.sh check   # GPU tests (kernels at real sizes, HF agreement, model on pallas) + demo
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
+#   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
 #   bash bench/run_gpu.sh limits  # what bounds the prefill expand (bench/expand_limits.py)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
@@ -17,6 +18,7 @@ case "${1:-}" in
     python3 -m jlora demo 2>&1 | grep -v "loading model" | tail -16 ;;
   kernels) python3 bench/kernels.py --quick --out "$out" 2>&1 | grep -E "^\||^Device" ;;
   model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
+  engine) python3 bench/model.py --engine --out "$out" 2>&1 | grep -E "^#|^engine" ;;
   limits) python3 bench/expand_limits.py 2>&1 | grep -E "^#|µs" ;;
-  *) echo "usage: $0 check|kernels|model|limits" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|model|engine|limits" >&2; exit 2 ;;
 esac
