@@ -263,7 +263,8 @@ def tensor_parallel(config, model_def, params, degrees, bandwidth, device, out_d
 def engine_throughput(config, model_def, params, bandwidth, device, out_dir, degree: int = 1, prompt_len: int = 128,
                       new_tokens: int = 128, rank: int = 16) -> None:
     """`Engine.generate` for 32 requests (prompts of `prompt_len` random tokens, `new_tokens` greedy tokens
-    each), base model and 32 distinct r=16 adapters loaded through the PEFT path, on `degree` GPUs: decode ms
+    each), base model and 32 r=16 adapter slots (one random adapter loaded through the PEFT path under 32
+    names: 32 weight stacks, read as distinct adapters are), on `degree` GPUs: decode ms
     per step (the time of a `new_tokens` run less that of a 1-token run, which is the prefill, over the extra
     steps) against the bare jitted step at the same batch and mid-generation position, which sets the pace
     the engine can reach."""
@@ -301,9 +302,9 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, deg
         rows.append(dict(case=name, tp=degree, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                          engine_step_ms=step * 1e3, bare_step_ms=bare * 1e3, engine_vs_bare=step / bare,
                          decode_tokens_per_s=batch / step, generate_s=total))
-        print(f"engine TP={degree} {name}: {step * 1e3:.2f} ms per decode step ({batch / step:.0f} tok/s), bare jitted step "
-              f"{bare * 1e3:.2f} ms: engine x{step / bare:.2f}; generate({batch} x {new_tokens} tokens) {total:.2f} s",
-              flush=True)
+        print(f"engine TP={degree} {name}: {step * 1e3:.2f} ms per decode step ({batch / step:.0f} tok/s), "
+              f"bare jitted step {bare * 1e3:.2f} ms: engine x{step / bare:.2f}; "
+              f"generate({batch} x {new_tokens} tokens) {total:.2f} s", flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"model_engine{'' if degree == 1 else f'_tp{degree}'}.json"), "w") as f:
         json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)

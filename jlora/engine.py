@@ -113,8 +113,8 @@ def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, l
     (None: row b) and samples each request's next token from its position `last` [B] with the key
     `fold_in(key, step)` (`nucleus`: see `sample_tokens`).
 
-    Returns (next tokens [B, 1] int32, the next decode step's `tokens`; cache). The key folding and the
-    token layout live here so the engine's pipelined loop dispatches nothing else per step.
+    Returns (next tokens [B, 1] int32, shaped as the next decode step's `tokens`, and the cache). The key
+    folding and that layout live here so the engine's pipelined loop dispatches nothing else per step.
     """
     logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
                                 backend, valid, rows, tp)
@@ -353,7 +353,7 @@ class Engine:
         last_token = np.zeros(num_rows, np.int32)
         key = jax.random.key(seed)
         step = 0
-        in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens [rows, 1], rows)
+        in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens [B, 1], its rows)
 
         def finish(row: int, token: int) -> None:
             r = running[row]
@@ -399,7 +399,7 @@ class Engine:
             slots = np.array([r.slot if r is not None else -1 for r in running], np.int32)
             temps = np.array([r.temperature if r is not None else 0.0 for r in running], np.float32)
             top_ps = np.array([r.top_p if r is not None else 1.0 for r in running], np.float32)
-            last = last_token[:, None] if in_flight is None else in_flight[0]  # [rows, 1], on the device
+            last = last_token[:, None] if in_flight is None else in_flight[0]  # [B, 1], on the device
             tokens, cache = self._step(last, np.where(active, position, 0)[:, None], active[:, None], None,
                                        np.zeros(num_rows, np.int32), cache, slots, key, step, temps, top_ps, nucleus)
             step += 1
@@ -434,6 +434,6 @@ class Engine:
         # LoRA ops (a second compiled variant): with every slot -1 they would add nothing at full cost.
         lora = self.pool.weights if (token_slot >= 0).any() else None
         return generate_step(
-            self.model_def, self.params, tokens, positions, valid, rows, last, cache, lora,
-            token_slot, self.pool.ranks.copy(), key, np.int32(step), temperature, top_p, block_m=row_tile(tokens.size),
+            self.model_def, self.params, tokens, positions, valid, rows, last, cache, lora, token_slot,
+            self.pool.ranks.copy(), key, np.int32(step), temperature, top_p, block_m=row_tile(tokens.size),
             backend=self.backend, tp=self.tp, nucleus=nucleus)

@@ -13,7 +13,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top
     """Next tokens [B] int32 from logits [B, V] f32, per row temperature [B] (0: greedy) and top_p [B].
 
     Top-p keeps the smallest set of most likely tokens whose probability reaches top_p (at least one). It
-    sorts every row's logits, which costs more than the rest of sampling (a [32, 128256] sort on the GPU), so
+    sorts every row's logits (on an H200, 1.69 ms for [32, 128256] against 28 µs for sampling without it), so
     it runs only when the static `nucleus` is set: the caller knows whether any row samples with top_p < 1.
     Without it, rows with temperature > 0 sample from all tokens (their top_p is taken as 1).
     """
