@@ -15,6 +15,7 @@ with different adapters, and with none, share every step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
@@ -47,6 +48,18 @@ def row_tile(num_tokens: int) -> int:
     """`LoRABatchInfo.block_m` for a step of `num_tokens` tokens: 16 at decode sizes, 64 for prefill
     (bench/kernels.py --sweep: larger row tiles re-read each adapter's weights less often)."""
     return 16 if num_tokens <= 256 else 64
+
+
+def _host_staging(tensor_parallel: int):
+    """Where a checkpoint is converted: under tensor parallelism in host memory, so that only the shards reach
+    the devices (a model that outgrows one GPU must never sit whole on the first one); else on the default
+    device. Without JAX's host platform (JAX_PLATFORMS leaving out cpu) the default device is all there is."""
+    if tensor_parallel > 1:
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:
+            pass
+    return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -202,7 +215,8 @@ class Engine:
           progress: show a progress bar while loading.
         """
         dtype = jnp.dtype(dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
-        model = load_model(model_dir, dtype, progress=progress)
+        with _host_staging(tensor_parallel):
+            model = load_model(model_dir, dtype, progress=progress)
         tokenizer = None
         if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
             from tokenizers import Tokenizer

@@ -55,6 +55,40 @@ def test_tensor_parallel_matches_single_device(tp, kv_heads, backend):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
+def load_peak(root: str) -> None:
+    """Runs in the subprocess (GPU): loads a checkpoint split over 2 GPUs; the first GPU's peak memory must stay
+    below the whole model's bytes, as the checkpoint is converted in host memory. It holds half of every layer,
+    the replicated embedding and lm_head, and one q|k|v or gate|up tensor while its columns are permuted: 0.81x
+    of the model on an H200 pair, against 2.43x when the model was loaded onto the first GPU."""
+    import jax
+
+    from jlora import testing
+    from jlora.engine import Engine
+
+    cfg = testing.tiny_config("llama", vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                              num_attention_heads=16, num_key_value_heads=8)
+    testing.write_model(root, cfg)
+    engine = Engine.from_pretrained(root, dtype="bfloat16", tensor_parallel=2, max_loras=1, max_lora_rank=8,
+                                    progress=False)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))  # global sizes, bf16
+    peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+    assert peak < model_bytes, (peak, model_bytes)
+    assert len(engine.generate([[1, 2, 3]], [None], max_new_tokens=4)[0]) == 4
+    print("ok")
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_load_never_holds_the_whole_model_on_one_gpu(tmp_path):
+    import jax
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 GPUs")
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    code = f"from tests.test_parallel import load_peak; load_peak({str(tmp_path / 'm')!r})"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 def test_tensor_parallel_errors():
     from jlora import testing
     from jlora.models.config import ModelConfig
