@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import copy_bandwidth, trace_kernels
+from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine, ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
@@ -274,9 +275,8 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, deg
     hf = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
               num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
               num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim)
-    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     with tempfile.TemporaryDirectory() as adapter_dir:  # one random adapter, loaded into every slot
-        write_adapter(adapter_dir, hf, r=rank, alpha=2 * rank, seed=0, target_modules=modules)
+        write_adapter(adapter_dir, hf, r=rank, alpha=2 * rank, seed=0, target_modules=LINEAR_MODULES)
         for i in range(SLOTS):
             engine.load_adapter(f"a{i}", adapter_dir)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt_len)).tolist()
