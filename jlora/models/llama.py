@@ -153,13 +153,14 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis,
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows, reduce_axis,
                  attention_kernel):
         """x [T, H] (T = B·S), positions [B, S], caches [R, kv_heads, max_seq, D] -> ([T, H], caches).
 
-        Request b reads and writes cache row `rows[b]` (b itself when rows is None, R = B); tokens with
-        `valid` False ([B, S]) leave the cache untouched. With `attention_kernel` (decode, S = 1) attention
-        runs in the Pallas decode-attention kernel, which reads only the positions each request can see.
+        Request b reads and writes cache row `rows[b]` ([B], made once for all layers; `all_rows`: rows is
+        arange(B) and R = B); tokens with `valid` False ([B, S]) leave the cache untouched. With
+        `attention_kernel` (decode, S = 1) attention runs in the Pallas decode-attention kernel, which reads
+        only the positions each request can see.
         """
         c = self.config
         b, s = positions.shape
@@ -168,7 +169,7 @@ class Attention(nnx.Module):
         q = _rope(q.reshape(b, s, c.num_heads, c.head_dim), positions, inv_freq)
         k = _rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(k.shape)
-        row = (jnp.arange(b) if rows is None else rows)[:, None]  # [B, 1]
+        row = rows[:, None]  # [B, 1]
         keep = valid[:, :, None, None]
         # [row, :, position] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
         at = (row, slice(None), positions)
@@ -179,7 +180,7 @@ class Attention(nnx.Module):
         if attention_kernel:
             out = decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], row[:, 0], window=c.sliding_window)
         else:
-            keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
+            keys, values = (k_cache, v_cache) if all_rows else (k_cache[rows], v_cache[rows])
             out = _masked_attention(q, keys, values, positions, c.sliding_window)
         out = out.reshape(b * s, c.q_size).astype(x.dtype)
         return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
@@ -205,10 +206,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, reduce_axis,
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows, reduce_axis,
                  attention_kernel):
         h, k_cache, v_cache = self.attn(self.input_norm(x), positions, inv_freq, k_cache, v_cache, lora, group,
-                                        valid, rows, reduce_axis, attention_kernel)
+                                        valid, rows, all_rows, reduce_axis, attention_kernel)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x), lora, group, reduce_axis), k_cache, v_cache
 
@@ -269,11 +270,13 @@ class Transformer(nnx.Module):
         inv_freq = rope_frequencies(self.config)
         attention_kernel = (s == 1 and _kernel_attention(backend)
                             and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
+        all_rows = rows is None
+        rows = jnp.arange(b) if all_rows else rows  # once: one iota per layer was a kernel per layer
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             group = None if ctx is None else lora.layers[i]
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows, reduce_axis,
-                            attention_kernel)
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows, all_rows,
+                            reduce_axis, attention_kernel)
             ks.append(k)
             vs.append(v)
         x = self.norm(x)

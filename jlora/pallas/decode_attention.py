@@ -6,7 +6,9 @@ masks afterwards; a batched [G, D] x [D, max_seq] product per KV head is also a 
 Here one program per (request, KV head) walks the cache in blocks up to the request's position (from the
 window start under sliding-window attention) with an online softmax, so the bytes read follow the
 requests' context lengths, not the cache size. The G query heads sharing a KV head are the rows of the
-products, padded to a power of two >= 16.
+products, gathered from q and scattered to the output with their row index clamped to the last head, so a
+tile of a power of two >= 16 rows needs no padded copy of q or slice of the output (two fewer kernels per
+layer; duplicate rows compute and write identical values).
 """
 
 from __future__ import annotations
@@ -38,10 +40,24 @@ def decode_attention_supported(head_dim: int, max_seq: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _block_t(max_seq) >= 16
 
 
-def _kernel(pos_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, block_t: int, scale: float, window: int | None):
+def _kernel(
+    pos_ref,  # [B] int32 query positions
+    rows_ref,  # [B] int32 cache rows
+    q_ref,  # [B·KV·G, D] queries, request-major then KV head, its G query heads consecutive
+    k_ref,  # [R, KV, max_seq, D]
+    v_ref,  # [R, KV, max_seq, D]
+    o_ref,  # [B·KV·G, D]
+    *,
+    groups: int,
+    tile: int,  # GP: the rows of the products, a power of two >= max(groups, 16)
+    block_t: int,
+    scale: float,
+    window: int | None,
+):
     b, h = pl.program_id(0), pl.program_id(1)
     pos, row = pos_ref[b], rows_ref[b]
-    q = q_ref[b, h]  # [GP, D]
+    heads = (b * pl.num_programs(1) + h) * groups + jnp.minimum(jnp.arange(tile), groups - 1)  # [GP]
+    q = q_ref[heads, :]  # [GP, D]
     first = 0 if window is None else jnp.maximum(pos - window + 1, 0) // block_t
 
     def step(j, carry):
@@ -62,7 +78,7 @@ def _kernel(pos_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, block_t: int, scal
     gp, d = q.shape
     init = (jnp.full((gp, 1), _NEG, jnp.float32), jnp.zeros((gp, 1), jnp.float32), jnp.zeros((gp, d), jnp.float32))
     _, l, acc = jax.lax.fori_loop(first, pos // block_t + 1, step, init)
-    o_ref[b, h] = (acc / l).astype(o_ref.dtype)
+    o_ref[heads, :] = (acc / l).astype(o_ref.dtype)
 
 
 def decode_attention(
@@ -89,15 +105,15 @@ def decode_attention(
     """
     batch, kv, groups, d = q.shape
     max_seq = k_cache.shape[2]
-    gp = dot_dim(groups)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
-    kernel = functools.partial(_kernel, block_t=_block_t(max_seq), scale=1 / math.sqrt(d), window=window)
+    kernel = functools.partial(_kernel, groups=groups, tile=dot_dim(groups), block_t=_block_t(max_seq),
+                               scale=1 / math.sqrt(d), window=window)
+    flat = q.reshape(batch * kv * groups, d)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(flat.shape, q.dtype),
         grid=(batch, kv),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_decode_attention_{kv}x{groups}x{d}",
-    )(jnp.clip(positions, 0, max_seq - 1).astype(jnp.int32), rows.astype(jnp.int32), q, k_cache, v_cache)
-    return out[:, :, :groups]
+    )(jnp.clip(positions, 0, max_seq - 1).astype(jnp.int32), rows.astype(jnp.int32), flat, k_cache, v_cache)
+    return out.reshape(q.shape)

@@ -21,7 +21,7 @@ def _reference(q, k, v, positions, rows, window):
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("groups, window", [(4, None), (1, None), (4, 20), (8, 64)])
+@pytest.mark.parametrize("groups, window", [(4, None), (1, None), (4, 20), (8, 64), (7, None), (32, 20)])
 def test_matches_reference(dtype, tol, groups, window):
     rng = np.random.default_rng(groups)
     batch, kv, d, cache_rows, max_seq = 4, 2, 32, 6, 128
