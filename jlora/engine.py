@@ -32,7 +32,6 @@ from jlora.adapters import AdapterPool
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
-from jlora.models.lora_weights import LoRAWeights
 from jlora.models.loading import load_model
 from jlora.parallel import TensorParallel
 from jlora.sampling import sample_tokens
@@ -274,13 +273,8 @@ class Engine:
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays; returns (logits [B, S, V] f32, cache)."""
-        return forward(self.model_def, self.params, tokens, positions, cache, self._lora(token_slot), token_slot,
+        return forward(self.model_def, self.params, tokens, positions, cache, self.pool.weights, token_slot,
                        self.pool.ranks.copy(), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
-
-    def _lora(self, token_slot: np.ndarray) -> LoRAWeights | None:
-        """The adapter weights for a call, or None for a batch of base-model tokens only: with every slot -1 the
-        LoRA ops would add nothing at full cost, so such a batch runs without them (a second compiled variant)."""
-        return self.pool.weights if (token_slot >= 0).any() else None
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
         """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
@@ -450,8 +444,10 @@ class Engine:
     def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, step, temperature, top_p, nucleus):
         """Dispatches one generate_step; returns (next tokens [B, 1] on the device, cache)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
-        # (a jnp.asarray would land on device 0 first).
+        # (a jnp.asarray would land on device 0 first). A batch of base-model requests only runs without the
+        # LoRA ops (a second compiled variant): with every slot -1 they would add nothing at full cost.
+        lora = self.pool.weights if (token_slot >= 0).any() else None
         return generate_step(
-            self.model_def, self.params, tokens, positions, valid, rows, last, cache, self._lora(token_slot),
-            token_slot, self.pool.ranks.copy(), key, np.int32(step), temperature, top_p, block_m=row_tile(tokens.size),
+            self.model_def, self.params, tokens, positions, valid, rows, last, cache, lora, token_slot,
+            self.pool.ranks.copy(), key, np.int32(step), temperature, top_p, block_m=row_tile(tokens.size),
             backend=self.backend, tp=self.tp, nucleus=nucleus)
