@@ -34,17 +34,23 @@ from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
-from jlora.testing import write_adapter
+from jlora.testing import tiny_config, write_adapter
 
 SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512
 BACKEND = "auto"  # the LoRA backend every call runs (--backend)
 
 
+def llama3_8b_hf(layers: int) -> dict:
+    """The HF config.json of a Llama-3-8B-shaped model with `layers` layers."""
+    return tiny_config("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, max_position_embeddings=8192,
+                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=8192))
+
+
 def llama3_8b(layers: int) -> ModelConfig:
-    return ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                       rope_theta=500000.0, rope_llama3=(8.0, 1.0, 4.0, 8192), qkv_bias=False,
-                       tie_word_embeddings=False, sliding_window=None)
+    return ModelConfig.from_hf_config(llama3_8b_hf(layers))
 
 
 def random_model(config: ModelConfig) -> tuple[ModelDef, list[jax.Array]]:
@@ -272,11 +278,8 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, deg
     batch, rows = 32, []
     engine = Engine(model_def.merge(params), max_loras=SLOTS, max_lora_rank=rank, dtype=jnp.bfloat16,
                     max_batch=batch, max_seq_len=prompt_len + new_tokens, tensor_parallel=degree)
-    hf = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-              num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-              num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim)
     with tempfile.TemporaryDirectory() as adapter_dir:  # one random adapter, loaded into every slot
-        write_adapter(adapter_dir, hf, r=rank, alpha=2 * rank, seed=0, target_modules=LINEAR_MODULES)
+        write_adapter(adapter_dir, llama3_8b_hf(config.num_layers), r=rank, alpha=2 * rank, seed=0, target_modules=LINEAR_MODULES)
         for i in range(SLOTS):
             engine.load_adapter(f"a{i}", adapter_dir)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt_len)).tolist()
