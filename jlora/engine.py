@@ -107,7 +107,8 @@ def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, tok
     param_specs = jax.tree.leaves(tp.state_specs(model_def.state(params)), is_leaf=lambda x: isinstance(x, P))
     in_specs = (param_specs, rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
                 None if valid is None else rep, None if rows is None else rep)
-    return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(rep, cache_spec), check_vma=False)(*args)
+    return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(tp.logits_spec, cache_spec),
+                         check_vma=False)(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp"), donate_argnames=("cache",))

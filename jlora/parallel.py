@@ -8,8 +8,12 @@ Layout (every device runs the same model code on its shard, built from a *local*
   outputs are summed with one `psum` per layer and projection.
 - KV heads are split across devices; with fewer KV heads than devices, each device holds a copy of the one
   KV head its query heads use (the weights are replicated, so the cache holds `tp` KV heads in all).
-- The embedding and lm_head are replicated: simple and exact; a vocab-parallel lm_head would save memory and
-  lm_head time at large vocabularies and is left for later.
+- The lm_head is vocab-parallel: each device holds V / tp of its columns and computes those logits, which
+  leave `shard_map` split along the vocabulary (sampling inside the jitted step works on them as they are; XLA
+  adds the small reductions an argmax needs). At batch 32 the lm_head is one of the largest reads of a decode
+  step (1.05 GB for Llama-3-8B), so replicating it would cost every device the whole read. With tied word
+  embeddings, or a vocabulary that `tp` does not divide, it stays replicated. The embedding is replicated: a
+  lookup reads only the batch's rows, so splitting it would save memory but add a collective per step.
 
 LoRA follows vLLM's fully sharded LoRA: for the column-parallel layers A is replicated (every device computes
 the small [T, S·R] shrink) and B is split along its output rows like the base weight; for the row-parallel
@@ -47,10 +51,16 @@ class TensorParallel:
 
     mesh: Mesh
     config: ModelConfig  # the checkpoint's
-    local: ModelConfig  # one device's shard: heads / tp, KV heads / tp (or 1), intermediate / tp
+    local: ModelConfig  # one device's shard: heads / tp, KV heads / tp (or 1), intermediate / tp, lm_head's vocab
     layout: ModelConfig  # the global (all devices) shapes of the TP layout: KV heads tp x local
     qkv_perm: np.ndarray  # [tp · (q_l + 2 kv_l)] columns of the checkpoint's fused q|k|v, device by device
     gate_up_perm: np.ndarray  # [2 · intermediate] columns of gate|up, device by device
+    vocab_parallel: bool  # the lm_head (and its LoRA B) split along the vocabulary
+
+    @property
+    def logits_spec(self) -> P:
+        """PartitionSpec of the model's logits [B, S, V] as they leave `shard_map`."""
+        return P(None, None, AXIS) if self.vocab_parallel else P()
 
     @classmethod
     def create(cls, config: ModelConfig, size: int, devices=None) -> TensorParallel:
@@ -76,15 +86,19 @@ class TensorParallel:
         q_size, kv_size = h * d, kv * d
         qkv_perm = np.concatenate([np.concatenate([q, q_size + k_or_v, q_size + kv_size + k_or_v])
                                    for q, k_or_v in zip(q_cols, kv_cols)])
-        local = dataclasses.replace(config, num_heads=h_l, num_kv_heads=kv_l, intermediate_size=inter_l)
+        vocab_parallel = not config.tie_word_embeddings and config.vocab_size % size == 0
+        local = dataclasses.replace(config, num_heads=h_l, num_kv_heads=kv_l, intermediate_size=inter_l,
+                                    vocab_size=config.vocab_size // size if vocab_parallel else config.vocab_size)
         layout = dataclasses.replace(config, num_kv_heads=size * kv_l)
-        return cls(Mesh(np.array(devices), (AXIS,)), config, local, layout, qkv_perm, np.concatenate(gate_up))
+        return cls(Mesh(np.array(devices), (AXIS,)), config, local, layout, qkv_perm, np.concatenate(gate_up),
+                   vocab_parallel)
 
     # ---- base weights ------------------------------------------------------------------------------------------
     def state_spec(self, path: tuple) -> P:
         """PartitionSpec of a model parameter by its path."""
         name = ".".join(str(p) for p in path)
-        if name.endswith(("attn.qkv.weight", "mlp.gate_up.weight")):
+        column_parallel = name.endswith(("attn.qkv.weight", "mlp.gate_up.weight"))
+        if column_parallel or (self.vocab_parallel and name == "lm_head.weight"):
             return P(None, AXIS)
         if name.endswith("attn.qkv.bias"):
             return P(AXIS)
@@ -113,12 +127,13 @@ class TensorParallel:
 
     # ---- adapters ----------------------------------------------------------------------------------------------
     def lora_specs(self) -> LoRAWeights:
-        """PartitionSpecs of the stacked adapter weights: B of column-parallel layers split along N, A of
-        row-parallel layers split along K, the rest replicated."""
+        """PartitionSpecs of the stacked adapter weights: B of column-parallel layers (and of a vocab-parallel
+        lm_head) split along N, A of row-parallel layers split along K, the rest replicated."""
+        columns = P(None, AXIS, None)
         layer = dict(a={"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)},
-                     b={"qkv": P(None, AXIS, None), "o": P(), "gate_up": P(None, AXIS, None), "down": P()})
+                     b={"qkv": columns, "o": P(), "gate_up": columns, "down": P()})
         return LoRAWeights(layers=tuple(LayerLoRA(**layer) for _ in range(self.config.num_layers)),
-                           embed_a=P(), embed_b=P(), lm_head_a=P(), lm_head_b=P())
+                           embed_a=P(), embed_b=P(), lm_head_a=P(), lm_head_b=columns if self.vocab_parallel else P())
 
     def shard_lora(self, weights: LoRAWeights) -> LoRAWeights:
         return jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(self.mesh, s)), weights, self.lora_specs())

@@ -13,8 +13,9 @@ from jlora.adapters.peft import LINEAR_MODULES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compare(tp: int, kv_heads: int, backend: str) -> None:
-    """Runs in the subprocess: builds a model and adapters, checks TP=tp against TP=1."""
+def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = False) -> None:
+    """Runs in the subprocess: builds a model and adapters, checks TP=tp against TP=1 (the lm_head split along
+    the vocabulary unless tied to the embedding or `vocab` is not a multiple of tp)."""
     import tempfile
 
     import numpy as np
@@ -24,7 +25,7 @@ def compare(tp: int, kv_heads: int, backend: str) -> None:
 
     root = tempfile.mkdtemp()
     cfg = testing.tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=128,
-                              intermediate_size=128)
+                              intermediate_size=128, vocab_size=vocab, tie_word_embeddings=tied)
     testing.write_model(f"{root}/m", cfg, seed=1)
     testing.write_adapter(f"{root}/a", cfg, r=8, alpha=16, seed=2, target_modules=LINEAR_MODULES, embeddings=True, lm_head=True)
     testing.write_adapter(f"{root}/b", cfg, r=4, alpha=4, seed=3, target_modules=["o_proj", "down_proj", "v_proj"])
@@ -33,6 +34,8 @@ def compare(tp: int, kv_heads: int, backend: str) -> None:
     for size in (1, tp):
         engine = Engine.from_pretrained(f"{root}/m", dtype="float32", tensor_parallel=size, backend=backend,
                                         max_loras=2, max_lora_rank=8, progress=False)
+        if size > 1:
+            assert engine.tp.vocab_parallel == (vocab % tp == 0 and not tied)
         engine.load_adapter("a", f"{root}/a")
         engine.load_adapter("b", f"{root}/b")
         results.append((engine.prefill_logits(prompts, adapters), engine.generate(prompts, adapters, max_new_tokens=6)))
@@ -44,22 +47,25 @@ def compare(tp: int, kv_heads: int, backend: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "tp, kv_heads, backend",
-    [(4, 4, "reference"), (4, 2, "reference"), (4, 1, "gather"), (2, 8, "ragged"), (2, 2, "pallas")],
+    "tp, kv_heads, backend, vocab, tied",
+    [(4, 4, "reference", 96, False), (4, 2, "reference", 96, False), (4, 1, "gather", 96, False),
+     (2, 8, "ragged", 96, False), (2, 2, "pallas", 96, False),
+     (2, 2, "gather", 95, False), (4, 2, "reference", 96, True)],  # lm_head replicated
 )
-def test_tensor_parallel_matches_single_device(tp, kv_heads, backend):
+def test_tensor_parallel_matches_single_device(tp, kv_heads, backend, vocab, tied):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=ROOT,
                JAX_PLATFORMS="cpu")
-    code = f"from tests.test_parallel import compare; compare({tp}, {kv_heads}, {backend!r})"
+    code = f"from tests.test_parallel import compare; compare({tp}, {kv_heads}, {backend!r}, {vocab}, {tied})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 def load_peak(root: str) -> None:
     """Runs in the subprocess (GPU): loads a checkpoint split over 2 GPUs; the first GPU's peak memory must stay
-    below the whole model's bytes, as the checkpoint is converted in host memory. It holds half of every layer,
-    the replicated embedding and lm_head, and one q|k|v or gate|up tensor while its columns are permuted: 0.81x
-    of the model on an H200 pair, against 2.43x when the model was loaded onto the first GPU."""
+    below the whole model's bytes, as the checkpoint is converted in host memory. It holds half of every layer
+    and of the lm_head, the replicated embedding, and one q|k|v or gate|up tensor while its columns are permuted
+    (0.81x of the model on an H200 pair while the lm_head was replicated), against 2.43x when the model was
+    loaded onto the first GPU."""
     import jax
 
     from jlora import testing
