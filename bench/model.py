@@ -296,7 +296,7 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, deg
             assert all(len(o) == n for o in out), "a request stopped early"
             return time.perf_counter() - t0
 
-        run(2)  # compiles the prefill and decode buckets
+        run(new_tokens)  # compiles the buckets and warms up: after a 2-token warm-up, TP=2 runs timed 5x slow
         prefill = statistics.median(run(1) for _ in range(3))
         total = statistics.median(run(new_tokens) for _ in range(3))
         step = (total - prefill) / (new_tokens - 1)

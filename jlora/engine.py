@@ -367,6 +367,8 @@ class Engine:
         position = np.zeros(num_rows, np.int32)  # next cache index of each row
         last_token = np.zeros(num_rows, np.int32)
         key = jax.random.key(seed)
+        if self.tp is not None:  # on every device once, not copied from the first device on every step
+            key = jax.device_put(key, self.tp.replicated())
         step = 0
         in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens [B, 1], its rows)
 

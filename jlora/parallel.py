@@ -129,7 +129,7 @@ class TensorParallel:
     def lora_specs(self) -> LoRAWeights:
         """PartitionSpecs of the stacked adapter weights: B of column-parallel layers (and of a vocab-parallel
         lm_head) split along N, A of row-parallel layers split along K, the rest replicated."""
-        columns = P(None, AXIS, None)
+        columns = P(None, AXIS)  # no trailing None: the spec an adapter write's jit returns, so loads never recompile
         layer = dict(a={"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)},
                      b={"qkv": columns, "o": P(), "gate_up": columns, "down": P()})
         return LoRAWeights(layers=tuple(LayerLoRA(**layer) for _ in range(self.config.num_layers)),
@@ -150,3 +150,7 @@ class TensorParallel:
 
     def cache_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, self.cache_spec)
+
+    def replicated(self) -> NamedSharding:
+        """A copy on every device of the mesh."""
+        return NamedSharding(self.mesh, P())

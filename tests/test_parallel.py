@@ -21,7 +21,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     import numpy as np
 
     from jlora import testing
-    from jlora.engine import Engine
+    from jlora.engine import Engine, forward
 
     root = tempfile.mkdtemp()
     cfg = testing.tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=128,
@@ -36,8 +36,13 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
                                         max_loras=2, max_lora_rank=8, progress=False)
         if size > 1:
             assert engine.tp.vocab_parallel == (vocab % tp == 0 and not tied)
+        for _ in range(2):  # compiled on the empty slots (twice: a first Pallas trace registers more JAX config)
+            engine.prefill_logits(prompts, [None] * len(prompts))
+        compiled = forward._cache_size()
         engine.load_adapter("a", f"{root}/a")
         engine.load_adapter("b", f"{root}/b")
+        engine.prefill_logits(prompts, adapters)
+        assert forward._cache_size() == compiled, "an adapter load changed the slots' sharding: recompiled"
         results.append((engine.prefill_logits(prompts, adapters), engine.generate(prompts, adapters, max_new_tokens=6)))
     (logits_1, gen_1), (logits_tp, gen_tp) = results
     for one, many in zip(logits_1, logits_tp):
