@@ -18,6 +18,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     the vocabulary unless tied to the embedding or `vocab` is not a multiple of tp)."""
     import tempfile
 
+    import jax
     import numpy as np
 
     from jlora import testing
@@ -43,7 +44,9 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
         engine.load_adapter("b", f"{root}/b")
         engine.prefill_logits(prompts, adapters)
         assert forward._cache_size() == compiled, "an adapter load changed the slots' sharding: recompiled"
-        results.append((engine.prefill_logits(prompts, adapters), engine.generate(prompts, adapters, max_new_tokens=6)))
+        with jax.transfer_guard_device_to_device("disallow"):  # no per-step copies between devices
+            generated = engine.generate(prompts, adapters, max_new_tokens=6)
+        results.append((engine.prefill_logits(prompts, adapters), generated))
     (logits_1, gen_1), (logits_tp, gen_tp) = results
     for one, many in zip(logits_1, logits_tp):
         np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-4)
