@@ -49,7 +49,8 @@ def _generate(args) -> int:
 
     requests = _read_requests(args)
     engine = Engine.from_pretrained(args.model, max_loras=max(1, len(args.lora)), max_lora_rank=args.max_lora_rank,
-                                    dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+                                    dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                    tensor_parallel=args.tensor_parallel)
     for name, path in args.lora:
         engine.load_adapter(name, path)
     with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-lora-rank", type=int, default=64)
     gen.add_argument("--max-batch", type=int, default=32)
     gen.add_argument("--max-seq-len", type=int, default=2048)
+    gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="split the model over the first N GPUs (Megatron-style; see README)")
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
     gen.add_argument("--output", help="write results to this file (atomically) instead of stdout")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")

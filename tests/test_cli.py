@@ -54,6 +54,28 @@ def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, arg
     assert not out.exists()
 
 
+def test_generate_tensor_parallel_matches_one_device(dirs, tmp_path):
+    """`--tensor-parallel 2` on 2 virtual CPU devices (a subprocess: the device count is set before JAX starts)
+    generates what one device does; asking for more devices than there are is a clear error."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3], "adapter": "a"}) + "\n" + json.dumps({"prompt": "the fox"}))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT)
+    outputs = []
+    for tp in ("1", "2", "4"):
+        out = tmp_path / f"out{tp}.jsonl"
+        result = subprocess.run(
+            [sys.executable, "-m", "jlora", "generate", "--model", str(dirs / "m"), "--lora", f"a={dirs / 'a'}",
+             "--prompts-file", str(prompts), "--max-new-tokens", "4", "--dtype", "float32", "--json", "--quiet",
+             "--tensor-parallel", tp, "--output", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
+        outputs.append((result, out))
+    (one, out_one), (two, out_two), (four, out_four) = outputs
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert [json.loads(line)["tokens"] for line in out_two.read_text().splitlines()] == \
+        [json.loads(line)["tokens"] for line in out_one.read_text().splitlines()]
+    assert four.returncode == 1 and "tensor_parallel=4 needs 4 devices" in four.stderr and not out_four.exists()
+
+
 def test_bad_lora_spec(dirs):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", str(dirs / "m"), "--lora", "no-equals-sign", "--prompt", "x"])
