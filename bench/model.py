@@ -24,8 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from common import copy_bandwidth, trace_kernels
 from jlora.adapters.peft import LINEAR_MODULES
@@ -208,7 +206,7 @@ def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 3
     lora = lora if tp is None else tp.shard_lora(lora)
     cache = KVCache.zeros(layout, batch, 2 * CONTEXT, jnp.bfloat16)
     cache = cache if tp is None else jax.device_put(cache, tp.cache_sharding())
-    place = (lambda x: x) if tp is None else (lambda x: jax.device_put(x, NamedSharding(tp.mesh, P())))
+    place = (lambda x: x) if tp is None else (lambda x: jax.device_put(x, tp.replicated()))
     tokens = place(jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32))
     positions = place(jnp.full((batch, 1), CONTEXT, jnp.int32))
     cases = {"base": (None, place(jnp.full(batch, -1, jnp.int32)), place(jnp.zeros(SLOTS, jnp.int32))),

@@ -1,6 +1,7 @@
-"""Tensor parallelism on 4 virtual CPU devices: TP logits and generations equal single-device ones (f32),
-with mixed adapters, including KV heads replicated across devices. Each case runs in a subprocess, since
-the device count must be set before JAX starts."""
+"""Tensor parallelism on 4 virtual CPU devices: TP logits and generations (greedy and sampled) equal
+single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
+split along the vocabulary or replicated; adapter loads do not recompile and steps copy nothing between
+devices. Each case runs in a subprocess, since the device count must be set before JAX starts."""
 
 import os
 import subprocess
