@@ -366,9 +366,7 @@ class Engine:
         running: list[_Request | None] = [None] * num_rows
         position = np.zeros(num_rows, np.int32)  # next cache index of each row
         last_token = np.zeros(num_rows, np.int32)
-        key = jax.random.key(seed)
-        if self.tp is not None:  # on every device once, not copied from the first device on every step
-            key = jax.device_put(key, self.tp.replicated())
+        key = self._like_step_outputs(jax.random.key(seed))  # placed once, not copied on every step
         step = 0
         in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens [B, 1], its rows)
 
@@ -416,7 +414,8 @@ class Engine:
             slots = np.array([r.slot if r is not None else -1 for r in running], np.int32)
             temps = np.array([r.temperature if r is not None else 0.0 for r in running], np.float32)
             top_ps = np.array([r.top_p if r is not None else 1.0 for r in running], np.float32)
-            last = last_token[:, None] if in_flight is None else in_flight[0]  # [B, 1], on the device
+            # [B, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
+            last = self._like_step_outputs(last_token[:, None]) if in_flight is None else in_flight[0]
             tokens, cache = self._step(last, np.where(active, position, 0)[:, None], active[:, None], None,
                                        np.zeros(num_rows, np.int32), cache, slots, key, step, temps, top_ps, nucleus)
             step += 1
@@ -443,6 +442,12 @@ class Engine:
             position[row] = len(r.prompt)
             finish(row, int(next_tokens[i]))
         return cache
+
+    def _like_step_outputs(self, x):
+        """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input
+        on one device would be copied to the others on every step, and host tokens where the previous step's
+        device tokens go would compile the decode step twice); as it is on one device."""
+        return x if self.tp is None else jax.device_put(x, self.tp.replicated())
 
     def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, step, temperature, top_p, nucleus):
         """Dispatches one generate_step; returns (next tokens [B, 1] on the device, cache)."""

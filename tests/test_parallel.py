@@ -23,7 +23,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     import numpy as np
 
     from jlora import testing
-    from jlora.engine import Engine, forward
+    from jlora.engine import Engine, forward, generate_step
 
     root = tempfile.mkdtemp()
     cfg = testing.tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=128,
@@ -45,9 +45,12 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
         engine.load_adapter("b", f"{root}/b")
         engine.prefill_logits(prompts, adapters)
         assert forward._cache_size() == compiled, "an adapter load changed the slots' sharding: recompiled"
+        compiled = generate_step._cache_size()
         with jax.transfer_guard_device_to_device("disallow"):  # no per-step copies between devices
             generated = [engine.generate(prompts, adapters, max_new_tokens=6),  # greedy; sampled (nucleus)
                          engine.generate(prompts, adapters, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=5)]
+        if size > 1:  # a prefill and a decode step per variant (one device also keys host tokens apart, uncompiled)
+            assert generate_step._cache_size() - compiled == 4, "a decode step compiled twice"
         results.append((engine.prefill_logits(prompts, adapters), generated))
     (logits_1, gen_1), (logits_tp, gen_tp) = results
     for one, many in zip(logits_1, logits_tp):
