@@ -5,6 +5,8 @@
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
 #   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
 #   bash bench/run_gpu.sh limits  # what bounds the prefill expand (bench/expand_limits.py)
+#   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graph scheduling (bench/scheduling.py)
+#   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +22,12 @@ case "${1:-}" in
   model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
   engine) python3 bench/model.py --engine --out "$out" 2>&1 | grep -E "^#|^engine" ;;
   limits) python3 bench/expand_limits.py 2>&1 | grep -E "^#|µs" ;;
-  *) echo "usage: $0 check|kernels|model|engine|limits" >&2; exit 2 ;;
+  scheduling) python3 bench/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
+  tp)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast off (KINDS.md)
+    for flags in "--xla_gpu_command_buffer_scheduling_mode=LHS" ""; do
+      echo "# XLA_FLAGS='$flags'"
+      XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_scheduling}" 2>&1 | grep -E "^#|^TP"
+    done ;;
+  *) echo "usage: $0 check|kernels|model|engine|limits|scheduling|tp" >&2; exit 2 ;;
 esac

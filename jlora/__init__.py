@@ -7,10 +7,12 @@ One base model serves many LoRA adapters in the same batch, each token using its
 - `lora_shrink`, `lora_expand`, `lora_linear`, `lora_embedding`: the multi-LoRA ops, each with
   `backend=` in {"auto", "reference", "ragged", "gather", "pallas"}.
 - `Engine`: a Hugging Face Llama-family checkpoint plus PEFT adapters in device slots.
+- `step_compiler_options`: the XLA options the engine compiles a model step with (for your own `jax.jit`).
 """
 
 from jlora.adapters import AdapterError, PoolFullError
 from jlora.batch_info import LoRABatchInfo, num_segments, token_slots_from_requests
+from jlora.compile_options import step_compiler_options
 from jlora.engine import Engine
 from jlora.models.config import ModelConfig
 from jlora.ops import BACKENDS, Backend, lora_embedding, lora_expand, lora_linear, lora_shrink
@@ -30,5 +32,6 @@ __all__ = [
     "lora_linear",
     "lora_shrink",
     "num_segments",
+    "step_compiler_options",
     "token_slots_from_requests",
 ]

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jlora import parallel
 from jlora.adapters import AdapterPool
 from jlora.batch_info import LoRABatchInfo
+from jlora.compile_options import step_jit
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.loading import load_model
@@ -111,15 +112,14 @@ def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, tok
                          check_vma=False)(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp"), donate_argnames=("cache",))
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp"), donate_argnames=("cache",))
 def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int,
             backend: str, tp: TensorParallel | None = None):
     """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache)."""
     return _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp)
 
 
-@functools.partial(jax.jit, static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"),
-                   donate_argnames=("cache",))
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"), donate_argnames=("cache",))
 def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks,
                   key, step, temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None,
                   nucleus: bool = False):

@@ -1,0 +1,74 @@
+"""Decode step time under XLA's default CUDA-graph scheduling and under CONCURRENT, per batch size.
+
+One process compiles the 8B-shaped decode step (bench/model.py's model, context 512) both ways at each batch
+size, for the base model and with one r=16 adapter per request (up to 32 distinct), and times them in
+alternating rounds; `jlora.compile_options.step_compiler_options` picks the mode per size from this table.
+
+  python bench/scheduling.py [--batches 1,2,4,8,16,32,64] [--layers 32] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlora.engine import forward
+from jlora.models.llama import KVCache
+from model import CONTEXT, SLOTS, llama3_8b, random_lora, random_model
+
+MODES = {"default": {}, "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}}
+ROUNDS, STEPS = 4, 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    config = llama3_8b(args.layers)
+    device = jax.devices()[0].device_kind
+    model_def, params = random_model(config)
+    lora = random_lora(config, 16)
+    rows = []
+    print(f"# {device}: decode ms per step, {args.layers} layers, context {CONTEXT}, {ROUNDS} alternating rounds\n"
+          "| batch | case | default | concurrent | concurrent / default |\n|---|---|---|---|---|", flush=True)
+    for batch in (int(b) for b in args.batches.split(",")):
+        cache = KVCache.zeros(config, batch, 2 * CONTEXT, jnp.bfloat16)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
+        positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
+        cases = {"base": (None, jnp.full(batch, -1, jnp.int32), jnp.zeros(SLOTS, jnp.int32)),
+                 "r=16": (lora, jnp.arange(batch, dtype=jnp.int32) % SLOTS, jnp.full(SLOTS, 16, jnp.int32))}
+        for case, (weights, slots, ranks) in cases.items():
+            step_args = (params, tokens, positions, cache, weights, slots, ranks)
+            compiled = {mode: forward.with_options(options).lower(model_def, *step_args, block_m=16, backend="auto")
+                        .compile() for mode, options in MODES.items()}
+            times = {mode: [] for mode in MODES}
+            for _ in range(ROUNDS):
+                for mode, run in compiled.items():
+                    logits, cache = run(params, tokens, positions, cache, weights, slots, ranks)
+                    jax.block_until_ready(logits)
+                    t0 = time.perf_counter()
+                    for _ in range(STEPS):
+                        logits, cache = run(params, tokens, positions, cache, weights, slots, ranks)
+                    jax.block_until_ready((logits, cache))
+                    times[mode].append((time.perf_counter() - t0) / STEPS * 1e3)
+            ms = {mode: statistics.median(t) for mode, t in times.items()}
+            rows.append(dict(batch=batch, case=case, ms=ms, rounds=times))
+            print(f"| {batch} | {case} | {ms['default']:.2f} | {ms['concurrent']:.2f} | "
+                  f"{ms['concurrent'] / ms['default']:.3f} |", flush=True)
+        del cache
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scheduling.json"), "w") as f:
+        json.dump({"device": device, "layers": args.layers, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
