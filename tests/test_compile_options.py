@@ -10,7 +10,7 @@ CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
 @pytest.mark.parametrize(("rows", "seq", "concurrent"), [
-    (1, 1, True), (2, 1, True), (4, 1, False), (8, 1, False), (16, 1, False), (32, 1, True), (64, 1, True),
+    (1, 1, True), (2, 1, True), (4, 1, False), (8, 1, False), (16, 1, True), (32, 1, True), (64, 1, True),
     (1, 128, False), (32, 16, False),
 ])
 def test_decode_steps_of_measured_sizes_run_concurrent_graphs(monkeypatch, rows, seq, concurrent):
