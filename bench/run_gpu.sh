@@ -27,7 +27,8 @@ case "${1:-}" in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast off (KINDS.md)
     for flags in "--xla_gpu_command_buffer_scheduling_mode=LHS" ""; do
       echo "# XLA_FLAGS='$flags'"
-      XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_scheduling}" 2>&1 | grep -E "^#|^TP"
+      XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_graphs}" 2>&1 \
+        | grep -E "^#|^TP"
     done ;;
   *) echo "usage: $0 check|kernels|model|engine|limits|scheduling|tp" >&2; exit 2 ;;
 esac
