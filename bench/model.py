@@ -79,20 +79,25 @@ def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, bl
 
 
 def time_steps(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
-    """(wall, dispatch, cache): median seconds per model call with STEPS calls dispatched back to back (cache
-    threaded through), and the host's share of it: seconds per call until the dispatch loop returns. A
-    dispatch close to the wall time means the host, not the GPU, sets the pace."""
-    run = model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp)
+    """(wall, dispatch, cache) of `time_run` for one model call on these inputs."""
+    return time_run(model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp), cache)
+
+
+def time_run(run, cache, repeats: int = REPEATS, steps: int = STEPS):
+    """(wall, dispatch, cache): median seconds per `run(cache) -> (logits, cache)` with `steps` calls dispatched
+    back to back (cache threaded through) after one warm-up call, over `repeats` rounds, and the host's share of
+    it: seconds per call until the dispatch loop returns. A dispatch close to the wall time means the host, not
+    the GPU, sets the pace."""
     logits, cache = run(cache)
     jax.block_until_ready(logits)
     walls, dispatches = [], []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        for _ in range(STEPS):
+        for _ in range(steps):
             logits, cache = run(cache)
-        dispatches.append((time.perf_counter() - t0) / STEPS)
+        dispatches.append((time.perf_counter() - t0) / steps)
         jax.block_until_ready((logits, cache))
-        walls.append((time.perf_counter() - t0) / STEPS)
+        walls.append((time.perf_counter() - t0) / steps)
     return statistics.median(walls), statistics.median(dispatches), cache
 
 

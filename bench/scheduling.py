@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ import numpy as np
 
 from jlora.engine import forward
 from jlora.models.llama import KVCache
-from model import CONTEXT, SLOTS, llama3_8b, random_lora, random_model
+from model import CONTEXT, SLOTS, llama3_8b, random_lora, random_model, time_run
 
 MODES = {"default": {}, "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}}
 ROUNDS, STEPS = 4, 16
@@ -53,13 +52,9 @@ def main() -> None:
             times = {mode: [] for mode in MODES}
             for _ in range(ROUNDS):
                 for mode, run in compiled.items():
-                    logits, cache = run(params, tokens, positions, cache, weights, slots, ranks)
-                    jax.block_until_ready(logits)
-                    t0 = time.perf_counter()
-                    for _ in range(STEPS):
-                        logits, cache = run(params, tokens, positions, cache, weights, slots, ranks)
-                    jax.block_until_ready((logits, cache))
-                    times[mode].append((time.perf_counter() - t0) / STEPS * 1e3)
+                    sec, _, cache = time_run(lambda c: run(params, tokens, positions, c, weights, slots, ranks), cache,
+                                             repeats=1, steps=STEPS)
+                    times[mode].append(sec * 1e3)
             ms = {mode: statistics.median(t) for mode, t in times.items()}
             rows.append(dict(batch=batch, case=case, ms=ms, rounds=times))
             print(f"| {batch} | {case} | {ms['default']:.2f} | {ms['concurrent']:.2f} | "
