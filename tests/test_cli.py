@@ -71,8 +71,10 @@ def test_generate_tensor_parallel_matches_one_device(dirs, tmp_path):
         outputs.append((result, out))
     (one, out_one), (two, out_two), (four, out_four) = outputs
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
-    assert [json.loads(line)["tokens"] for line in out_two.read_text().splitlines()] == \
-        [json.loads(line)["tokens"] for line in out_one.read_text().splitlines()]
+    def tokens(out):
+        return [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+
+    assert tokens(out_two) == tokens(out_one)
     assert four.returncode == 1 and "tensor_parallel=4 needs 4 devices" in four.stderr and not out_four.exists()
 
 
