@@ -34,6 +34,7 @@ from jlora.compile_options import step_jit
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.loading import load_model
+from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
 from jlora.sampling import sample_tokens
 
@@ -274,8 +275,14 @@ class Engine:
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays; returns (logits [B, S, V] f32, cache)."""
-        return forward(self.model_def, self.params, tokens, positions, cache, self.pool.weights, token_slot,
+        return forward(self.model_def, self.params, tokens, positions, cache, self._lora_for(token_slot), token_slot,
                        self.pool.ranks.copy(), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
+
+    def _lora_for(self, token_slot: np.ndarray) -> LoRAWeights | None:
+        """The pool's weights for a call whose host token slots are `token_slot`, or None when no token uses an
+        adapter: a call of base-model tokens only runs without the LoRA ops (a second compiled variant per
+        shape), which with every slot -1 would add nothing at full cost."""
+        return self.pool.weights if (token_slot >= 0).any() else None
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
         """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
@@ -452,10 +459,8 @@ class Engine:
     def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, step, temperature, top_p, nucleus):
         """Dispatches one generate_step; returns (next tokens [B, 1] on the device, cache)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
-        # (a jnp.asarray would land on device 0 first). A batch of base-model requests only runs without the
-        # LoRA ops (a second compiled variant): with every slot -1 they would add nothing at full cost.
-        lora = self.pool.weights if (token_slot >= 0).any() else None
+        # (a jnp.asarray would land on device 0 first).
         return generate_step(
-            self.model_def, self.params, tokens, positions, valid, rows, last, cache, lora, token_slot,
-            self.pool.ranks.copy(), key, np.int32(step), temperature, top_p, block_m=row_tile(tokens.size),
-            backend=self.backend, tp=self.tp, nucleus=nucleus)
+            self.model_def, self.params, tokens, positions, valid, rows, last, cache, self._lora_for(token_slot),
+            token_slot, self.pool.ranks.copy(), key, np.int32(step), temperature, top_p,
+            block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp, nucleus=nucleus)

@@ -94,6 +94,25 @@ def test_compilations_bounded_over_1000_decode_steps_with_loads(engine):
     assert generate_step._cache_size() == compiled
 
 
+def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):
+    import jlora.engine as engine_module
+
+    seen = []
+
+    def recording(step, lora_arg):  # records the LoRA weights each step is given, then runs it
+        return lambda *args, **kwargs: seen.append(args[lora_arg]) or step(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "forward", recording(engine_module.forward, 5))
+    monkeypatch.setattr(engine_module, "generate_step", recording(engine_module.generate_step, 8))
+    engine.prefill_logits([[1, 2]], [None])
+    engine.generate([[1, 2]], [None], max_new_tokens=3)
+    assert seen and all(w is None for w in seen)
+    seen.clear()
+    engine.prefill_logits([[1, 2], [3]], [None, "a1"])
+    engine.generate([[1, 2], [3]], [None, "a1"], max_new_tokens=3)
+    assert seen and all(w is engine.pool.weights for w in seen)
+
+
 def test_generation_errors(engine):
     with pytest.raises(KeyError, match="unknown adapter"):
         engine.generate([[1]], ["nope"], max_new_tokens=2)
