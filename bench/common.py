@@ -27,9 +27,10 @@ def copy_bandwidth(repeats: int = 5) -> float:
     return 8 * 2 * x.nbytes / statistics.median(times)
 
 
-def trace_kernels(run) -> dict[str, list[float]]:
-    """Durations in µs, by kernel name, of the GPU kernels that `run()` launches (a profiler trace of one
-    call, blocked on its result)."""
+def trace_events(run) -> list[tuple[int, float, float, int, str]]:
+    """The GPU kernels that `run()` launches (a profiler trace of one call, blocked on its result), sorted by GPU
+    and start: (GPU, start µs, duration µs, stream, kernel name); GPU and stream are the trace's process and
+    thread ids."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(run())
@@ -39,8 +40,18 @@ def trace_kernels(run) -> dict[str, list[float]]:
     events = events["traceEvents"] if isinstance(events, dict) else events
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "GPU" in str(e.get("args", {}).get("name", ""))}
+    return sorted((e["pid"], float(e["ts"]), float(e["dur"]), e["tid"], e["name"]) for e in events
+                  if e.get("ph") == "X" and e.get("pid") in gpu_pids)
+
+
+def kernel_durations(events) -> dict[str, list[float]]:
+    """Durations in µs by kernel name of `trace_events`' kernels."""
     kernels: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            kernels.setdefault(e["name"], []).append(float(e["dur"]))
+    for _, _, dur, _, name in events:
+        kernels.setdefault(name, []).append(dur)
     return kernels
+
+
+def trace_kernels(run) -> dict[str, list[float]]:
+    """Durations in µs, by kernel name, of the GPU kernels that `run()` launches."""
+    return kernel_durations(trace_events(run))

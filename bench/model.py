@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import copy_bandwidth, trace_kernels
+from common import copy_bandwidth, kernel_durations, trace_events
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine, ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
@@ -235,7 +235,8 @@ def profile(config, model_def, params, degree: int, rank: int = 16) -> None:
                 logits, cache = run(cache)
             return logits, cache
 
-        kernels = trace_kernels(steps)
+        events = trace_events(steps)
+        kernels = kernel_durations(events)
         per_step = STEPS * degree
         busy = sum(map(sum, kernels.values())) / per_step
         print(f"PROFILE TP={degree} {name}: wall {sec * 1e3:.2f} ms per step (host dispatch {dispatch * 1e3:.2f}), "
@@ -244,6 +245,28 @@ def profile(config, model_def, params, degree: int, rank: int = 16) -> None:
         for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:40]:
             print(f"  {sum(d) / per_step / 1e3:7.3f} ms  x{len(d) / per_step:5.0f}  {sum(d) / len(d):8.1f} µs  "
                   f"{kname[:90]}", flush=True)
+        layer_timeline(events, config.num_layers)
+
+
+def layer_timeline(events, num_layers: int, mark: str = "decode_attention") -> None:
+    """Per GPU, the layer spans of the trace's last step (from one decode-attention kernel to the next) against
+    the kernel time of the layer's main stream, and the kernels of its middle layer with start, end and stream:
+    where a layer's time goes beyond its kernels (GEMMs slowed by concurrent kernels, the joins of concurrent
+    branches, collectives and the gaps around them)."""
+    for gpu in sorted({e[0] for e in events}):
+        ks = [e for e in events if e[0] == gpu]
+        starts = [i for i, e in enumerate(ks) if mark in e[4]][-num_layers:]  # the last step's layers
+        if len(starts) < 3:
+            return  # no decode-attention kernel to mark layers (XLA's attention off GPU)
+        spans = [ks[j][1] - ks[i][1] for i, j in zip(starts, starts[1:])]
+        first, end = starts[len(starts) // 2], starts[len(starts) // 2 + 1]
+        main = ks[first][3]
+        busy = sum(e[2] for e in ks[starts[0]:starts[-1]] if e[3] == main) / (len(starts) - 1)
+        print(f"  GPU {gpu}: layer span median {statistics.median(spans):.1f} µs, main stream busy {busy:.1f} µs per "
+              f"layer; layer {len(starts) // 2} of the last step (start, end, µs, stream, kernel):", flush=True)
+        t0 = ks[first][1]
+        for _, ts, dur, stream, name in ks[first:end + 1]:
+            print(f"    {ts - t0:7.1f} {ts - t0 + dur:7.1f} {dur:6.1f}  s{stream:<5} {name[:70]}", flush=True)
 
 
 def tensor_parallel(config, model_def, params, degrees, bandwidth, device, out_dir) -> None:
