@@ -111,7 +111,13 @@ def shrink_gather(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices
 def expand_gather(
     s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
 ) -> jax.Array:
-    """`expand_reference` as a batched gather-matvec: row t gets s_i[t] @ B[slot(t), slice_i]ᵀ per slice."""
+    """`expand_reference` as a batched gather-matvec: row t gets s_i[t] @ B[slot(t), slice_i]ᵀ per slice.
+
+    Each slice's delta is rounded to base.dtype before the add, as PEFT adds its LoRA output to the base
+    layer's: in the model XLA fuses the add into the delta's consumer (the gate|up product, the residual add,
+    the cache write) so that the delta overlaps the base GEMM, and the delta then crosses memory in base.dtype
+    instead of f32 (batch-32 decode of the 8B shape with 32 r=16 adapters on one H200: 6.46 against 6.53 ms).
+    """
     rank = b.shape[2]
     keep = column_scale(info, rank, len(slice_sizes), scaled=False) != 0  # [T, S·R]
     s = jnp.where(keep, s.astype(_F32), 0.0)
@@ -120,5 +126,6 @@ def expand_gather(
     for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):  # one fused reduction per slice
         cols = slice(i * rank, (i + 1) * rank)
         b_rows = b[:, start:stop, :][slot].astype(_F32)  # [T, n_i, R], fused into the sum
-        deltas.append(jnp.sum(jnp.where(keep[:, None, cols], s[:, None, cols] * b_rows, 0.0), axis=-1))
+        delta = jnp.sum(jnp.where(keep[:, None, cols], s[:, None, cols] * b_rows, 0.0), axis=-1)
+        deltas.append(delta.astype(base.dtype))
     return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
