@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-__all__ = ["tiny_config", "write_model", "write_adapter", "write_tokenizer", "merge_adapter"]
+__all__ = ["tiny_config", "write_model", "write_adapter", "write_tokenizer", "merge_adapter", "compile_prefill"]
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
@@ -178,3 +178,14 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
     tok.save(os.path.join(path, "tokenizer.json"))
+
+
+def compile_prefill(engine, prompts: list[list[int]]) -> None:
+    """Runs `engine`'s prefill of `prompts` with and without the LoRA ops (the two variants `prefill_logits`
+    compiles per shape), the LoRA one with every token on slot 0 whether or not an adapter is loaded there:
+    what a test compiles before it loads adapters and checks that nothing recompiles."""
+    from jlora.engine import pack_prompts
+
+    engine.prefill_logits(prompts, [None] * len(prompts))
+    tokens, positions, token_slot, _ = pack_prompts(prompts, [0] * len(prompts))
+    engine.run(tokens, positions, token_slot.reshape(-1), engine.new_cache(*tokens.shape))

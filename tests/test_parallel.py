@@ -23,7 +23,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     import numpy as np
 
     from jlora import testing
-    from jlora.engine import Engine, forward, generate_step, pack_prompts
+    from jlora.engine import Engine, forward, generate_step
 
     root = tempfile.mkdtemp()
     cfg = testing.tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=128,
@@ -38,11 +38,8 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
                                         max_loras=2, max_lora_rank=8, progress=False)
         if size > 1:
             assert engine.tp.vocab_parallel == (vocab % tp == 0 and not tied)
-        # Compiled with LoRA on the empty slots (every token on slot 0; twice: a first Pallas trace registers
-        # more JAX config), as prefill_logits(prompts, adapters) below runs it.
-        tokens, positions, token_slot, _ = pack_prompts(prompts, [0] * len(prompts))
-        for _ in range(2):
-            engine.run(tokens, positions, token_slot.reshape(-1), engine.new_cache(*tokens.shape))
+        for _ in range(2):  # compiled on the empty slots (twice: a first Pallas trace registers more JAX config)
+            testing.compile_prefill(engine, prompts)
         compiled = forward._cache_size()
         engine.load_adapter("a", f"{root}/a")
         engine.load_adapter("b", f"{root}/b")

@@ -130,7 +130,7 @@ def test_loads_and_mixes_do_not_recompile(tmp_path, model_dir):
         testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=2 + i, alpha=8, seed=i, target_modules=["q_proj", "down_proj"])
     rng = np.random.default_rng(0)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    engine.prefill_logits(prompts, [None] * 3)
+    testing.compile_prefill(engine, prompts)
     compiled = forward._cache_size()
     for i in range(5):
         if len(engine.adapters) == 3:
