@@ -198,8 +198,8 @@ def main() -> None:
 
 
 def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 32):
-    """The batch-32 decode inputs at one TP degree: (model_def, params, cache, tokens, positions, cases, tp), with
-    cases = {"base": (None, slots, ranks), "lora": (LoRA weights, slots, ranks)} (32 distinct adapters).
+    """Decode inputs of `batch` rows at one TP degree: (model_def, params, cache, tokens, positions, cases, tp),
+    with cases = {"base": (None, slots, ranks), "lora": (LoRA weights, slots, ranks)} (request i on slot i % 32).
 
     Under TP every input is placed on the mesh first (the small ones replicated), so steps time the model,
     not a copy of uncommitted inputs from device 0 to the others on every call.

@@ -15,12 +15,9 @@ import os
 import statistics
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jlora.engine import forward
-from jlora.models.llama import KVCache
-from model import CONTEXT, SLOTS, llama3_8b, random_lora, random_model, time_run
+from model import CONTEXT, llama3_8b, random_model, setup, time_run
 
 MODES = {"default": {}, "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}}
 ROUNDS, STEPS = 4, 16
@@ -35,17 +32,13 @@ def main() -> None:
     config = llama3_8b(args.layers)
     device = jax.devices()[0].device_kind
     model_def, params = random_model(config)
-    lora = random_lora(config, 16)
     rows = []
     print(f"# {device}: decode ms per step, {args.layers} layers, context {CONTEXT}, {ROUNDS} alternating rounds\n"
           "| batch | case | default | concurrent | concurrent / default |\n|---|---|---|---|---|", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
-        cache = KVCache.zeros(config, batch, 2 * CONTEXT, jnp.bfloat16)
-        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
-        positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
-        cases = {"base": (None, jnp.full(batch, -1, jnp.int32), jnp.zeros(SLOTS, jnp.int32)),
-                 "r=16": (lora, jnp.arange(batch, dtype=jnp.int32) % SLOTS, jnp.full(SLOTS, 16, jnp.int32))}
-        for case, (weights, slots, ranks) in cases.items():
+        _, _, cache, tokens, positions, cases, _ = setup(config, model_def, params, 1, 16, batch)
+        for weights, slots, ranks in cases.values():
+            case = "base" if weights is None else "r=16"
             step_args = (params, tokens, positions, cache, weights, slots, ranks)
             compiled = {mode: forward.with_options(options).lower(model_def, *step_args, block_m=16, backend="auto")
                         .compile() for mode, options in MODES.items()}
