@@ -26,16 +26,27 @@ import os
 
 import jax
 
-__all__ = ["step_compiler_options", "step_jit"]
+__all__ = ["concurrent_graphs", "step_compiler_options", "step_jit"]
 
 _SCHEDULING = "xla_gpu_command_buffer_scheduling_mode"
 
 
+def concurrent_graphs(num_rows: int, seq_len: int) -> bool:
+    """Whether a model step of num_rows requests x seq_len tokens each runs CONCURRENT CUDA graphs under
+    `step_compiler_options`: decode steps (seq_len 1) do, unless XLA_FLAGS sets the mode itself (then whether
+    it sets CONCURRENT). The engine's steps then order each base projection before its LoRA kernels
+    (`Transformer.__call__`'s `base_first`), which pays only under these graphs."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _SCHEDULING in flags:
+        return f"{_SCHEDULING}=CONCURRENT" in flags
+    return seq_len == 1
+
+
 def step_compiler_options(num_rows: int, seq_len: int) -> dict[str, str]:
     """`jax.jit(..., compiler_options=...)` for a model step of num_rows requests x seq_len tokens each: CONCURRENT
-    graph scheduling for decode steps (seq_len 1) except those of 3 to 15 rows, else XLA's default (module doc).
+    graph scheduling for decode steps, else XLA's default (module doc); nothing when XLA_FLAGS sets the mode.
     Ignored off GPU."""
-    if _SCHEDULING in os.environ.get("XLA_FLAGS", "") or seq_len != 1 or 2 < num_rows < 16:
+    if _SCHEDULING in os.environ.get("XLA_FLAGS", "") or not concurrent_graphs(num_rows, seq_len):
         return {}
     return {_SCHEDULING: "CONCURRENT"}
 

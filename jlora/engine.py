@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jlora import parallel
 from jlora.adapters import AdapterPool
 from jlora.batch_info import LoRABatchInfo
-from jlora.compile_options import step_jit
+from jlora.compile_options import concurrent_graphs, step_jit
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.loading import load_model
@@ -94,12 +94,15 @@ class ModelDef:
 
 
 def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
-                valid=None, rows=None, tp: TensorParallel | None = None):
-    """The model on one device, or under `shard_map` over the tensor-parallel mesh."""
+                valid=None, rows=None, tp: TensorParallel | None = None, base_first: bool | None = None):
+    """The model on one device, or under `shard_map` over the tensor-parallel mesh. `base_first` (None: whether
+    the step runs concurrent CUDA graphs, `concurrent_graphs`): see `Transformer.__call__`."""
+    base_first = concurrent_graphs(*tokens.shape) if base_first is None else base_first
     def run(params, tokens, positions, cache, lora, token_slot, ranks, valid, rows):
         info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
         return model_def.merge(params)(tokens, positions, cache, lora, info, valid=valid, rows=rows,
-                                       backend=backend, reduce_axis=None if tp is None else parallel.AXIS)
+                                       backend=backend, reduce_axis=None if tp is None else parallel.AXIS,
+                                       base_first=base_first)
 
     args = (params, tokens, positions, cache, lora, token_slot, ranks, valid, rows)
     if tp is None:
@@ -113,11 +116,13 @@ def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, tok
                          check_vma=False)(*args)
 
 
-@step_jit(static_argnames=("model_def", "block_m", "backend", "tp"), donate_argnames=("cache",))
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "base_first"), donate_argnames=("cache",))
 def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int,
-            backend: str, tp: TensorParallel | None = None):
-    """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache)."""
-    return _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp)
+            backend: str, tp: TensorParallel | None = None, base_first: bool | None = None):
+    """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache).
+    `base_first` overrides the scheduling rule of `_model_call` (for benchmarks compiled under other options)."""
+    return _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp,
+                       base_first=base_first)
 
 
 @step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"), donate_argnames=("cache",))

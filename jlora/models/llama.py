@@ -50,11 +50,13 @@ class KVCache:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAContext:
-    """What the layers need for LoRA: the slot weights, the batch info and the backend (None: no LoRA)."""
+    """What the layers need for LoRA: the slot weights, the batch info, the backend and whether each base
+    GEMM is scheduled before its LoRA kernels (`Transformer.__call__`'s `base_first`)."""
 
     weights: LoRAWeights
     info: LoRABatchInfo
     backend: str
+    base_first: bool
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -107,6 +109,8 @@ def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: Laye
     """
     out = proj(x)
     if lora is not None:
+        if lora.base_first:  # see `Transformer.__call__`
+            out, x = jax.lax.optimization_barrier((out, x))
         out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
                           backend=lora.backend)
     return out if reduce_axis is None else jax.lax.psum(out, reduce_axis)
@@ -240,6 +244,7 @@ class Transformer(nnx.Module):
         rows: jax.Array | None = None,
         backend: str = "auto",
         reduce_axis: str | None = None,
+        base_first: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """Runs B requests of S tokens each.
 
@@ -255,13 +260,26 @@ class Transformer(nnx.Module):
             also run attention in the Pallas decode-attention kernel.
           reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
             row-parallel over (`jlora.parallel`); None on one device.
+          base_first: put each layer projection's base GEMM before its LoRA kernels in XLA's schedule (an
+            optimization barrier on the GEMM's output and x). For CONCURRENT CUDA graphs (which
+            `jlora.step_compiler_options` asks for decode steps; the engine sets this for them): only data
+            dependencies order their kernels, but the schedule is the order the graph's nodes are created
+            in, and the first node after a fork stays on the graph's stream. Left to itself XLA scheduled
+            the gate|up LoRA shrink before its GEMM, which then started on a second stream 3 µs late, after
+            a cross-stream join, in every layer. The barrier orders nothing at run time (the LoRA kernels
+            read x's buffer, written before the GEMM), so they still run beside it. Measured on an H200
+            (one process, alternating rounds; 32 r=16 adapters, one per request): batch 32 6.52 -> 6.35 ms,
+            16 rows 6.19 -> 5.52, 4 rows 5.44 -> 5.02, 2 rows 4.83 -> 4.92. Under XLA's default graphs it
+            cost 1-3 % (the barrier changes XLA's fusions), so it is off by default. The lm_head keeps no
+            barrier: its GEMM's blocks, launched first, hold the GPU until their last wave while the
+            LoRA shrink waits (batch 32: 6.41 ms with it, 6.35 without).
 
         Returns:
           logits [B, S, V] f32 and the updated cache.
         """
         b, s = tokens.shape
         valid = jnp.ones((b, s), bool) if valid is None else valid
-        ctx = None if lora is None else LoRAContext(lora, info, backend)
+        ctx = None if lora is None else LoRAContext(lora, info, backend, base_first)
         flat = tokens.reshape(b * s)
         embed = self.embed[...]
         x = embed[flat]  # [T, H]
@@ -284,7 +302,7 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("TH,VH->TV", x, embed, preferred_element_type=jnp.float32).astype(x.dtype)
         else:
             logits = self.lm_head(x)
-        if ctx is not None:
+        if ctx is not None:  # no barrier (base_first) here: see its docstring
             logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, info,
                                  slice_sizes=(self.config.vocab_size,), backend=backend)
         return logits.astype(jnp.float32).reshape(b, s, -1), KVCache(tuple(ks), tuple(vs))

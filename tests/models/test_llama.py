@@ -3,12 +3,13 @@
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
-from jlora.engine import Engine
+from jlora.engine import Engine, forward
 from jlora.models.llama import KVCache
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
@@ -48,10 +49,13 @@ def test_lora_logits_equal_merged_weights(tmp_path, kind, backend):
         engine.load_adapter(name, str(tmp_path / name))
     requests = names + [None]  # several adapters and a base-only request in one batch
     logits = engine.prefill_logits(PROMPTS, requests)
-    base = engine.prefill_logits(PROMPTS, [None] * len(PROMPTS))
+    base = engine.prefill_logits(PROMPTS, [None] * len(PROMPTS))  # runs without the LoRA ops: another program
+    # The base-only request beside other adapters: the same program as `logits`, so bit for bit.
+    beside_other = engine.prefill_logits(PROMPTS, [names[0]] + [None] * (len(PROMPTS) - 1))
     for prompt, name, out, out_base in zip(PROMPTS, requests, logits, base):
         if name is None:
-            np.testing.assert_array_equal(out, out_base)
+            np.testing.assert_array_equal(out, beside_other[-1])
+            np.testing.assert_allclose(out, out_base, rtol=1e-5, atol=1e-5)
             continue
         merged_dir = str(tmp_path / f"merged_{name}")
         testing.merge_adapter(model_dir, str(tmp_path / name), merged_dir)
@@ -115,3 +119,29 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, backend):
     decoded = np.concatenate(steps, axis=1)
     for i in range(2):
         np.testing.assert_allclose(decoded[i], full[i], rtol=1e-4, atol=1e-4)
+
+
+def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
+    """`base_first` (the engine's decode steps) adds an optimization barrier per layer projection and leaves the
+    logits as they were."""
+    kind = "llama"
+    engine = Engine.from_pretrained(_model(tmp_path, kind), max_loras=2, max_lora_rank=16, dtype="float32",
+                                    progress=False)
+    testing.write_adapter(str(tmp_path / "a"), MODELS[kind], seed=3, **ADAPTERS["all_rslora"])
+    engine.load_adapter("a", str(tmp_path / "a"))
+    config = engine.config
+    slots = jnp.asarray([0, -1, 0], jnp.int32)
+    tokens = jnp.asarray([[3], [5], [7]], jnp.int32)
+    positions = jnp.asarray([[2], [4], [0]], jnp.int32)
+    args = (engine.model_def, engine.params, tokens, positions)
+    rest = (engine.pool.weights, slots, jnp.asarray(engine.pool.ranks))
+    outs, texts = {}, {}
+    for base_first in (False, True):
+        cache = KVCache.zeros(config, 3, 8, jnp.float32)
+        kwargs = dict(block_m=16, backend="auto", base_first=base_first)
+        texts[base_first] = forward.with_options({}).lower(*args, cache, *rest, **kwargs).as_text()
+        outs[base_first] = np.asarray(forward(*args, cache, *rest, **kwargs)[0])
+    barriers = config.num_layers * 4  # q|k|v, o, gate|up, down; not the lm_head
+    assert texts[False].count("optimization_barrier") == 0
+    assert texts[True].count("optimization_barrier") == barriers
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
