@@ -1,8 +1,10 @@
 """Decode step time under XLA's default CUDA-graph scheduling and under CONCURRENT, per batch size.
 
-One process compiles the 8B-shaped decode step (bench/model.py's model, context 512) both ways at each batch
-size, for the base model and with one r=16 adapter per request (up to 32 distinct), and times them in
-alternating rounds; `jlora.compile_options.step_compiler_options` picks the mode per size from this table.
+One process compiles the 8B-shaped decode step (bench/model.py's model, context 512) at each batch size, for
+the base model and with one r=16 adapter per request (up to 32 distinct), under XLA's default graphs and
+under CONCURRENT ones, the LoRA step there also with each base projection scheduled before its LoRA kernels
+(`base_first`, what the engine compiles), and times them in alternating rounds;
+`jlora.compile_options.step_compiler_options` picks the mode from this table.
 
   python bench/scheduling.py [--batches 1,2,4,8,16,32,64] [--layers 32] [--out bench/results]
 """
@@ -19,7 +21,9 @@ import jax
 from jlora.engine import forward
 from model import CONTEXT, llama3_8b, random_model, setup, time_run
 
-MODES = {"default": {}, "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}}
+CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+# mode: (compiler options, base_first)
+MODES = {"default": ({}, False), "concurrent": (CONCURRENT, False), "concurrent, base first": (CONCURRENT, True)}
 ROUNDS, STEPS = 4, 16
 
 
@@ -34,15 +38,17 @@ def main() -> None:
     model_def, params = random_model(config)
     rows = []
     print(f"# {device}: decode ms per step, {args.layers} layers, context {CONTEXT}, {ROUNDS} alternating rounds\n"
-          "| batch | case | default | concurrent | concurrent / default |\n|---|---|---|---|---|", flush=True)
+          f"| batch | case | {' | '.join(MODES)} |\n|---|---|{'---|' * len(MODES)}", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
         _, _, cache, tokens, positions, cases, _ = setup(config, model_def, params, 1, 16, batch)
         for weights, slots, ranks in cases.values():
             case = "base" if weights is None else "r=16"
             step_args = (params, tokens, positions, cache, weights, slots, ranks)
-            compiled = {mode: forward.with_options(options).lower(model_def, *step_args, block_m=16, backend="auto")
-                        .compile() for mode, options in MODES.items()}
-            times = {mode: [] for mode in MODES}
+            modes = {m: v for m, v in MODES.items() if weights is not None or not v[1]}  # no LoRA: no barrier
+            compiled = {mode: forward.with_options(options).lower(model_def, *step_args, block_m=16, backend="auto",
+                                                                  base_first=base_first).compile()
+                        for mode, (options, base_first) in modes.items()}
+            times = {mode: [] for mode in modes}
             for _ in range(ROUNDS):
                 for mode, run in compiled.items():
                     sec, _, cache = time_run(lambda c: run(params, tokens, positions, c, weights, slots, ranks), cache,
@@ -50,8 +56,8 @@ def main() -> None:
                     times[mode].append(sec * 1e3)
             ms = {mode: statistics.median(t) for mode, t in times.items()}
             rows.append(dict(batch=batch, case=case, ms=ms, rounds=times))
-            print(f"| {batch} | {case} | {ms['default']:.2f} | {ms['concurrent']:.2f} | "
-                  f"{ms['concurrent'] / ms['default']:.3f} |", flush=True)
+            print(f"| {batch} | {case} | {' | '.join(f'{ms[m]:.2f}' if m in ms else '—' for m in MODES)} |",
+                  flush=True)
         del cache
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "scheduling.json"), "w") as f:
