@@ -3,20 +3,21 @@
 XLA records a GPU step's kernels into CUDA graphs (command buffers). By default a graph runs them one after
 another; with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT` it gets only the data dependencies, so
 independent kernels overlap: the LoRA shrink, which reads the same x as the base projection's GEMM, runs
-beside that GEMM instead of after it. Whether that pays depends on the step's size. Measured on an H200
-(bench/scheduling.py: one process compiles the 8B-shaped decode step both ways and times them in 4
+beside that GEMM instead of after it. With the model's `base_first` (each layer's base GEMM scheduled before
+its LoRA kernels, so the GEMM keeps the graph's stream) every decode size gains. Measured on an H200
+(bench/scheduling.py: one process compiles the 8B-shaped decode step each way and times them in 4
 alternating rounds), decode ms per step with one r=16 adapter per request (up to 32 distinct):
 
 | rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
 |---|---|---|---|---|---|---|---|
-| default | 5.56 | 5.06 | 5.24 | 5.43 | 5.79 | 6.75 | 8.57 |
-| concurrent | 5.08 | 4.69 | 5.54 | 5.76 | 5.34 | 6.46 | 8.07 |
+| default | 5.65 | 5.24 | 5.35 | 5.57 | 6.05 | 6.85 | 8.68 |
+| concurrent | 5.27 | 5.08 | 5.62 | 6.05 | 6.35 | 6.62 | 8.32 |
+| concurrent, base first | 5.21 | 4.92 | 5.00 | 5.36 | 5.70 | 6.42 | 8.14 |
 
-(bench/results/scheduling.json). An earlier run read the same signs but for 16 rows (5.87 -> 6.00 ms).
-The base model's step moved by -2.1 % to +0.3 %. At 4 and 8 rows the overlapped LoRA kernels slow the
-GEMMs beside them more than they save (a profile at 8 rows: the gate|up GEMM 56 -> 70 µs, and 0.3 ms per step
-of gaps at the graph's joins), so those steps keep XLA's default, as prefill does (no gain at 2048 tokens,
-and 16 % more temporary memory). An XLA_FLAGS that sets the mode itself wins over all of this.
+(bench/results/scheduling.json; rows 1-16 and 32-64 in two processes.) The base model's step is 0.9-2.1 %
+faster concurrent at every size. So decode steps compile CONCURRENT (and the engine traces them with
+`base_first`, `concurrent_graphs`); prefill keeps XLA's default (no gain at 2048 tokens, 16 % more temporary
+memory, and the barrier cost 0.9 %: 67.4 against 68.1 ms). An XLA_FLAGS that sets the mode wins over all of this.
 """
 
 from __future__ import annotations

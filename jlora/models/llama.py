@@ -268,10 +268,10 @@ class Transformer(nnx.Module):
             the gate|up LoRA shrink before its GEMM, which then started on a second stream 3 µs late, after
             a cross-stream join, in every layer. The barrier orders nothing at run time (the LoRA kernels
             read x's buffer, written before the GEMM), so they still run beside it. Measured on an H200
-            (one process, alternating rounds; 32 r=16 adapters, one per request): batch 32 6.52 -> 6.35 ms,
-            16 rows 6.19 -> 5.52, 4 rows 5.44 -> 5.02, 2 rows 4.83 -> 4.92. Under XLA's default graphs it
-            cost 1-3 % (the barrier changes XLA's fusions), so it is off by default. The lm_head keeps no
-            barrier: its GEMM's blocks, launched first, hold the GPU until their last wave while the
+            (bench/scheduling.py, one r=16 adapter per request): concurrent graphs without -> with it, 32
+            rows 6.62 -> 6.42 ms, 16 rows 6.35 -> 5.70, 4 rows 5.62 -> 5.00, 2 rows 5.08 -> 4.92. Under XLA's
+            default graphs it cost 1-4 % (the barrier changes XLA's fusions), so it is off by default. The
+            lm_head keeps no barrier: its GEMM's blocks, launched first, hold the GPU until their last wave while the
             LoRA shrink waits (batch 32: 6.41 ms with it, 6.35 without).
 
         Returns:
