@@ -50,8 +50,8 @@ class KVCache:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAContext:
-    """What the layers need for LoRA: the slot weights, the batch info, the backend and whether each base
-    GEMM is scheduled before its LoRA kernels (`Transformer.__call__`'s `base_first`)."""
+    """What the layers need for LoRA: the slot weights, the batch info, the backend and whether the gate|up
+    base GEMM is scheduled before its LoRA kernels (`Transformer.__call__`'s `base_first`)."""
 
     weights: LoRAWeights
     info: LoRABatchInfo
@@ -99,17 +99,18 @@ class Linear(nnx.Module):
 
 
 def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: LayerLoRA | None, name: str,
-               slice_sizes: tuple[int, ...], reduce_axis: str | None = None) -> jax.Array:
+               slice_sizes: tuple[int, ...], reduce_axis: str | None = None, ordered: bool = False) -> jax.Array:
     """The projection's output [T, N], plus its adapters' deltas when LoRA is on.
 
     With `reduce_axis` the layer is row-parallel under tensor parallelism: x, the weight's input rows and A's
     input columns are this device's shard. The expand is linear in the shrink, so each device expands its
     partial [T, R] shrink (B is replicated) into its partial output, and the layer's one all-reduce sums
-    base and deltas together: LoRA adds no collective.
+    base and deltas together: LoRA adds no collective. `ordered`: under the context's `base_first`, the base
+    GEMM goes before the LoRA kernels in XLA's schedule (see `Transformer.__call__`).
     """
     out = proj(x)
     if lora is not None:
-        if lora.base_first:  # see `Transformer.__call__`
+        if ordered and lora.base_first:
             out, x = jax.lax.optimization_barrier((out, x))
         out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
                           backend=lora.backend)
@@ -198,7 +199,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, lora, group, reduce_axis):
         i = self.config.intermediate_size
-        gate_up = _with_lora(self.gate_up, x, lora, group, "gate_up", (i, i))
+        gate_up = _with_lora(self.gate_up, x, lora, group, "gate_up", (i, i), ordered=True)
         h = jax.nn.silu(gate_up[:, :i].astype(jnp.float32)) * gate_up[:, i:].astype(jnp.float32)
         return _with_lora(self.down, h.astype(x.dtype), lora, group, "down", (self.config.hidden_size,), reduce_axis)
 
