@@ -101,6 +101,18 @@ def time_run(run, cache, repeats: int = REPEATS, steps: int = STEPS):
     return statistics.median(walls), statistics.median(dispatches), cache
 
 
+def time_alternating(runs: dict, cache, rounds: int = REPEATS, steps: int = STEPS) -> tuple[dict, object]:
+    """({name: [seconds per call, per round]}, cache) of `run(cache) -> (logits, cache)` for each of `runs`, timed
+    in `rounds` alternating rounds (`time_run` with `steps` calls each), so that drift in the GPU's clocks reaches
+    every case alike and the ratios between them hold."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            sec, _, cache = time_run(run, cache, repeats=1, steps=steps)
+            times[name].append(sec)
+    return times, cache
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch 32 decode and T=2048 prefill only")
@@ -158,33 +170,33 @@ def main() -> None:
         cache = KVCache.zeros(config, batch, 2 * CONTEXT, jnp.bfloat16)
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32)
         positions = jnp.full((batch, 1), CONTEXT, jnp.int32)
-        no_slots = jnp.zeros(SLOTS, jnp.int32)
-        base, _, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(batch, -1), no_slots,
-                                    16)
-        record("decode", batch, batch, 0, 0, base, base)
+        loras = {rank: random_lora(config, rank) for rank in ranks_tested}
+        cases = {(0, 0): (None, jnp.full(batch, -1, jnp.int32), jnp.zeros(SLOTS, jnp.int32))}
         for rank in ranks_tested:
-            lora = random_lora(config, rank)
             for adapters in (a for a in (1, 8, 32) if a <= batch):
                 slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
-                sec, _, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
-                                        jnp.full(SLOTS, rank, jnp.int32), 16)
-                record("decode", batch, batch, rank, adapters, sec, base, lora)
-            del lora
-        del cache
+                cases[rank, adapters] = (loras[rank], slots, jnp.full(SLOTS, rank, jnp.int32))
+        times, cache = time_alternating({case: model_step(model_def, params, tokens, positions, *args, 16)
+                                         for case, args in cases.items()}, cache)
+        secs = {case: statistics.median(t) for case, t in times.items()}
+        for (rank, adapters), sec in secs.items():
+            record("decode", batch, batch, rank, adapters, sec, secs[0, 0], loras.get(rank))
+        del loras, cache
 
     def prefill(total: int) -> None:  # requests of 512 tokens
         batch, seq = total // 512, 512
         cache = KVCache.zeros(config, batch, seq, jnp.bfloat16)
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq)), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-        base, _, cache = time_steps(model_def, params, tokens, positions, cache, None, jnp.full(total, -1),
-                                 jnp.zeros(SLOTS, jnp.int32), 64)
-        record("prefill", batch, total, 0, 0, base, base)
         lora = random_lora(config, 16)
         slots = jnp.repeat(jnp.arange(batch) % SLOTS, seq).astype(jnp.int32)
-        sec, _, cache = time_steps(model_def, params, tokens, positions, cache, lora, slots,
-                                jnp.full(SLOTS, 16, jnp.int32), 64)
-        record("prefill", batch, total, 16, min(batch, SLOTS), sec, base, lora)
+        cases = {"base": (None, jnp.full(total, -1, jnp.int32), jnp.zeros(SLOTS, jnp.int32)),
+                 "lora": (lora, slots, jnp.full(SLOTS, 16, jnp.int32))}
+        times, cache = time_alternating({case: model_step(model_def, params, tokens, positions, *args, 64)
+                                         for case, args in cases.items()}, cache)
+        secs = {case: statistics.median(t) for case, t in times.items()}
+        record("prefill", batch, total, 0, 0, secs["base"], secs["base"])
+        record("prefill", batch, total, 16, min(batch, SLOTS), secs["lora"], secs["base"], lora)
         del lora, cache
 
     # The target row (batch 32) first, then prefill, then the other batch sizes, so a run cut short by a

@@ -2,7 +2,7 @@
 
 One process compiles the 8B-shaped decode step (bench/model.py's model, context 512) at each batch size, for
 the base model and with one r=16 adapter per request (up to 32 distinct), under XLA's default graphs and
-under CONCURRENT ones, the LoRA step there also with each base projection scheduled before its LoRA kernels
+under CONCURRENT ones, the LoRA step there also with the gate|up base GEMM scheduled before its LoRA kernels
 (`base_first`, what the engine compiles), and times them in alternating rounds;
 `jlora.compile_options.step_compiler_options` picks the mode from this table.
 
@@ -19,7 +19,7 @@ import statistics
 import jax
 
 from jlora.engine import forward
-from model import CONTEXT, llama3_8b, random_model, setup, time_run
+from model import CONTEXT, llama3_8b, random_model, setup, time_alternating
 
 CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # mode: (compiler options, base_first)
@@ -48,12 +48,12 @@ def main() -> None:
             compiled = {mode: forward.with_options(options).lower(model_def, *step_args, block_m=16, backend="auto",
                                                                   base_first=base_first).compile()
                         for mode, (options, base_first) in modes.items()}
-            times = {mode: [] for mode in modes}
-            for _ in range(ROUNDS):
-                for mode, run in compiled.items():
-                    sec, _, cache = time_run(lambda c: run(params, tokens, positions, c, weights, slots, ranks), cache,
-                                             repeats=1, steps=STEPS)
-                    times[mode].append(sec * 1e3)
+
+            def bound(run):  # cache -> (logits, cache) on this case's inputs
+                return lambda c: run(params, tokens, positions, c, weights, slots, ranks)
+
+            times, cache = time_alternating({mode: bound(run) for mode, run in compiled.items()}, cache, ROUNDS, STEPS)
+            times = {mode: [sec * 1e3 for sec in t] for mode, t in times.items()}
             ms = {mode: statistics.median(t) for mode, t in times.items()}
             rows.append(dict(batch=batch, case=case, ms=ms, rounds=times))
             print(f"| {batch} | {case} | {' | '.join(f'{ms[m]:.2f}' if m in ms else '—' for m in MODES)} |",
