@@ -3,21 +3,22 @@
 XLA records a GPU step's kernels into CUDA graphs (command buffers). By default a graph runs them one after
 another; with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT` it gets only the data dependencies, so
 independent kernels overlap: the LoRA shrink, which reads the same x as the base projection's GEMM, runs
-beside that GEMM instead of after it. With the model's `base_first` (each layer's base GEMM scheduled before
-its LoRA kernels, so the GEMM keeps the graph's stream) every decode size gains. Measured on an H200
-(bench/scheduling.py: one process compiles the 8B-shaped decode step each way and times them in 4
-alternating rounds), decode ms per step with one r=16 adapter per request (up to 32 distinct):
+beside that GEMM instead of after it. With the model's `base_first` (the gate|up base GEMM scheduled before
+its LoRA kernels, so the GEMM keeps the graph's stream) decode gains at every size but one, where it is level.
+Measured on an H200 (bench/scheduling.py: one process compiles the 8B-shaped decode step each way and times
+its steady-state step in 4 alternating rounds), decode ms per step with one r=16 adapter per request (up to
+32 distinct):
 
 | rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
 |---|---|---|---|---|---|---|---|
-| default | 5.65 | 5.24 | 5.35 | 5.57 | 6.05 | 6.85 | 8.68 |
-| concurrent | 5.27 | 5.08 | 5.62 | 6.05 | 6.35 | 6.62 | 8.32 |
-| concurrent, base first | 5.21 | 4.92 | 5.00 | 5.36 | 5.70 | 6.42 | 8.14 |
+| default | 5.29 | 4.82 | 4.88 | 5.05 | 5.56 | 6.44 | 8.13 |
+| concurrent | 4.80 | 4.54 | 5.00 | 5.55 | 5.03 | 6.04 | 7.59 |
+| concurrent, base first | 4.83 | 4.33 | 4.47 | 4.80 | 4.93 | 5.80 | 7.39 |
 
-(bench/results/scheduling.json; rows 1-16 and 32-64 in two processes.) The base model's step is 0.9-2.1 %
-faster concurrent at every size. So decode steps compile CONCURRENT (and the engine traces them with
-`base_first`, `concurrent_graphs`); prefill keeps XLA's default (no gain at 2048 tokens, 16 % more temporary
-memory, and the barrier cost 0.9 %: 67.4 against 68.1 ms). An XLA_FLAGS that sets the mode wins over all of this.
+(bench/results/scheduling.json.) The base model's step is 0.6-2.3 % faster concurrent at every size. So
+decode steps compile CONCURRENT (and the engine traces them with `base_first`, `concurrent_graphs`); prefill
+keeps XLA's default (no gain at 2048 tokens, 16 % more temporary memory, and the barrier cost 0.9 %: 67.4
+against 68.1 ms). An XLA_FLAGS that sets the mode wins over all of this.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _SCHEDULING = "xla_gpu_command_buffer_scheduling_mode"
 def concurrent_graphs(num_rows: int, seq_len: int) -> bool:
     """Whether a model step of num_rows requests x seq_len tokens each runs CONCURRENT CUDA graphs under
     `step_compiler_options`: decode steps (seq_len 1) do, unless XLA_FLAGS sets the mode itself (then whether
-    it sets CONCURRENT). The engine's steps then order each base projection before its LoRA kernels
+    it sets CONCURRENT). The engine's steps then order the gate|up base GEMM before its LoRA kernels
     (`Transformer.__call__`'s `base_first`), which pays only under these graphs."""
     flags = os.environ.get("XLA_FLAGS", "")
     if _SCHEDULING in flags:

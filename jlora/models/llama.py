@@ -261,19 +261,20 @@ class Transformer(nnx.Module):
             also run attention in the Pallas decode-attention kernel.
           reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
             row-parallel over (`jlora.parallel`); None on one device.
-          base_first: put each layer projection's base GEMM before its LoRA kernels in XLA's schedule (an
+          base_first: put each layer's gate|up base GEMM before its LoRA kernels in XLA's schedule (an
             optimization barrier on the GEMM's output and x). For CONCURRENT CUDA graphs (which
             `jlora.step_compiler_options` asks for decode steps; the engine sets this for them): only data
             dependencies order their kernels, but the schedule is the order the graph's nodes are created
             in, and the first node after a fork stays on the graph's stream. Left to itself XLA scheduled
             the gate|up LoRA shrink before its GEMM, which then started on a second stream 3 µs late, after
             a cross-stream join, in every layer. The barrier orders nothing at run time (the LoRA kernels
-            read x's buffer, written before the GEMM), so they still run beside it. Measured on an H200
-            (bench/scheduling.py, one r=16 adapter per request): concurrent graphs without -> with it, 32
-            rows 6.62 -> 6.42 ms, 16 rows 6.35 -> 5.70, 4 rows 5.62 -> 5.00, 2 rows 5.08 -> 4.92. Under XLA's
-            default graphs it cost 1-4 % (the barrier changes XLA's fusions), so it is off by default. The
-            lm_head keeps no barrier: its GEMM's blocks, launched first, hold the GPU until their last wave while the
-            LoRA shrink waits (batch 32: 6.41 ms with it, 6.35 without).
+            read x's buffer, written before the GEMM), so they still run beside it. The other projections
+            keep none: their split-K GEMMs end in a reduction XLA fuses into the consumers, which a barrier
+            turns into a kernel of its own (H200, batch 32 with 32 r=16 adapters, one process: barriers on
+            all four projections 6.33 ms, on gate|up alone 6.17, on none 6.46); nor does the lm_head, whose
+            GEMM's blocks, launched first, hold the GPU until their last wave while the LoRA shrink waits.
+            Per decode size see `jlora.compile_options`. Under XLA's default graphs it cost 1-4 % (the
+            barrier changes XLA's fusions), so it is off by default.
 
         Returns:
           logits [B, S, V] f32 and the updated cache.
