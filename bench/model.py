@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -83,35 +84,38 @@ def time_steps(model_def, params, tokens, positions, cache, lora, token_slot, ra
     return time_run(model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp), cache)
 
 
-def time_run(run, cache, repeats: int = REPEATS, steps: int = STEPS):
-    """(step, dispatch, cache): median seconds per `run(cache) -> (logits, cache)` in steady state over `repeats`
-    rounds, and the host's share of it: seconds per call until a dispatch loop returns (close to the step time
-    means the host, not the GPU, sets the pace).
+def time_run(run, cache, repeats: int = REPEATS, steps: int = STEPS, min_seconds: float = 0.4):
+    """(step, dispatch, cache): median seconds per `run(cache) -> (logits, cache)` over `repeats` rounds, and the
+    host's share of it: seconds per call until a round's dispatch loop returns (close to the step time means the
+    host, not the GPU, sets the pace).
 
-    Each round dispatches `steps` calls back to back (cache threaded through) and blocks, then `2 * steps` calls
-    and blocks; the step time is the difference over `steps`. Each clock also holds the host dispatch of its
-    first call, before the GPU starts (about 2 ms for the 8B-shaped step, so 0.25 ms per step over 8 calls, on an
-    H200's host), which a serving loop hides behind the step before; the difference cancels it."""
+    A round dispatches calls back to back (cache threaded through) and blocks once: at least `steps` calls and
+    at least `min_seconds` of them, as timed by the second of two blocked warm-up calls. Its clock also holds
+    the first call's host dispatch, before the GPU starts (about 2 ms for the 8B-shaped step, which a serving
+    loop hides behind the step before): over 8 calls that read 0.2-0.35 ms per step slow; over the 50-60 calls
+    of a decode round it is under 1 %. (The difference between rounds of 16 and 8 calls, tried instead, read
+    the batch-32 LoRA steps 0.4 ms below 64-call rounds in one process and scattered by 5 %.)"""
+    logits, cache = run(cache)  # compiles on a first call
+    jax.block_until_ready(logits)
+    t0 = time.perf_counter()
     logits, cache = run(cache)
     jax.block_until_ready(logits)
-    step_times, dispatches = [], []
+    calls = max(steps, math.ceil(min_seconds / (time.perf_counter() - t0)))
+    walls, dispatches = [], []
     for _ in range(repeats):
-        walls = []
-        for calls in (steps, 2 * steps):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                logits, cache = run(cache)
-            dispatches.append((time.perf_counter() - t0) / calls)
-            jax.block_until_ready((logits, cache))
-            walls.append(time.perf_counter() - t0)
-        step_times.append((walls[1] - walls[0]) / steps)
-    return statistics.median(step_times), statistics.median(dispatches), cache
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            logits, cache = run(cache)
+        dispatches.append((time.perf_counter() - t0) / calls)
+        jax.block_until_ready((logits, cache))
+        walls.append((time.perf_counter() - t0) / calls)
+    return statistics.median(walls), statistics.median(dispatches), cache
 
 
 def time_alternating(runs: dict, cache, rounds: int = REPEATS, steps: int = STEPS) -> tuple[dict, object]:
     """({name: [seconds per call, per round]}, cache) of `run(cache) -> (logits, cache)` for each of `runs`, timed
-    in `rounds` alternating rounds (`time_run` with `steps` calls each), so that drift in the GPU's clocks reaches
-    every case alike and the ratios between them hold."""
+    in `rounds` alternating rounds (one `time_run` round each, of at least `steps` calls), so that drift in the
+    GPU's clocks reaches every case alike and the ratios between them hold."""
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
