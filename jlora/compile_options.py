@@ -6,8 +6,7 @@ independent kernels overlap: the LoRA shrink, which reads the same x as the base
 beside that GEMM instead of after it. With the model's `base_first` (the gate|up base GEMM scheduled before
 its LoRA kernels, so the GEMM keeps the graph's stream) decode gains at every size but one, where it is level.
 Measured on an H200 (bench/scheduling.py: one process compiles the 8B-shaped decode step each way and times
-them in 4 alternating rounds), decode ms per step with one r=16 adapter per request (up to
-32 distinct):
+them in 4 alternating rounds), decode ms per step with one r=16 adapter per request (up to 32 distinct):
 
 | rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
 |---|---|---|---|---|---|---|---|
