@@ -4,7 +4,8 @@ Times, the way bench/kernels.py does (device time, 32 calls), variants of the ex
 next to jlora's own kernel and XLA's plain read-add-write of the base:
   rmw     the base read, add 0, write; no LoRA product (the memory traffic alone)
   bare    the LoRA product without the rank masks (every slot read to the full R)
-  masked  the rank masks as jlora's kernel has them (s columns and B loads past the rank)
+  masked  the rank masks on every slot (s columns and B loads past the rank), as jlora's kernel has them at
+          decode sizes and, at prefill sizes, for slots below the full rank
   chunks  B read in 16-column chunks up to the rank by a loop, instead of a masked load
 
   python bench/expand_limits.py

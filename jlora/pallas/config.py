@@ -31,6 +31,7 @@ class ExpandConfig:
 
     block_n: int  # output columns per loop step
     group: int = 1  # column blocks per program (capped to a power of two dividing every slice's blocks)
+    full_rank_branch: bool = False  # slots at the full rank R read B without the rank mask (prefill)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -81,16 +82,26 @@ def shrink_config(
     return ShrinkConfig(block_k=block_k, k_splits=split, split_slices=decode, num_warps=4, num_stages=num_stages)
 
 
-def expand_config(num_tokens: int, slice_sizes: tuple[int, ...]) -> ExpandConfig:
-    """Expand tiles: block_n = 128 columns (capped by the slices' common power-of-two divisor).
+def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -> ExpandConfig:
+    """Expand tiles for T tokens in row tiles of block_m: block_n = 128 columns (capped by the slices'
+    common power-of-two divisor).
 
     An expand program reads [block_m, R] of s, [block_n, R] of B and [block_m, block_n] of base, and writes
     the same; 128 columns of bf16 give 256-byte rows, enough for full-width loads, and keep the grid large.
-    Measured on an H200 at T=8192, r=64 (bench/kernels.py --sweep expand: block_m 64/128 x group 1-8 x
-    num_stages 2-4 x warps 4/8): N=4096 best 58.7 µs at these tiles; gate|up best 372.7 µs (block_m=128,
-    group=8) against 386.4 here. The base's read-add-write bounds these rows: the same kernel without the
-    LoRA product runs at 3.6 TB/s (37.3 µs for N=4096; XLA's own `base + 1` takes 41.3 µs;
-    bench/expand_limits.py).
+    At decode sizes each program takes one column block. At prefill sizes a program loops over up to 4
+    column blocks (3 pipeline stages) while at least 1024 programs (about 8 per SM) remain, and slots at the
+    full rank read B unmasked (`full_rank_branch`). Measured on an H200 at T=8192, r=64, 32 adapters
+    (device time, one process, scratch A/B): N=4096 51.5 µs against 53.7 with one block per program and
+    the mask on every slot; q|k|v 73.9 against 81.1; gate|up 329.9 against 386.1 (bench/kernels.py --sweep
+    expand: 8 blocks per program win q|k|v and gate|up by 1-4 % but lose N=4096 by 15 %; 8 warps or block_m
+    128 lose everywhere). The base's read-add-write bounds these rows: the same kernel without the LoRA
+    product takes 37.1 µs for N=4096 and 246.8 for gate|up (3.6 and 3.8 TB/s; bench/expand_limits.py).
     """
     block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
-    return ExpandConfig(block_n=block_n, num_warps=4, num_stages=2)
+    if num_tokens <= 256:
+        return ExpandConfig(block_n=block_n, num_warps=4, num_stages=2)
+    blocks = -(-num_tokens // block_m) * (sum(slice_sizes) // block_n)  # programs at one block each
+    group = 1
+    while group < 4 and blocks // (2 * group) >= 1024:
+        group *= 2
+    return ExpandConfig(block_n=block_n, group=group, num_warps=4, num_stages=3, full_rank_branch=True)

@@ -41,6 +41,7 @@ def _expand_kernel(
     block_m: int,
     block_n: int,
     group: int,
+    full_rank_branch: bool,
     precision,
 ):
     # Program (seg, g) covers `group` consecutive column blocks of one slice: the segment's rows, s and
@@ -70,21 +71,29 @@ def _expand_kernel(
         s = jnp.where(col < slot_rank, s, 0).astype(b_ref.dtype)  # columns past the rank contribute nothing
         # B is read in 16-column chunks up to the rank: a mask constant over 16 contiguous columns keeps
         # the loads vectorized (a per-column mask makes them scalar), and chunks past the rank are not read.
-        # These masks cost 7-8 % at T=8192, r=64 (H200, bench/expand_limits.py: the step without them takes
-        # 52.9 µs for N=4096 and 354.0 for gate|up, against this kernel's 56.6 and 382.9). Skipping them for
-        # slots at the full rank R (a branch per program) won 7 % back on the prefill gate|up expand but
-        # made the decode expands 1.5-4.6x slower; a loop over the rank's 16-column chunks instead of the
-        # B mask was slower (69.2 and 458.3 µs). So they stay.
+        # The masked loads are slower than plain ones (H200, T=8192, r=64, scratch A/B: N=4096 57.9 µs
+        # against 51.7, gate|up 380.5 against 346.5), so with `full_rank_branch` slots at the full rank R
+        # take a branch that reads B unmasked. That branch made the decode expands 1.5-4.6x slower, so the
+        # heuristic sets it at prefill sizes only. A loop over the rank's 16-column chunks instead of the
+        # mask was slower still (69.2 and 458.3 µs).
         in_rank = col // 16 * 16 < slot_rank  # [1, R]
 
-        def block(j, carry):
-            cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
-            b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)  # [BN, R]
-            delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BM, BN] f32
-            o_ref[rows, cols] = (base_ref[rows, cols].astype(jnp.float32) + delta).astype(o_ref.dtype)
-            return carry
+        def columns(b_mask):
+            def block(j, carry):
+                cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
+                b = (b_ref[slot, cols, :] if b_mask is None
+                     else pltriton.load(b_ref.at[slot, cols, :], mask=b_mask, other=0))  # [BN, R]
+                delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BM, BN] f32
+                o_ref[rows, cols] = (base_ref[rows, cols].astype(jnp.float32) + delta).astype(o_ref.dtype)
+                return carry
 
-        jax.lax.fori_loop(0, group, block, 0)
+            jax.lax.fori_loop(0, group, block, 0)
+
+        if full_rank_branch:
+            pl.when(slot_rank >= rank)(lambda: columns(None))
+            pl.when(slot_rank < rank)(lambda: columns(in_rank))
+        else:
+            columns(in_rank)
 
 
 def expand(
@@ -107,7 +116,7 @@ def expand(
       config: tiles; default from `expand_config`.
     """
     num_tokens, rank = base.shape[0], b.shape[2]
-    config = config or expand_config(num_tokens, slice_sizes)
+    config = config or expand_config(num_tokens, slice_sizes, info.block_m)
     if any(n % config.block_n for n in slice_sizes):
         raise ValueError(f"{config} does not tile slice_sizes={slice_sizes}")
     blocks = [n // config.block_n for n in slice_sizes]
@@ -122,6 +131,7 @@ def expand(
         block_m=info.block_m,
         block_n=config.block_n,
         group=group,
+        full_rank_branch=config.full_rank_branch,
         precision=dot_precision(b.dtype),
     )
     return pl.pallas_call(

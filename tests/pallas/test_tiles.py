@@ -6,7 +6,7 @@ import pytest
 
 import jlora
 from jlora import LoRABatchInfo
-from jlora.pallas import ExpandConfig, ShrinkConfig, shrink_config
+from jlora.pallas import ExpandConfig, ShrinkConfig, expand_config, shrink_config
 from jlora.pallas.config import SMEM_BUDGET
 from tests.oracle import expand_np, rel_err, shrink_np
 
@@ -24,9 +24,11 @@ def _case(seed, t=45, k=256, slice_sizes=(64, 32, 32), rank=16, num_slots=3):
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("config", [ExpandConfig(block_n=16, group=2), ExpandConfig(block_n=32, group=8)])
+@pytest.mark.parametrize("config", [ExpandConfig(block_n=16, group=2), ExpandConfig(block_n=32, group=8),
+                                    ExpandConfig(block_n=32, group=2, full_rank_branch=True)])
 def test_expand_column_groups(config, block_m):
     slots, ranks, scal, x, a, b, base = _case(1)
+    assert ranks.max() == 16 > ranks.min()  # slots at the full rank and below: both sides of full_rank_branch
     info = LoRABatchInfo.build(slots, ranks, scal, block_m=block_m)
     s = np.random.default_rng(2).standard_normal((len(slots), 48)).astype(np.float32)
     out = jlora.pallas.expand(jnp.asarray(s), jnp.asarray(b), info, jnp.asarray(base), slice_sizes=(64, 32, 32),
@@ -63,3 +65,12 @@ def test_shrink_config_fits_shared_memory_and_tiles_k():
         assert k % (cfg.k_splits * cfg.block_k) == 0
         assert cfg.num_stages * (block_m + width) * cfg.block_k * 2 <= SMEM_BUDGET
     assert shrink_config(64, 4096, 16, 16).k_splits > 1  # decode spreads K over programs
+
+
+def test_expand_config_groups_blocks_only_with_programs_to_spare():
+    decode = expand_config(64, (4096,), 16)
+    assert (decode.group, decode.full_rank_branch) == (1, False)
+    prefill = expand_config(8192, (4096,), 64)  # 128 segments x 32 blocks: 4 blocks each leave 1024 programs
+    assert (prefill.block_n, prefill.group, prefill.full_rank_branch) == (128, 4, True)
+    assert expand_config(2048, (4096,), 64).group == 1  # 32 x 32 blocks: grouping would leave < 1024 programs
+    assert expand_config(8192, (4096, 1024, 1024), 64).group == 4  # capped at 4
