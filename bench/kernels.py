@@ -207,10 +207,10 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
         for bn, warps in itertools.product((128, 256, 512, 1024), (4, 8)):
             yield 16, jlora.pallas.ExpandConfig(block_n=bn, num_warps=warps)
     elif kind == "expand":
-        for bm, group, warps, stages in itertools.product(block_ms, (1, 2, 4), (4, 8), (1, 2, 3)):
-            if bm == 64 or (group < 4 and stages == 2):
-                yield bm, jlora.pallas.ExpandConfig(block_n=128, group=group, num_warps=warps, num_stages=stages,
-                                                    full_rank_branch=True)
+        for rows, group, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (4, 8), (2, 3)):
+            if warps == 4 or rows == 32:
+                yield 64, jlora.pallas.ExpandConfig(block_n=128, group=group, block_rows=rows, num_warps=warps,
+                                                    num_stages=stages, full_rank_branch=True)
 
 
 def sweep(rng, kinds: list[str], min_tokens: int, max_tokens: int) -> None:

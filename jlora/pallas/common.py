@@ -13,10 +13,11 @@ def dot_dim(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m: int) -> jax.Array:
-    """[block_m] token rows of segment `seg`. Positions past the segment's end repeat its last token, so
-    loads stay in bounds and duplicate stores write identical values (vLLM does the same)."""
-    pos = seg_start_ref[seg] + jnp.minimum(jnp.arange(block_m), seg_len_ref[seg] - 1)
+def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, num_rows: int, first=0) -> jax.Array:
+    """[num_rows] token rows of segment `seg` from its row `first` on. Positions past the segment's end
+    repeat its last token, so loads stay in bounds and duplicate stores write identical values (vLLM does
+    the same); callers skip a part that starts past the end."""
+    pos = seg_start_ref[seg] + jnp.minimum(first + jnp.arange(num_rows), seg_len_ref[seg] - 1)
     return idx_ref[pos]
 
 

@@ -27,11 +27,12 @@ class ShrinkConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpandConfig:
-    """Tiles of the expand kernel. Its grid is (segments, N / (block_n * group))."""
+    """Tiles of the expand kernel. Its grid is (segments x block_m / block_rows, N / (block_n * group))."""
 
     block_n: int  # output columns per loop step
     group: int = 1  # column blocks per program (capped to a power of two dividing every slice's blocks)
-    full_rank_branch: bool = False  # slots at the full rank R read B without the rank mask (prefill)
+    block_rows: int | None = None  # rows per program: block_m (None) or a power-of-two part of it, >= 16
+    full_rank_branch: bool = False  # slots at the full rank R take a fast path (see jlora.pallas.expand)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -83,25 +84,29 @@ def shrink_config(
 
 
 def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -> ExpandConfig:
-    """Expand tiles for T tokens in row tiles of block_m: block_n = 128 columns (capped by the slices'
+    """Expand tiles for T tokens in segments of block_m rows: block_n = 128 columns (capped by the slices'
     common power-of-two divisor).
 
-    An expand program reads [block_m, R] of s, [block_n, R] of B and [block_m, block_n] of base, and writes
-    the same; 128 columns of bf16 give 256-byte rows, enough for full-width loads, and keep the grid large.
-    At decode sizes each program takes one column block. At prefill sizes a program loops over up to 4
-    column blocks (3 pipeline stages) while at least 1024 programs (about 8 per SM) remain, and slots at the
-    full rank read B unmasked (`full_rank_branch`). Measured on an H200 at T=8192, r=64, 32 adapters
-    (device time, one process, scratch A/B): N=4096 51.5 µs against 53.7 with one block per program and
-    the mask on every slot; q|k|v 73.9 against 81.1; gate|up 329.9 against 386.1 (bench/kernels.py --sweep
-    expand: 8 blocks per program win q|k|v and gate|up by 1-4 % but lose N=4096 by 15 %; 8 warps or block_m
-    128 lose everywhere). The base's read-add-write bounds these rows: the same kernel without the LoRA
-    product takes 37.1 µs for N=4096 and 246.8 for gate|up (3.6 and 3.8 TB/s; bench/expand_limits.py).
+    An expand program reads [block_rows, R] of s, [block_n, R] of B and [block_rows, block_n] of base, and
+    writes the same; 128 columns of bf16 give 256-byte rows, enough for full-width loads, and keep the grid
+    large. At decode sizes a program takes one column block of its whole segment. At prefill sizes it takes
+    32 rows, loops over up to 8 column blocks (3 pipeline stages) while at least 1024 programs (about 8 per
+    SM) remain, and slots at the full rank take the fast path (`full_rank_branch`). Measured on an H200 at
+    T=8192, r=64, 32 adapters (device time, one process, scratch A/Bs; N=4096 / q|k|v / gate|up):
+    47.5 / 68.6 / 293.5 µs, against 51.2 / 73.1 / 327.1 with 64-row programs over 4 blocks and no identity
+    dot, and 53.7 / 81.1 / 386.1 with one 64 x 128 block per program and the mask on every slot. 32-row
+    programs beat 16 (52.7 / 77.3 / 341.3) and 64 (62.9 / 93.8 / 414.3 over 4 blocks); 2 warps, 2 stages
+    lose; a block_m of 32 for the whole batch would slow the prefill shrinks by 15-20 % (A re-read).
+    The base's read-add-write bounds these rows: the same kernel without the LoRA product takes 37.1 µs
+    for N=4096 and 246.6 for gate|up (3.6 and 3.8 TB/s; bench/expand_limits.py).
     """
     block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
     if num_tokens <= 256:
         return ExpandConfig(block_n=block_n, num_warps=4, num_stages=2)
-    blocks = -(-num_tokens // block_m) * (sum(slice_sizes) // block_n)  # programs at one block each
+    block_rows = min(32, block_m)
+    blocks = -(-num_tokens // block_rows) * (sum(slice_sizes) // block_n)  # programs at one block each
     group = 1
-    while group < 4 and blocks // (2 * group) >= 1024:
+    while group < 8 and blocks // (2 * group) >= 1024:
         group *= 2
-    return ExpandConfig(block_n=block_n, group=group, num_warps=4, num_stages=3, full_rank_branch=True)
+    return ExpandConfig(block_n=block_n, group=group, block_rows=block_rows, num_warps=4, num_stages=3,
+                        full_rank_branch=True)

@@ -4,6 +4,8 @@ One launch covers every slice (q 4096 | k 1024 | v 1024): the grid's column axis
 all slices, and each program finds its slice from static block offsets. B is read only up to each slot's
 rank, in 16-column chunks (masked loads fetch nothing). The sum is written into `base`'s buffer
 (`input_output_aliases`), so rows of slot -1 tokens are never touched and there is no extra pass over [T, N].
+A program may take a part of its segment's rows (`block_rows`), for more and smaller programs than the
+shrink's row tile gives.
 """
 
 from __future__ import annotations
@@ -38,20 +40,24 @@ def _expand_kernel(
     slice_start: tuple[int, ...],  # first column of each slice
     group_start: tuple[int, ...],  # first column group of each slice
     rank: int,
-    block_m: int,
+    parts: int,  # programs per segment along the rows: block_m // block_rows
+    block_rows: int,
     block_n: int,
     group: int,
     full_rank_branch: bool,
     precision,
+    base_precision,
 ):
-    # Program (seg, g) covers `group` consecutive column blocks of one slice: the segment's rows, s and
-    # rank mask are loaded once, and the loop over blocks lets the compiler pipeline the base loads.
-    seg, g = pl.program_id(0), pl.program_id(1)
+    # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h:
+    # consecutive programs take consecutive rows) and `group` consecutive column blocks of one slice: the
+    # rows, s and rank mask are loaded once, and the loop over blocks lets the compiler pipeline loads.
+    p, g = pl.program_id(0), pl.program_id(1)
+    seg, h = p // parts, p % parts
 
-    @pl.when(seg_len_ref[seg] > 0)
+    @pl.when(seg_len_ref[seg] > h * block_rows)
     def _():
         slot = seg_slot_ref[seg]
-        rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m)  # [BM]
+        rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_rows, h * block_rows)  # [BR]
         # The slice of group g: the last whose first group is <= g (static offsets). Integer steps
         # (0 or 1) instead of booleans: the Triton lowering mistypes bool -> int converts.
         sl, col0, g0 = 0, slice_start[0], group_start[0]
@@ -71,29 +77,39 @@ def _expand_kernel(
         s = jnp.where(col < slot_rank, s, 0).astype(b_ref.dtype)  # columns past the rank contribute nothing
         # B is read in 16-column chunks up to the rank: a mask constant over 16 contiguous columns keeps
         # the loads vectorized (a per-column mask makes them scalar), and chunks past the rank are not read.
-        # The masked loads are slower than plain ones (H200, T=8192, r=64, scratch A/B: N=4096 57.9 µs
-        # against 51.7, gate|up 380.5 against 346.5), so with `full_rank_branch` slots at the full rank R
-        # take a branch that reads B unmasked. That branch made the decode expands 1.5-4.6x slower, so the
-        # heuristic sets it at prefill sizes only. A loop over the rank's 16-column chunks instead of the
-        # mask was slower still (69.2 and 458.3 µs).
+        # The masked loads are slower than plain ones, so with `full_rank_branch` (prefill sizes) slots at
+        # the full rank R take a fast path: B read unmasked, and the base added through a `dot` with the
+        # identity, which makes Triton stream the base tiles into shared memory ahead of use as it does a
+        # dot's operands (the product is exact: one 1 per row, f32 accumulation). H200, T=8192, r=64, one
+        # process (scratch A/B, µs, N=4096 / gate|up): masked 57.9 / 380.5, unmasked 51.7 / 346.5, unmasked
+        # with the identity dot and 32-row programs 47.7 / 299.0 (64-row: 62.9 / 414.3). The identity dot
+        # behind a masked load took 83.8 / 524.4, so slots below the full rank keep the plain add. The branch
+        # made the decode expands 1.5-4.6x slower, so the heuristic sets it at prefill sizes only. A loop
+        # over the rank's 16-column chunks instead of the mask was slower still (69.2 and 458.3 µs).
         in_rank = col // 16 * 16 < slot_rank  # [1, R]
+        eye = (jnp.arange(block_rows)[:, None] == jnp.arange(block_rows)[None, :]).astype(base_ref.dtype)
 
-        def columns(b_mask):
+        def columns(full_rank: bool):
             def block(j, carry):
                 cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
-                b = (b_ref[slot, cols, :] if b_mask is None
-                     else pltriton.load(b_ref.at[slot, cols, :], mask=b_mask, other=0))  # [BN, R]
-                delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BM, BN] f32
-                o_ref[rows, cols] = (base_ref[rows, cols].astype(jnp.float32) + delta).astype(o_ref.dtype)
+                base = base_ref[rows, cols]  # [BR, BN]
+                if full_rank:
+                    b = b_ref[slot, cols, :]  # [BN, R]
+                    out = pltriton.dot(eye, base, precision=base_precision)  # = base, in f32
+                else:
+                    b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
+                    out = base.astype(jnp.float32)
+                out += pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
+                o_ref[rows, cols] = out.astype(o_ref.dtype)
                 return carry
 
             jax.lax.fori_loop(0, group, block, 0)
 
         if full_rank_branch:
-            pl.when(slot_rank >= rank)(lambda: columns(None))
-            pl.when(slot_rank < rank)(lambda: columns(in_rank))
+            pl.when(slot_rank >= rank)(lambda: columns(True))
+            pl.when(slot_rank < rank)(lambda: columns(False))
         else:
-            columns(in_rank)
+            columns(False)
 
 
 def expand(
@@ -119,6 +135,9 @@ def expand(
     config = config or expand_config(num_tokens, slice_sizes, info.block_m)
     if any(n % config.block_n for n in slice_sizes):
         raise ValueError(f"{config} does not tile slice_sizes={slice_sizes}")
+    block_rows = config.block_rows or info.block_m
+    if block_rows < 16 or info.block_m % block_rows or block_rows & (block_rows - 1):
+        raise ValueError(f"{config}: block_rows must be a power of two >= 16 dividing block_m={info.block_m}")
     blocks = [n // config.block_n for n in slice_sizes]
     group = pow2_divisor(math.gcd(*blocks), config.group)  # column blocks per program, within one slice
     slice_start = tuple(itertools.accumulate(slice_sizes, initial=0))[:-1]
@@ -128,16 +147,18 @@ def expand(
         slice_start=slice_start,
         group_start=group_start[:-1],
         rank=rank,
-        block_m=info.block_m,
+        parts=info.block_m // block_rows,
+        block_rows=block_rows,
         block_n=config.block_n,
         group=group,
         full_rank_branch=config.full_rank_branch,
         precision=dot_precision(b.dtype),
+        base_precision=dot_precision(base.dtype),
     )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
-        grid=(info.num_segments, group_start[-1]),
+        grid=(info.num_segments * (info.block_m // block_rows), group_start[-1]),
         input_output_aliases={7: 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
