@@ -14,7 +14,7 @@ from jlora.batch_info import LoRABatchInfo
 from jlora.pallas.common import dot_dim
 from jlora.pallas.config import ExpandConfig, ShrinkConfig
 from jlora.pallas.expand import expand as _expand
-from jlora.pallas.shrink import shrink_partials
+from jlora.pallas.shrink import default_config, shrink_partials
 
 __all__ = ["kernel_rank", "supported", "shrink", "expand", "linear"]
 
@@ -60,9 +60,14 @@ def shrink(
     _require(x.shape[1], (), info)
     rank = a.shape[1] // num_slices
     a = _pad_slices(a, 1, num_slices, rank)
-    y = shrink_partials(x, a, info, num_slices=num_slices, config=config).sum(0)  # [T, S·R']
-    y = y.reshape(y.shape[0], num_slices, -1)[:, :, :rank].reshape(y.shape[0], num_slices * rank)
-    return jnp.where((info.token_slot >= 0)[:, None], y, 0.0).astype(x.dtype)
+    config = config or default_config(x, a, info, num_slices)
+    if config.k_splits == 1:  # the kernel writes x.dtype into zeros: no pass over f32 sums, no mask
+        out = jnp.zeros((1, x.shape[0], a.shape[1]), x.dtype)
+        y = shrink_partials(x, a, info, num_slices=num_slices, config=config, out=out)[0]  # [T, S·R']
+    else:
+        y = shrink_partials(x, a, info, num_slices=num_slices, config=config).sum(0)
+        y = jnp.where((info.token_slot >= 0)[:, None], y, 0.0).astype(x.dtype)
+    return y.reshape(y.shape[0], num_slices, -1)[:, :, :rank].reshape(y.shape[0], num_slices * rank)
 
 
 def expand(

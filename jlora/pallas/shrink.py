@@ -18,7 +18,7 @@ from jlora.batch_info import LoRABatchInfo
 from jlora.pallas.common import dot_precision, segment_rows
 from jlora.pallas.config import ShrinkConfig, shrink_config
 
-__all__ = ["shrink_partials"]
+__all__ = ["default_config", "shrink_partials"]
 
 
 def _shrink_kernel(
@@ -30,8 +30,7 @@ def _shrink_kernel(
     scalings_ref,  # [L] f32
     x_ref,  # [T, K]
     a_ref,  # [L, num_slices * R, K]
-    o_ref,  # [k_splits, T, num_slices * R] f32 partial sums
-    *,
+    *refs,  # the output, after the buffer aliased to it when there is one; keyword-only parameters follow
     slices_per_program: int,
     rank: int,
     block_m: int,
@@ -41,6 +40,7 @@ def _shrink_kernel(
 ):
     # Program (seg, split, part): segment `seg`, K range `split`, and slices part·spp .. part·spp + spp - 1
     # (spp = slices_per_program: all slices share one read of x, or one slice each for more programs).
+    o_ref = refs[-1]  # [k_splits, T, num_slices * R] partial sums, f32 or the aliased buffer's dtype
     seg, split, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(seg_len_ref[seg] > 0)
@@ -71,11 +71,22 @@ def _shrink_kernel(
         accs = jax.lax.fori_loop(0, k_per_split // block_k, step, zeros)
         scale = scalings_ref[slot]
         for c, acc in zip(cols, accs):
-            o_ref[split, rows, c] = acc * scale
+            o_ref[split, rows, c] = (acc * scale).astype(o_ref.dtype)
+
+
+def default_config(x: jax.Array, a: jax.Array, info: LoRABatchInfo, num_slices: int) -> ShrinkConfig:
+    """`shrink_config` for these operands."""
+    return shrink_config(x.shape[0], x.shape[1], a.shape[1], info.block_m, x.dtype.itemsize, num_slices)
 
 
 def shrink_partials(
-    x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int, config: ShrinkConfig | None = None
+    x: jax.Array,
+    a: jax.Array,
+    info: LoRABatchInfo,
+    *,
+    num_slices: int,
+    config: ShrinkConfig | None = None,
+    out: jax.Array | None = None,
 ) -> jax.Array:
     """[P, T, S·R] f32 split-K partial sums of the shrink; rows of slot -1 tokens are left unwritten.
 
@@ -83,11 +94,13 @@ def shrink_partials(
       x: [T, K]; a: [L, S·R, K] with R a power of two >= 16 and K a multiple of 16.
       info: the batch's metadata; info.block_m is the row tile.
       num_slices: S.
-      config: tiles; default from `shrink_config`.
+      config: tiles; default from `default_config`.
+      out: a [P, T, S·R] buffer to write the sums into instead (aliased: rows of slot -1 tokens keep its
+        values), in its own dtype; with P = 1 that is the finished shrink, without a pass over the partials.
     """
     num_tokens, k = x.shape
     rank = a.shape[1] // num_slices
-    config = config or shrink_config(num_tokens, k, a.shape[1], info.block_m, x.dtype.itemsize, num_slices)
+    config = config or default_config(x, a, info, num_slices)
     k_per_split = k // config.k_splits
     if k_per_split * config.k_splits != k or k_per_split % config.block_k:
         raise ValueError(f"{config} does not tile K={k}")
@@ -101,11 +114,16 @@ def shrink_partials(
         k_per_split=k_per_split,
         precision=dot_precision(x.dtype),
     )
+    shape = (config.k_splits, num_tokens, num_slices * rank)
+    if out is not None and out.shape != shape:
+        raise ValueError(f"out {out.shape} must be {shape} under {config}")
+    operands = (info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, info.scalings, x, a)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((config.k_splits, num_tokens, num_slices * rank), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32 if out is None else out.dtype),
         grid=(info.num_segments, config.k_splits, num_slices // slices_per_program),
+        input_output_aliases={} if out is None else {len(operands): 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_shrink_{k}x{num_slices}x{rank}",  # shapes in the name: readable profiles
-    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, info.scalings, x, a)
+    )(*operands, *(() if out is None else (out,)))
