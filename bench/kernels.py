@@ -204,13 +204,13 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
                 yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps,
                                                     num_stages=stages)
     elif kind == "expand" and tokens <= 256:
-        for bn, warps in itertools.product((128, 256, 512, 1024), (4, 8)):
+        for bn, warps in itertools.product((128, 256, 512, 1024), (2, 4, 8)):
             yield 16, jlora.pallas.ExpandConfig(block_n=bn, num_warps=warps)
     elif kind == "expand":
         for rows, group, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (4, 8), (2, 3)):
             if warps == 4 or rows == 32:
                 yield 64, jlora.pallas.ExpandConfig(block_n=128, group=group, block_rows=rows, num_warps=warps,
-                                                    num_stages=stages, full_rank_branch=True)
+                                                    num_stages=stages)
 
 
 def sweep(rng, kinds: list[str], min_tokens: int, max_tokens: int) -> None:

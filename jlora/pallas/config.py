@@ -32,7 +32,7 @@ class ExpandConfig:
     block_n: int  # output columns per loop step
     group: int = 1  # column blocks per program (capped to a power of two dividing every slice's blocks)
     block_rows: int | None = None  # rows per program: block_m (None) or a power-of-two part of it, >= 16
-    full_rank_branch: bool = False  # slots at the full rank R take a fast path (see jlora.pallas.expand)
+    full_rank_branch: bool = True  # slots at the full rank R take a fast path (see jlora.pallas.expand)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -89,11 +89,13 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -
 
     An expand program reads [block_rows, R] of s, [block_n, R] of B and [block_rows, block_n] of base, and
     writes the same; 128 columns of bf16 give 256-byte rows, enough for full-width loads, and keep the grid
-    large. At decode sizes a program takes one column block of its whole segment. At prefill sizes it takes
-    32 rows, loops over up to 8 column blocks (3 pipeline stages) while at least 1024 programs (about 8 per
-    SM) remain, and slots at the full rank take the fast path (`full_rank_branch`). Measured on an H200 at
-    T=8192, r=64, 32 adapters (device time, one process, scratch A/Bs; N=4096 / q|k|v / gate|up):
-    47.5 / 68.6 / 293.5 µs, against 51.2 / 73.1 / 327.1 with 64-row programs over 4 blocks and no identity
+    large. Slots at the full rank take the fast path (`full_rank_branch`). At decode sizes a program takes
+    one column block of its whole segment, with 2 warps (H200, device time, one process, T=32 with 32
+    r=16 adapters: expand 3.9 µs, q|k|v 5.4, gate|up 16.7, against 4.8 / 6.2 / 21.4 with 4 warps and the
+    mask on every slot; T=64 with 8 adapters: expand 2.8 / 2.9, gate|up 7.6 / 8.4). At prefill sizes it
+    takes 32 rows and loops over up to 8 column blocks (3 pipeline stages) while at least 1024 programs
+    (about 8 per SM) remain. Measured on an H200 at T=8192, r=64, 32 adapters (device time, one process,
+    scratch A/Bs; N=4096 / q|k|v / gate|up): 47.5 / 68.6 / 293.5 µs, against 51.2 / 73.1 / 327.1 with 64-row programs over 4 blocks and no identity
     dot, and 53.7 / 81.1 / 386.1 with one 64 x 128 block per program and the mask on every slot. 32-row
     programs beat 16 (52.7 / 77.3 / 341.3) and 64 (62.9 / 93.8 / 414.3 over 4 blocks); 2 warps, 2 stages
     lose; a block_m of 32 for the whole batch would slow the prefill shrinks by 15-20 % (A re-read).
@@ -102,11 +104,10 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -
     """
     block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
     if num_tokens <= 256:
-        return ExpandConfig(block_n=block_n, num_warps=4, num_stages=2)
+        return ExpandConfig(block_n=block_n, num_warps=2, num_stages=2)
     block_rows = min(32, block_m)
     blocks = -(-num_tokens // block_rows) * (sum(slice_sizes) // block_n)  # programs at one block each
     group = 1
     while group < 8 and blocks // (2 * group) >= 1024:
         group *= 2
-    return ExpandConfig(block_n=block_n, group=group, block_rows=block_rows, num_warps=4, num_stages=3,
-                        full_rank_branch=True)
+    return ExpandConfig(block_n=block_n, group=group, block_rows=block_rows, num_warps=4, num_stages=3)
