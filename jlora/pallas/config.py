@@ -100,7 +100,7 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -
     programs beat 16 (52.7 / 77.3 / 341.3) and 64 (62.9 / 93.8 / 414.3 over 4 blocks); 2 warps, 2 stages
     lose; a block_m of 32 for the whole batch would slow the prefill shrinks by 15-20 % (A re-read).
     The base's read-add-write bounds these rows: the same kernel without the LoRA product takes 37.1 µs
-    for N=4096 and 246.6 for gate|up (3.6 and 3.8 TB/s; bench/expand_limits.py).
+    for N=4096 and 246.6 for gate|up in those A/Bs (3.6 and 3.8 TB/s; bench/expand_limits.py times it).
     """
     block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
     if num_tokens <= 256:
