@@ -95,10 +95,11 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -
     mask on every slot; T=64 with 8 adapters: expand 2.8 / 2.9, gate|up 7.6 / 8.4). At prefill sizes it
     takes 32 rows and loops over up to 8 column blocks (3 pipeline stages) while at least 1024 programs
     (about 8 per SM) remain. Measured on an H200 at T=8192, r=64, 32 adapters (device time, one process,
-    scratch A/Bs; N=4096 / q|k|v / gate|up): 47.5 / 68.6 / 293.5 µs, against 51.2 / 73.1 / 327.1 with 64-row programs over 4 blocks and no identity
-    dot, and 53.7 / 81.1 / 386.1 with one 64 x 128 block per program and the mask on every slot. 32-row
-    programs beat 16 (52.7 / 77.3 / 341.3) and 64 (62.9 / 93.8 / 414.3 over 4 blocks); 2 warps, 2 stages
-    lose; a block_m of 32 for the whole batch would slow the prefill shrinks by 15-20 % (A re-read).
+    scratch A/Bs; N=4096 / q|k|v / gate|up): 47.5 / 68.6 / 293.5 µs, against 51.2 / 73.1 / 327.1 with
+    64-row programs over 4 blocks and no identity dot, and 53.7 / 81.1 / 386.1 with one 64 x 128 block per
+    program and the mask on every slot. 32-row programs beat 16 (52.7 / 77.3 / 341.3) and 64 (62.9 / 93.8 /
+    414.3 over 4 blocks); 2 warps, 2 stages lose; a block_m of 32 for the whole batch would slow the prefill
+    shrinks by 15-20 % (A re-read).
     The base's read-add-write bounds these rows: the same kernel without the LoRA product takes 37.1 µs
     for N=4096 and 246.6 for gate|up in those A/Bs (3.6 and 3.8 TB/s; bench/expand_limits.py times it).
     """

@@ -82,7 +82,7 @@ def _expand_kernel(
         # makes Triton stream the base tiles into shared memory ahead of use as it does a dot's operands
         # (the product is exact: one 1 per row, f32 accumulation). H200, T=8192, r=64, one
         # process (scratch A/B, µs, N=4096 / gate|up): masked 57.9 / 380.5, unmasked 51.7 / 346.5, unmasked
-        # with the identity dot and 32-row programs 47.7 / 299.0 (64-row: 62.9 / 414.3). The identity dot
+        # with the identity dot and 32-row programs 47.7 / 299.0 (64-row programs: 62.9 / 414.3). The identity dot
         # behind a masked load took 83.8 / 524.4, so slots below the full rank keep the plain add. At decode
         # sizes the fast path wins too (T=32, 32 adapters, r=16: gate|up 17.1 against 21.4 µs). A loop over
         # the rank's 16-column chunks instead of the mask was slower still (69.2 and 458.3 µs).
