@@ -189,15 +189,17 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
     block_ms = (16,) if tokens <= 256 else (64, 128)
     if kind == "linear":
         splits = (2, 4, 8, 16) if k % 7 else (7, 14, 28)
-        for split, block_n in itertools.product(splits, (128, 256, 512, 1024)):
-            if k % (split * 128) == 0:
-                yield 16, (jlora.pallas.ShrinkConfig(block_k=128, k_splits=split, split_slices=True, num_stages=2),
-                           jlora.pallas.ExpandConfig(block_n=block_n))
-    elif kind == "shrink" and tokens <= 256:
-        for bm, split, warps, block_k in itertools.product(block_ms, (4, 8, 14, 16, 28, 32), (2, 4), (64, 128)):
+        for split, block_k, stages, block_n in itertools.product(splits, (64, 128), (2, 3), (128, 256)):
             if k % (split * block_k) == 0:
-                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps, num_stages=2,
-                                                    split_slices=True)
+                yield 16, (jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, split_slices=True,
+                                                     num_warps=1, num_stages=stages),
+                           jlora.pallas.ExpandConfig(block_n=block_n, num_warps=2, num_stages=2))
+    elif kind == "shrink" and tokens <= 256:
+        for bm, split, warps, block_k, stages in itertools.product(block_ms, (8, 14, 16, 28, 32), (1, 2), (64, 128),
+                                                                   (2, 3, 4)):
+            if k % (split * block_k) == 0 and stages <= k // (split * block_k) + 1:
+                yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps,
+                                                    num_stages=stages, split_slices=True)
     elif kind == "shrink":
         for bm, split, warps, block_k, stages in itertools.product(block_ms, (1, 2), (4, 8), (64, 128), (3, 4)):
             if k % (split * block_k) == 0 and stages * (bm + width) * block_k * 2 <= 200 * 1024:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dot_dim", "dot_precision", "segment_rows"]
+__all__ = ["dot_dim", "dot_precision", "segment_meta", "segment_rows"]
 
 
 def dot_dim(n: int) -> int:
@@ -16,9 +16,22 @@ def dot_dim(n: int) -> int:
 def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, num_rows: int, first=0) -> jax.Array:
     """[num_rows] token rows of segment `seg` from its row `first` on. Positions past the segment's end
     repeat its last token, so loads stay in bounds and duplicate stores write identical values (vLLM does
-    the same); callers skip a part that starts past the end."""
-    pos = seg_start_ref[seg] + jnp.minimum(first + jnp.arange(num_rows), seg_len_ref[seg] - 1)
+    the same); callers skip a part that starts past the end. An unused segment (length 0) gives its first
+    position's token, in bounds too, so the rows may be read before the caller's branch."""
+    pos = seg_start_ref[seg] + jnp.minimum(first + jnp.arange(num_rows), jnp.maximum(seg_len_ref[seg] - 1, 0))
     return idx_ref[pos]
+
+
+def segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, num_rows: int, first=0):
+    """(length, slot, [num_rows] token rows from row `first` on) of segment `seg`, for every program.
+
+    The kernels read these before branching on the length: inside the branch, each load waited for the one
+    before it (length -> start -> token index -> x or base row, and slot -> rank), and the decode kernels
+    are bound by that latency (H200, T=64 with 8 r=16 adapters, device µs per call: shrink 3.0 against
+    3.15, down shrink 4.7 against 4.8). An unused segment's slot reads as 0, so slot lookups stay in bounds.
+    """
+    rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, num_rows, first)
+    return seg_len_ref[seg], jnp.maximum(seg_slot_ref[seg], 0), rows
 
 
 def dot_precision(dtype) -> jax.lax.Precision:

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.batch_info import LoRABatchInfo
-from jlora.pallas.common import dot_precision, segment_rows
+from jlora.pallas.common import dot_precision, segment_meta
 from jlora.pallas.config import ExpandConfig, expand_config, pow2_divisor
 
 __all__ = ["expand"]
@@ -53,11 +53,13 @@ def _expand_kernel(
     # rows, s and rank mask are loaded once, and the loop over blocks lets the compiler pipeline loads.
     p, g = pl.program_id(0), pl.program_id(1)
     seg, h = p // parts, p % parts
+    # The metadata is read ahead of the branch, so its loads issue together (see `segment_meta`).
+    seg_len, slot, rows = segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, block_rows,
+                                       h * block_rows)  # rows: [BR]
+    slot_rank = ranks_ref[slot]
 
-    @pl.when(seg_len_ref[seg] > h * block_rows)
+    @pl.when(seg_len > h * block_rows)
     def _():
-        slot = seg_slot_ref[seg]
-        rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_rows, h * block_rows)  # [BR]
         # The slice of group g: the last whose first group is <= g (static offsets). Integer steps
         # (0 or 1) instead of booleans: the Triton lowering mistypes bool -> int converts.
         sl, col0, g0 = 0, slice_start[0], group_start[0]
@@ -73,7 +75,6 @@ def _expand_kernel(
         for p in range(1, s_ref.shape[0]):  # split-K partials of the shrink
             s += s_ref[p, rows, r]
         col = jnp.arange(rank)[None, :]  # [1, R]
-        slot_rank = ranks_ref[slot]
         s = jnp.where(col < slot_rank, s, 0).astype(b_ref.dtype)  # columns past the rank contribute nothing
         # B is read in 16-column chunks up to the rank: a mask constant over 16 contiguous columns keeps
         # the loads vectorized (a per-column mask makes them scalar), and chunks past the rank are not read.

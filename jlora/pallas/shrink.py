@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.batch_info import LoRABatchInfo
-from jlora.pallas.common import dot_precision, segment_rows
+from jlora.pallas.common import dot_precision, segment_meta
 from jlora.pallas.config import ShrinkConfig, shrink_config
 
 __all__ = ["default_config", "shrink_partials"]
@@ -42,12 +42,13 @@ def _shrink_kernel(
     # (spp = slices_per_program: all slices share one read of x, or one slice each for more programs).
     o_ref = refs[-1]  # [k_splits, T, num_slices * R] partial sums, f32 or the aliased buffer's dtype
     seg, split, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # The metadata is read ahead of the branch, so its loads issue together (see `segment_meta`).
+    seg_len, slot, rows = segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, block_m)
+    slot_rank, scale = ranks_ref[slot], scalings_ref[slot]
 
-    @pl.when(seg_len_ref[seg] > 0)
+    @pl.when(seg_len > 0)
     def _():
-        slot = seg_slot_ref[seg]
-        rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, block_m)  # [BM]
-        in_rank = (jnp.arange(rank) < ranks_ref[slot])[:, None]  # [R, 1]: rows of A past the rank unread
+        in_rank = (jnp.arange(rank) < slot_rank)[:, None]  # [R, 1]: rows of A past the rank unread
         k_base = split * k_per_split
         # A rows (and output columns) of each slice this program computes.
         cols = [pl.ds(pl.multiple_of((part * slices_per_program + i) * rank, rank), rank)
@@ -69,7 +70,6 @@ def _shrink_kernel(
 
         zeros = tuple(jnp.zeros((block_m, rank), jnp.float32) for _ in cols)
         accs = jax.lax.fori_loop(0, k_per_split // block_k, step, zeros)
-        scale = scalings_ref[slot]
         for c, acc in zip(cols, accs):
             o_ref[split, rows, c] = (acc * scale).astype(o_ref.dtype)
 

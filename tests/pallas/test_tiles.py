@@ -66,7 +66,11 @@ def test_shrink_config_fits_shared_memory_and_tiles_k():
         cfg = shrink_config(tokens, k, width, block_m)
         assert k % (cfg.k_splits * cfg.block_k) == 0
         assert cfg.num_stages * (block_m + width) * cfg.block_k * 2 <= SMEM_BUDGET
-    assert shrink_config(64, 4096, 16, 16).k_splits > 1  # decode spreads K over programs
+    # Decode spreads K over programs that each walk 4 blocks through 3 stages, with at most 32 splits.
+    for k, splits in [(4096, 8), (14336, 28), (65536, 32)]:
+        cfg = shrink_config(64, k, 16, 16)
+        assert (cfg.k_splits, cfg.block_k, cfg.num_stages, cfg.num_warps) == (splits, 128, 3, 1)
+    assert shrink_config(64, 8304, 16, 16).k_splits == 3  # K = 16 x 3 x 173: the splits must tile K
 
 
 def test_expand_config_groups_blocks_only_with_programs_to_spare():
