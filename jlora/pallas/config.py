@@ -60,10 +60,13 @@ def shrink_config(
     At decode sizes the segments are few (8 with 8 adapters), so K is split over programs until about four
     programs per SM can run, each walking 4 blocks (at most 32 splits) through 3 pipeline stages with one
     warp, and the slices of a fused projection get programs of their own (x is tiny there; more, shorter
-    programs hide latency). H200, T=64 with 8 r=16 adapters, device µs per call, one process (scratch
-    sweep): shrink 2.86, down shrink 4.94, q|k|v lora_linear 7.51, against 2.95 / 5.33 / 7.63 with 2 blocks
-    of 128 / 256 columns, 2 stages and 2 warps; 8 blocks per program lost (down shrink 5.24), and 2 warps
-    were level or up to 0.1 µs slower.
+    programs hide latency). H200, T=64 with 8 r=16 adapters, device µs per call, one process: shrink 2.86,
+    down shrink 4.94, q|k|v lora_linear 7.51, against 2.95 / 5.33 / 7.63 with 2 blocks of 128 / 256 columns,
+    2 stages and 2 warps; 8 blocks per program lost (down shrink 5.24), and 2 warps were level or up to
+    0.1 µs slower. `bench/kernels.py --sweep shrink,linear --max-tokens 64` over these tiles afterwards:
+    these tiles were the fastest or within 0.2 µs of it on every row it reached (T=64: shrink 2.9, down
+    shrink 5.0, q|k|v linear 7.5; T=32 with 32 adapters: q|k|v 12.4 against 12.2, o 8.7, gate|up 23.3
+    against 23.1).
     At prefill sizes one wave of programs is enough, and the f32 partial sums of a split must stay a
     small share of the traffic. Measured on an H200 (bench/kernels.py --sweep): T=8192 r=64 shrink 29.3 µs
     at k_splits=2, q|k|v shrink 44.6 µs at k_splits=1 (66.6 µs at 8 splits), down shrink 77.5 µs at 2
