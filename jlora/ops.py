@@ -18,6 +18,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jlora import pallas, reference
 from jlora.batch_info import LoRABatchInfo
@@ -64,12 +65,11 @@ def _check_info(info: LoRABatchInfo, num_tokens: int, num_slots: int, max_rank: 
         raise ValueError(f"info is built for T={info.num_tokens} tokens but {what} has {num_tokens} rows")
     if info.num_slots != num_slots:
         raise ValueError(f"info has L={info.num_slots} slots but the weight stack {what} has {num_slots}")
-    if _is_concrete(info.ranks) and int(jnp.max(info.ranks)) > max_rank:
-        raise ValueError(
-            f"adapter rank {int(jnp.max(info.ranks))} exceeds the weight stack's max rank R={max_rank}"
-        )
-    if _is_concrete(info.token_slot) and int(jnp.max(info.token_slot)) >= num_slots:
-        raise ValueError(f"slot id {int(jnp.max(info.token_slot))} >= number of slots L={num_slots}")
+    # numpy, not jnp: under a jit trace that closes over a concrete `info`, jnp.max would give a tracer.
+    if _is_concrete(info.ranks) and (top := int(np.asarray(info.ranks).max())) > max_rank:
+        raise ValueError(f"adapter rank {top} exceeds the weight stack's max rank R={max_rank}")
+    if _is_concrete(info.token_slot) and (top := int(np.asarray(info.token_slot).max())) >= num_slots:
+        raise ValueError(f"slot id {top} >= number of slots L={num_slots}")
 
 
 def _check_float(name: str, arr: jax.Array, ndim: int) -> None:

@@ -243,3 +243,13 @@ def test_errors_name_the_problem():
         jlora.lora_shrink(x, a, dataclasses.replace(info, token_slot=info.token_slot.at[1].set(2)))
     with pytest.raises(ValueError, match="token_ids must be a 1-D int array"):
         jlora.lora_embedding(jnp.ones(8), jnp.ones((2, 16, 10)), b, info, base)
+
+
+def test_info_closed_over_by_jit():
+    """A jitted function may close over a concrete `info`: its values are still checked, on the host."""
+    x, base, a, b, info = _args()
+    got = jax.jit(lambda x, a: jlora.lora_shrink(x, a, info, backend="reference"))(x, a)
+    np.testing.assert_allclose(got, jlora.lora_shrink(x, a, info, backend="reference"))
+    bad = dataclasses.replace(info, token_slot=info.token_slot.at[1].set(2))
+    with pytest.raises(ValueError, match="slot id 2 >= number of slots"):
+        jax.jit(lambda x, a: jlora.lora_shrink(x, a, bad, backend="reference"))(x, a)
