@@ -56,7 +56,14 @@ def _pad_slices(w: jax.Array, axis: int, num_slices: int, rank: int) -> jax.Arra
 def shrink(
     x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int, config: ShrinkConfig | None = None
 ) -> jax.Array:
-    """[T, S·R] in x.dtype (see `jlora.lora_shrink`); `config` overrides the heuristic tiles."""
+    """[T, S·R] in x.dtype (see `jlora.lora_shrink`); `config` overrides the heuristic tiles.
+
+    With several K splits XLA adds the f32 partials afterwards. Finishing that sum inside the kernel instead
+    (each program stores its partial and bumps its segment's counter with an atomic add; the program that
+    bumps it last adds the segment's partials and writes x.dtype) was built and timed on an H200 (T=64, 8
+    r=16 adapters, K=14336, device time per call, one process): 6.5-7.5 µs over five tile settings, against
+    4.9 for this kernel (4.2) and XLA's sum (0.7: the benchmark's 32 calls' sums fuse into one kernel; a
+    lone sum kernel takes 1.2, a Pallas one 1.5)."""
     _require(x.shape[1], (), info)
     rank = a.shape[1] // num_slices
     a = _pad_slices(a, 1, num_slices, rank)
