@@ -17,7 +17,9 @@ def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, num_rows: int, first=
     """[num_rows] token rows of segment `seg` from its row `first` on. Positions past the segment's end
     repeat its last token, so loads stay in bounds and duplicate stores write identical values (vLLM does
     the same); callers skip a part that starts past the end. An unused segment (length 0) gives its first
-    position's token, in bounds too, so the rows may be read before the caller's branch."""
+    position's token, in bounds too, so the rows may be read before the caller's branch. Wrapping the
+    positions past the end around the segment instead (8 tokens in 16 rows: each loaded twice, not the last
+    one nine times) timed level on an H200 (T=64, 8 adapters: down shrink kernel 4.28 µs either way)."""
     pos = seg_start_ref[seg] + jnp.minimum(first + jnp.arange(num_rows), jnp.maximum(seg_len_ref[seg] - 1, 0))
     return idx_ref[pos]
 
