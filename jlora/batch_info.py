@@ -23,8 +23,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["LoRABatchInfo", "num_segments", "token_slots_from_requests"]
+
+
+def host_values(x: jax.Array) -> np.ndarray | None:
+    """x's values as numpy, or None when x is traced. The value checks run on these: jnp on a concrete array
+    that a jitted function closes over gives a tracer under the trace, so checks written in jnp failed there."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
 
 
 def num_segments(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -112,12 +119,12 @@ class LoRABatchInfo:
             )
         if ranks.shape[0] == 0:
             raise ValueError("need at least one adapter slot (ranks has shape [0])")
-        if not isinstance(token_slot, jax.core.Tracer):
-            bad = (token_slot < -1) | (token_slot >= ranks.shape[0])
-            if bool(bad.any()):
+        if (slots := host_values(token_slot)) is not None:
+            bad = (slots < -1) | (slots >= ranks.shape[0])
+            if bad.any():
                 raise ValueError(
                     f"token_slot values must be in [-1, {ranks.shape[0]}) for {ranks.shape[0]} slots; got "
-                    f"{sorted(set(token_slot[bad].tolist()))[:8]}"
+                    f"{sorted(set(slots[bad].tolist()))[:8]}"
                 )
         return _build(token_slot, ranks, scalings, block_m=block_m)
 

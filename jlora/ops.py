@@ -18,10 +18,9 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jlora import pallas, reference
-from jlora.batch_info import LoRABatchInfo
+from jlora.batch_info import LoRABatchInfo, host_values
 
 __all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKEN_RANK", "lora_shrink", "lora_expand", "lora_linear",
            "lora_embedding", "resolve_backend"]
@@ -53,10 +52,6 @@ def resolve_backend(backend: str, num_tokens: int | None = None, rank: int | Non
     return "gather" if small else "pallas"
 
 
-def _is_concrete(x: jax.Array) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _check_info(info: LoRABatchInfo, num_tokens: int, num_slots: int, max_rank: int, what: str) -> None:
     """Checks `info` against T and the weight stack's L and R; values only when not traced."""
     if not isinstance(info, LoRABatchInfo):
@@ -65,10 +60,9 @@ def _check_info(info: LoRABatchInfo, num_tokens: int, num_slots: int, max_rank: 
         raise ValueError(f"info is built for T={info.num_tokens} tokens but {what} has {num_tokens} rows")
     if info.num_slots != num_slots:
         raise ValueError(f"info has L={info.num_slots} slots but the weight stack {what} has {num_slots}")
-    # numpy, not jnp: under a jit trace that closes over a concrete `info`, jnp.max would give a tracer.
-    if _is_concrete(info.ranks) and (top := int(np.asarray(info.ranks).max())) > max_rank:
+    if (ranks := host_values(info.ranks)) is not None and (top := int(ranks.max())) > max_rank:
         raise ValueError(f"adapter rank {top} exceeds the weight stack's max rank R={max_rank}")
-    if _is_concrete(info.token_slot) and (top := int(np.asarray(info.token_slot).max())) >= num_slots:
+    if (slots := host_values(info.token_slot)) is not None and (top := int(slots.max())) >= num_slots:
         raise ValueError(f"slot id {top} >= number of slots L={num_slots}")
 
 

@@ -92,6 +92,15 @@ def test_build_errors(slots, ranks, scalings, block_m, match):
         LoRABatchInfo.build(np.array(slots), np.array(ranks), np.array(scalings), block_m=block_m)
 
 
+def test_build_in_jit_over_a_concrete_array():
+    """A jitted function may build from a device array it closes over: the values are still checked."""
+    slots = jnp.array([0, 1, -1, 0], jnp.int32)
+    build = lambda s: jax.jit(lambda: LoRABatchInfo.build(s, np.array([4, 4]), np.array([1.0, 1.0])))()
+    np.testing.assert_array_equal(build(slots).token_slot, slots)
+    with pytest.raises(ValueError, match=r"token_slot values must be in \[-1, 2\) for 2 slots; got \[2\]"):
+        build(slots.at[1].set(2))
+
+
 def test_is_a_pytree_with_static_block_m():
     info = LoRABatchInfo.build(np.array([0, -1]), np.array([4]), np.array([1.0]), block_m=16)
     leaves, treedef = jax.tree.flatten(info)
