@@ -27,12 +27,14 @@ class ShrinkConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpandConfig:
-    """Tiles of the expand kernel. Its grid is (segments x block_m / block_rows, N / (block_n * group))."""
+    """Tiles of the expand kernel. Its grid is (segments x block_m / block_rows, N / (block_n * group)), or
+    their product as one axis with `segments_first`."""
 
     block_n: int  # output columns per loop step
     group: int = 1  # column blocks per program (capped to a power of two dividing every slice's blocks)
     block_rows: int | None = None  # rows per program: block_m (None) or a power-of-two part of it, >= 16
     full_rank_branch: bool = True  # slots at the full rank R take a fast path (see jlora.pallas.expand)
+    segments_first: bool = False  # launch the grid as one axis, the used segments' programs first
     num_warps: int = 4
     num_stages: int = 2
 
@@ -111,6 +113,11 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -
     shrinks by 15-20 % (A re-read).
     The base's read-add-write bounds these rows: the same kernel without the LoRA product takes 37.1 µs
     for N=4096 and 246.6 for gate|up in those A/Bs (3.6 and 3.8 TB/s; bench/expand_limits.py times it).
+    At prefill sizes the grid is launched as one axis with the column groups fastest (`segments_first`):
+    H200, bench/kernels.py --profile, two runs against the two-axis grid in one device session (µs):
+    N=4096 46.4 / 46.3 against 47.1, q|k|v 67.2 / 67.1 against 68.7, gate|up 282.8 / 281.8 against 294.4.
+    At decode sizes it lost (gate|up 8.7 against 7.5 at T=64 with 8 adapters), as it did for the shrink
+    kernel (decode shrink 3.3 against 2.9, T=8192 down shrink 74.4 / 74.7 against 72.7).
     """
     block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
     if num_tokens <= 256:
@@ -120,4 +127,5 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int) -
     group = 1
     while group < 8 and blocks // (2 * group) >= 1024:
         group *= 2
-    return ExpandConfig(block_n=block_n, group=group, block_rows=block_rows, num_warps=4, num_stages=3)
+    return ExpandConfig(block_n=block_n, group=group, block_rows=block_rows, segments_first=True, num_warps=4,
+                        num_stages=3)

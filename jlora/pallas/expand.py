@@ -39,19 +39,24 @@ def _expand_kernel(
     *,
     slice_start: tuple[int, ...],  # first column of each slice
     group_start: tuple[int, ...],  # first column group of each slice
+    num_groups: int,  # column groups of all slices
     rank: int,
     parts: int,  # programs per segment along the rows: block_m // block_rows
     block_rows: int,
     block_n: int,
     group: int,
     full_rank_branch: bool,
+    segments_first: bool,
     precision,
     base_precision,
 ):
-    # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h:
-    # consecutive programs take consecutive rows) and `group` consecutive column blocks of one slice: the
-    # rows, s and rank mask are loaded once, and the loop over blocks lets the compiler pipeline loads.
-    p, g = pl.program_id(0), pl.program_id(1)
+    # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h)
+    # and `group` consecutive column blocks of one slice: the rows, s and rank mask are loaded once, and the
+    # loop over blocks lets the compiler pipeline loads.
+    if segments_first:  # one grid axis, column groups fastest: the used segments' programs launch first
+        p, g = pl.program_id(0) // num_groups, pl.program_id(0) % num_groups
+    else:  # CUDA launches the first axis fastest: used and unused segments' programs interleave
+        p, g = pl.program_id(0), pl.program_id(1)
     seg, h = p // parts, p % parts
     # The metadata is read ahead of the branch, so its loads issue together (see `segment_meta`).
     seg_len, slot, rows = segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, block_rows,
@@ -147,19 +152,22 @@ def expand(
         _expand_kernel,
         slice_start=slice_start,
         group_start=group_start[:-1],
+        num_groups=group_start[-1],
         rank=rank,
         parts=info.block_m // block_rows,
         block_rows=block_rows,
         block_n=config.block_n,
         group=group,
         full_rank_branch=config.full_rank_branch,
+        segments_first=config.segments_first,
         precision=dot_precision(b.dtype),
         base_precision=dot_precision(base.dtype),
     )
+    grid = (info.num_segments * (info.block_m // block_rows), group_start[-1])
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
-        grid=(info.num_segments * (info.block_m // block_rows), group_start[-1]),
+        grid=(grid[0] * grid[1],) if config.segments_first else grid,
         input_output_aliases={7: 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",

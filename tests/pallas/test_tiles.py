@@ -27,7 +27,8 @@ def _case(seed, t=45, k=256, slice_sizes=(64, 32, 32), rank=16, num_slots=3):
 @pytest.mark.parametrize("config", [ExpandConfig(block_n=16, group=2, full_rank_branch=False),
                                     ExpandConfig(block_n=32, group=8, full_rank_branch=False),
                                     ExpandConfig(block_n=32, group=2),
-                                    ExpandConfig(block_n=16, group=4, block_rows=16)])
+                                    ExpandConfig(block_n=16, group=4, block_rows=16),
+                                    ExpandConfig(block_n=16, group=2, block_rows=16, segments_first=True)])
 def test_expand_column_groups(config, block_m):
     slots, _, scal, x, a, b, base = _case(1, t=100)  # 21-30 tokens per slot: segments past 16 rows
     ranks = np.array([16, 5, 12])  # the full rank and below: both sides of full_rank_branch
@@ -75,9 +76,11 @@ def test_shrink_config_fits_shared_memory_and_tiles_k():
 
 def test_expand_config_groups_blocks_only_with_programs_to_spare():
     decode = expand_config(64, (4096,), 16)
-    assert (decode.group, decode.block_rows, decode.num_warps, decode.full_rank_branch) == (1, None, 2, True)
+    assert (decode.group, decode.block_rows, decode.num_warps, decode.full_rank_branch, decode.segments_first) == (
+        1, None, 2, True, False)
     prefill = expand_config(8192, (4096,), 64)  # 256 row parts x 32 blocks: 8 blocks each leave 1024 programs
-    assert (prefill.block_n, prefill.group, prefill.block_rows, prefill.num_warps) == (128, 8, 32, 4)
+    assert (prefill.block_n, prefill.group, prefill.block_rows, prefill.num_warps, prefill.segments_first) == (
+        128, 8, 32, 4, True)
     assert expand_config(2048, (4096,), 64).group == 2  # 64 x 32 blocks: 4 each would leave < 1024 programs
     assert expand_config(8192, (2 * 14336,), 64).group == 8  # capped at 8
     assert expand_config(300, (1024,), 16).block_rows == 16  # never more rows than the segment's tile
