@@ -4,7 +4,7 @@
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
 #   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
-#   bash bench/run_gpu.sh limits  # what bounds the prefill expand (bench/expand_limits.py)
+#   bash bench/run_gpu.sh limits  # what bounds the prefill expand and the decode down shrink (bench/*_limits.py)
 #   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graph scheduling (bench/scheduling.py)
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
 # Results go to $OUT (the device tool's output folder) or bench/results.
@@ -21,7 +21,9 @@ case "${1:-}" in
   kernels) python3 bench/kernels.py --quick --out "$out" 2>&1 | grep -E "^\||^Device" ;;
   model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
   engine) python3 bench/model.py --engine --out "$out" 2>&1 | grep -E "^#|^engine" ;;
-  limits) python3 bench/expand_limits.py 2>&1 | grep -E "^#|µs" ;;
+  limits)
+    python3 bench/expand_limits.py 2>&1 | grep -E "^#|µs"
+    python3 bench/shrink_limits.py 2>&1 | grep -E "^#|^[a-z]" ;;
   scheduling) python3 bench/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast off (KINDS.md)
