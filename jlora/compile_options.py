@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import jax
 
@@ -32,29 +33,33 @@ __all__ = ["concurrent_graphs", "step_compiler_options", "step_jit"]
 _SCHEDULING = "xla_gpu_command_buffer_scheduling_mode"
 
 
-def concurrent_graphs(num_rows: int, seq_len: int) -> bool:
-    """Whether a model step of num_rows requests x seq_len tokens each runs CONCURRENT CUDA graphs under
-    `step_compiler_options`: decode steps (seq_len 1) do, unless XLA_FLAGS sets the mode itself (then whether
-    it sets CONCURRENT). The engine's steps then order the gate|up base GEMM before its LoRA kernels
-    (`Transformer.__call__`'s `base_first`), which pays only under these graphs."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _SCHEDULING in flags:
-        return f"{_SCHEDULING}=CONCURRENT" in flags
-    return seq_len == 1
+def _flag_mode() -> str | None:
+    """The scheduling mode XLA_FLAGS sets, or None where it sets none."""
+    match = re.search(rf"{_SCHEDULING}=(\w+)", os.environ.get("XLA_FLAGS", ""))
+    return match and match.group(1)
 
 
-def step_compiler_options(num_rows: int, seq_len: int) -> dict[str, str]:
-    """`jax.jit(..., compiler_options=...)` for a model step of num_rows requests x seq_len tokens each: CONCURRENT
-    graph scheduling for decode steps, else XLA's default (module doc); nothing when XLA_FLAGS sets the mode.
-    Ignored off GPU."""
-    if _SCHEDULING in os.environ.get("XLA_FLAGS", "") or not concurrent_graphs(num_rows, seq_len):
+def concurrent_graphs(seq_len: int) -> bool:
+    """Whether a model step of seq_len tokens per request runs CONCURRENT CUDA graphs: decode steps (seq_len 1)
+    do, at every batch size (module doc), unless XLA_FLAGS sets the mode itself (then whether it sets CONCURRENT).
+    The engine's steps then order the gate|up base GEMM before its LoRA kernels (`Transformer.__call__`'s
+    `base_first`), which pays only under these graphs."""
+    mode = _flag_mode()
+    return seq_len == 1 if mode is None else mode == "CONCURRENT"
+
+
+def step_compiler_options(seq_len: int) -> dict[str, str]:
+    """`jax.jit(..., compiler_options=...)` for a model step of seq_len tokens per request: CONCURRENT graph
+    scheduling for decode steps, else XLA's default (module doc); nothing when XLA_FLAGS sets the mode (it
+    applies as it is). Ignored off GPU."""
+    if _flag_mode() is not None or not concurrent_graphs(seq_len):
         return {}
     return {_SCHEDULING: "CONCURRENT"}
 
 
 def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...] = ()):
     """`jax.jit` for a model step `fn(model_def, params, tokens [B, S], ...)` that compiles each shape with
-    `step_compiler_options(B, S)`. `with_options(options)` is the step's `jax.jit` under given options, and
+    `step_compiler_options(S)`. `with_options(options)` is the step's `jax.jit` under given options, and
     `_cache_size()` counts the compilations under all of them."""
 
     def wrap(fn):
@@ -69,7 +74,7 @@ def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ..
 
         @functools.wraps(fn)
         def step(model_def, params, tokens, *args, **kwargs):
-            return with_options(step_compiler_options(*tokens.shape))(model_def, params, tokens, *args, **kwargs)
+            return with_options(step_compiler_options(tokens.shape[1]))(model_def, params, tokens, *args, **kwargs)
 
         step.with_options = with_options
         step._cache_size = lambda: sum(j._cache_size() for j in jits.values())

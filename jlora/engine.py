@@ -97,7 +97,7 @@ def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, tok
                 valid=None, rows=None, tp: TensorParallel | None = None, base_first: bool | None = None):
     """The model on one device, or under `shard_map` over the tensor-parallel mesh. `base_first` (None: whether
     the step runs concurrent CUDA graphs, `concurrent_graphs`): see `Transformer.__call__`."""
-    base_first = concurrent_graphs(*tokens.shape) if base_first is None else base_first
+    base_first = concurrent_graphs(tokens.shape[1]) if base_first is None else base_first
 
     def run(params, tokens, positions, cache, lora, token_slot, ranks, valid, rows):
         info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
