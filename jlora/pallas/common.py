@@ -30,9 +30,9 @@ def segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, num_row
 
     The kernels read these before branching on the length: inside the branch, each load waited for the one
     before it (length -> start -> token index -> x or base row, and slot -> rank), and the decode kernels
-    are bound by that latency (H200, T=64 with 8 r=16 adapters, shrink kernel µs per call in one process:
-    2.99 against 3.09, down shrink 4.69 against 4.79). An unused segment's slot reads as 0, so slot lookups
-    stay in bounds.
+    are bound by that latency (H200, T=64 with 8 r=16 adapters, kernel µs per call, the kernel called
+    directly in one process, two rounds: shrink 2.76 / 2.71 against 2.83 / 2.84, down shrink 4.26 / 4.31
+    against 4.38 / 4.41). An unused segment's slot reads as 0, so slot lookups stay in bounds.
     """
     rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, num_rows, first)
     return seg_len_ref[seg], jnp.maximum(seg_slot_ref[seg], 0), rows
