@@ -65,7 +65,7 @@ def shrink(
     4.9 for this kernel (4.2) and XLA's sum (0.7: the benchmark's 32 calls' sums fuse into one kernel; a
     lone sum kernel takes 1.2, a Pallas one 1.5). They fuse because they share the token mask: XLA makes them
     one multi-output loop fusion (22 µs for the 32 sums of 28 splits). Without the mask, or with 56 or 112
-    splits (kernel up to 0.1 µs faster), each sum is a reduce kernel of its own, 1.4-1.7 µs: 5.5-5.9 µs per
+    splits (kernel up to 0.1 µs faster), each sum is a reduce kernel of its own, 1.4-1.7 µs: 5.5-6.0 µs per
     call in all (H200, one process)."""
     _require(x.shape[1], (), info)
     rank = a.shape[1] // num_slices
