@@ -10,6 +10,12 @@ kernel with its structure (segment metadata -> token rows -> x and A in 28 K spl
   empty     every program exits at once: the launch of the grid alone
 The study variants skip the split-K sum; jlora's row gives both its kernel and XLA's sum of the 28 partials.
 
+Then what finishing the split-K sum inside one thread-block cluster would cost (Mosaic GPU, distributed shared
+memory): 36 clusters of C blocks, each block holding a [256] f32 partial in shared memory; after a cluster
+barrier block 0 reads its peers' partials, adds them and writes the sum (`exchange`), against the same grid where
+every block writes its own partial (`alone`). (Mosaic GPU's interpret mode has no `cluster_ref`, so a kernel
+built on this could not be tested on CPU.)
+
   python bench/shrink_limits.py
 """
 
@@ -21,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 import jlora
@@ -81,6 +88,54 @@ def main() -> None:
         _, kernels = device_time_per_call(fn, info, xs, a_stacks)
         parts = ", ".join(f"{n} {sum(d) / len(xs):.2f}" for n, d in sorted(kernels.items()))
         print(f"{name:9s} {parts}", flush=True)
+    cluster_finish()
+
+
+def _cluster_sum(clusters: int, size: int, exchange: bool):
+    """[clusters, size, W] partials -> [clusters, W] sums through DSMEM (exchange), or each block's partial
+    written as it is ([clusters * size, W])."""
+    width = 256
+
+    def body(in_gmem, out_gmem, smem, barrier):
+        s, c = jax.lax.axis_index("s"), jax.lax.axis_index("c")
+        if not exchange:
+            out_gmem[s * size + c, :] = in_gmem[s, c, :]
+            return
+        smem[...] = in_gmem[s, c, :]
+        plgpu.barrier_arrive(barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+
+        @pl.when(c == 0)
+        def _():
+            acc = smem[...]
+            for peer in range(1, size):
+                acc = acc + plgpu.cluster_ref(smem, {"c": peer})[...]
+            out_gmem[s, :] = acc
+
+        plgpu.barrier_arrive(barrier.at[1])  # the peers keep their shared memory until block 0 has read it
+        plgpu.barrier_wait(barrier.at[1])
+
+    rows = clusters if exchange else clusters * size
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((rows, width), jnp.float32), grid=(clusters,), grid_names=("s",),
+        cluster=(size,), cluster_names=("c",),
+        scratch_types=dict(smem=plgpu.SMEM((width,), jnp.float32),
+                           barrier=plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=2)))
+
+
+def cluster_finish(clusters: int = 36) -> None:
+    """Device µs per call (32 calls) of `_cluster_sum` with and without the exchange, per cluster size."""
+    for size in (2, 4, 8, 16):
+        xs = [jax.random.normal(jax.random.key(i), (clusters, size, 256), jnp.float32) for i in range(32)]
+        times = {}
+        for exchange in (True, False):
+            kernel = _cluster_sum(clusters, size, exchange)
+            if exchange:
+                np.testing.assert_allclose(kernel(xs[0]), xs[0].sum(1), rtol=1e-5, atol=1e-5)
+            fn = jax.jit(lambda xs, kernel=kernel: [kernel(x) for x in xs])
+            times[exchange] = device_time_per_call(fn, xs)[0] * 1e6
+        print(f"cluster of {size:2d}: exchange {times[True]:.2f} µs, alone {times[False]:.2f} µs per call",
+              flush=True)
 
 
 if __name__ == "__main__":
