@@ -10,6 +10,9 @@ once, the used adapters' weights read once (only their rank rows), the output wr
 adding into it), over the copy bandwidth measured in the same run.
 
   python bench/kernels.py [--quick] [--backends pallas,gather,reference,ragged] [--out bench/results]
+  python bench/kernels.py --resume   # the full table, keeping the rows an earlier run already wrote to
+                                     # kernels_full.json (it is saved after every row, so a run cut off by a
+                                     # time limit loses at most the row it was on)
   python bench/kernels.py --crossover   # pallas vs gather on the model's decode projections, T = 16..256
   python bench/kernels.py --sweep shrink,expand,linear   # pallas tiles on the target rows (and the model's
                                                          # decode projections for linear); best per row
@@ -53,6 +56,8 @@ OPS = {  # name: (kind, K or None, slice sizes)
     "gate_up_linear": ("linear", HIDDEN, (INTER, INTER)),
     "down_linear": ("linear", INTER, (HIDDEN,)),
 }
+# The full table's ops (the kernels issue's list); the other linears are in the crossover table.
+FULL_OPS = ("shrink", "expand", "qkv_shrink", "qkv_expand", "gate_up_expand", "down_shrink", "qkv_linear")
 # The kernels issue's target table: (op, T, adapters in batch, rank): (best peer µs, target µs).
 TARGETS = {
     ("shrink", 64, 8, 16): (5.6, 4),
@@ -175,7 +180,7 @@ def cases(mode: str):
                 for adapters in sorted({min(tokens, 8), min(tokens, 32)}):
                     yield op, tokens, adapters, 16
         return
-    for op in OPS:
+    for op in FULL_OPS:
         for rank in (16, 64):
             for adapters in (1, 8, 32):
                 for tokens in (1, 16, 64, 256, 2048, 8192):
@@ -273,6 +278,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")
     parser.add_argument("--backends", default="pallas,gather,reference,ragged")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in --out's JSON for this "
+                        "mode, time only the missing ones")
     args = parser.parse_args()
     if args.sweep:
         return sweep(np.random.default_rng(0), args.sweep.split(","), args.min_tokens, args.max_tokens)
@@ -283,15 +290,19 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     device = jax.devices()[0].device_kind
     print(f"# {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows, bandwidths = load_results(args.out, mode, device) if args.resume else ([], [])
+    bandwidths.append(bandwidth)
+    done = {(r.op, r.tokens, r.adapters, r.rank, r.backend) for r in rows}
     rng = np.random.default_rng(0)
-    rows: list[Row] = []
     for op, tokens, adapters, rank in cases(mode):
+        todo = [b for b in backends if (op, tokens, adapters, rank, b) not in done
+                and not (b == "gather" and tokens > GATHER_MAX_ROW)]
+        if not todo:
+            continue
         kind, slices, slots, inputs, nbytes = make_inputs(op, tokens, adapters, rank, rng)
         info = make_info(slots, rank, row_tile(tokens))
         floor = nbytes / bandwidth
-        for backend in backends:
-            if backend == "gather" and tokens > GATHER_MAX_ROW:
-                continue
+        for backend in todo:
             fn = make_fn(kind, slices, backend)
             try:
                 sec = time_per_call(fn, info, *inputs)
@@ -304,18 +315,42 @@ def main() -> None:
             print(f"{op:15s} T={tokens:5d} n={adapters:2d} r={rank:2d} {backend:9s} {r.us:9.1f} µs wall "
                   f"{r.device_us:9.1f} µs device, floor {r.floor_us:7.1f} µs ({r.floor_us / r.device_us:5.1%}) "
                   f"{r.gbps:7.0f} GB/s", flush=True)
+            save_json(rows, device, bandwidths, args.out, mode)
         del inputs
-    write_results(rows, device, bandwidth, args.out, mode)
+    write_results(rows, device, bandwidths, args.out, mode)
 
 
-def write_results(rows: list[Row], device: str, bandwidth: float, out_dir: str, tag: str) -> None:
+def save_json(rows: list[Row], device: str, bandwidths: list[float], out_dir: str, tag: str) -> None:
+    """kernels_{tag}.json: the rows and the copy bandwidth of each run that measured some of them."""
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"kernels_{tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "jax": jax.__version__,
+    with open(os.path.join(out_dir, f"kernels_{tag}.json"), "w") as f:
+        json.dump({"device": device, "copy_bandwidths_Bps": bandwidths, "jax": jax.__version__,
                    "host": platform.node(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+def load_results(out_dir: str, tag: str, device: str) -> tuple[list[Row], list[float]]:
+    """The rows and bandwidths an earlier run saved to kernels_{tag}.json ([] if none); refuses another device's."""
+    path = os.path.join(out_dir, f"kernels_{tag}.json")
+    if not os.path.exists(path):
+        return [], []
+    with open(path) as f:
+        saved = json.load(f)
+    if saved["device"] != device:
+        raise SystemExit(f"--resume: {path} holds rows measured on {saved['device']}, this is {device}; "
+                         "move it away to start afresh")
+    rows = [Row(**r) for r in saved["rows"]]
+    print(f"# resuming {path}: {len(rows)} rows kept", flush=True)
+    return rows, saved.get("copy_bandwidths_Bps") or [saved["copy_bandwidth_Bps"]]
+
+
+def write_results(rows: list[Row], device: str, bandwidths: list[float], out_dir: str, tag: str) -> None:
+    save_json(rows, device, bandwidths, out_dir, tag)
+    stem = os.path.join(out_dir, f"kernels_{tag}")
     by_key = {(r.op, r.tokens, r.adapters, r.rank, r.backend): r for r in rows}
-    lines = [f"Device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, {SLOTS} slots; µs per call: "
+    low, high = min(bandwidths) / 1e12, max(bandwidths) / 1e12
+    measured = (f"{low:.2f} TB/s" if f"{low:.2f}" == f"{high:.2f}"
+                else f"{low:.2f}-{high:.2f} TB/s over {len(bandwidths)} runs")
+    lines = [f"Device: {device}; copy bandwidth {measured}; bf16, {SLOTS} slots; µs per call: "
              "device kernel time (profiler), wall time in parentheses.", "",
              "| op | T | adapters | r | floor µs | pallas µs | floor / pallas | gather µs | reference µs "
              "| ragged µs | reference / pallas | best peer µs | target µs |",
@@ -335,7 +370,7 @@ def write_results(rows: list[Row], device: str, bandwidth: float, out_dir: str, 
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")
     print(table)
-    plot(rows, bandwidth, stem + ".png", device)
+    plot(rows, statistics.median(bandwidths), stem + ".png", device)
 
 
 def plot(rows: list[Row], bandwidth: float, path: str, device: str) -> None:
@@ -346,8 +381,8 @@ def plot(rows: list[Row], bandwidth: float, path: str, device: str) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(12, 5))
     keys = list(dict.fromkeys((r.op, r.tokens, r.adapters, r.rank) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(12, 0.16 * len(keys)), 5))
     names = ("pallas", "gather", "reference", "ragged")
     for i, backend in enumerate(names):
         xs = [j for j, k in enumerate(keys) if any(r.backend == backend and (r.op, r.tokens, r.adapters, r.rank) == k

@@ -2,6 +2,8 @@
 # What a GPU session runs (each part fits one 10-minute device call):
 #   bash bench/run_gpu.sh check   # GPU tests (kernels at real sizes, HF agreement, model on pallas) + demo
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
+#   bash bench/run_gpu.sh full    # the full kernel table (bench/kernels.py --resume): run it again until it says
+#                                 # "done"; copy each call's kernels_full.json into bench/results in between
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
 #   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
 #   bash bench/run_gpu.sh limits  # what bounds the prefill expand and the decode down shrink (bench/*_limits.py)
@@ -19,6 +21,11 @@ case "${1:-}" in
       -W ignore::DeprecationWarning tests/ 2>&1 | tail -15
     python3 -m jlora demo 2>&1 | grep -v "loading model" | tail -16 ;;
   kernels) python3 bench/kernels.py --quick --out "$out" 2>&1 | grep -E "^\||^Device" ;;
+  full)
+    [ "$out" != bench/results ] && [ -f bench/results/kernels_full.json ] && cp bench/results/kernels_full.json "$out"/
+    # stop short of the device tool's 10 minutes so the rows saved so far come back
+    timeout 540 python3 bench/kernels.py --resume --out "$out" 2>&1 | grep -E "^#|µs wall|Error" \
+      && [ -f "$out/kernels_full.md" ] && echo done ;;
   model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
   engine) python3 bench/model.py --engine --out "$out" 2>&1 | grep -E "^#|^engine" ;;
   limits)
@@ -32,5 +39,5 @@ case "${1:-}" in
       XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_graphs}" 2>&1 \
         | grep -E "^#|^TP"
     done ;;
-  *) echo "usage: $0 check|kernels|model|engine|limits|scheduling|tp" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|engine|limits|scheduling|tp" >&2; exit 2 ;;
 esac
