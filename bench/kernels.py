@@ -15,7 +15,9 @@ adding into it), over the copy bandwidth measured in the same run.
                                      # time limit loses at most the row it was on)
   python bench/kernels.py --crossover   # pallas vs gather on the model's decode projections, T = 16..256
   python bench/kernels.py --sweep shrink,expand,linear   # pallas tiles on the target rows (and the model's
-                                                         # decode projections for linear); best per row
+                                                         # decode projections for linear, and r=64 decode
+                                                         # rows); best per row. Op names (down_shrink)
+                                                         # pick single ops; --rank 64 only the r=64 rows
   python bench/kernels.py --profile   # the target rows' device kernel time from a profiler trace
 Decode rows (T <= 256) are launch-bound in wall time when jitted kernels run outside a CUDA graph, so the
 table also reports their device time from a profiler trace, the figure comparable to the peers' graphs.
@@ -75,6 +77,9 @@ TARGETS = {
 
 # The end-to-end benchmark's decode step (bench/model.py): batch 32, each request its own r=16 adapter.
 MODEL_DECODE = [(op, 32, 32, 16) for op in ("qkv_linear", "o_linear", "gate_up_linear", "down_linear")]
+# Decode rows with r=64 adapters, which the tiles were not tuned on at first (the full table showed them slow).
+R64_DECODE = [(op, 64, n, 64) for op in ("shrink", "qkv_shrink", "down_shrink", "expand", "qkv_expand",
+                                         "gate_up_expand") for n in (8, 32)]
 
 
 @dataclasses.dataclass
@@ -200,7 +205,7 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
                                                      num_warps=1, num_stages=stages),
                            jlora.pallas.ExpandConfig(block_n=block_n, num_warps=2, num_stages=2))
     elif kind == "shrink" and tokens <= 256:
-        for bm, split, warps, block_k, stages in itertools.product(block_ms, (8, 14, 16, 28, 32), (1, 2), (64, 128),
+        for bm, split, warps, block_k, stages in itertools.product(block_ms, (8, 14, 16, 28, 32), (1, 2, 4), (64, 128),
                                                                    (2, 3, 4)):
             if k % (split * block_k) == 0 and stages <= k // (split * block_k) + 1:
                 yield bm, jlora.pallas.ShrinkConfig(block_k=block_k, k_splits=split, num_warps=warps,
@@ -220,10 +225,11 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
                                                     num_stages=stages)
 
 
-def sweep(rng, kinds: list[str], min_tokens: int, max_tokens: int) -> None:
-    for op, tokens, adapters, rank in [*TARGETS, *MODEL_DECODE]:
+def sweep(rng, names: list[str], min_tokens: int, max_tokens: int, ranks: set[int]) -> None:
+    """Times the pallas tile candidates of each row whose op or op kind is in `names`; prints the best."""
+    for op, tokens, adapters, rank in dict.fromkeys([*TARGETS, *MODEL_DECODE, *R64_DECODE]):
         kind, k, slices = OPS[op]
-        if kind not in kinds or tokens > max_tokens or tokens < min_tokens:
+        if (kind not in names and op not in names) or not min_tokens <= tokens <= max_tokens or rank not in ranks:
             continue
         results = []
         kind, slices, slots, inputs, _ = make_inputs(op, tokens, adapters, rank, rng)
@@ -272,7 +278,8 @@ def main() -> None:
     parser.add_argument("--crossover", action="store_true",
                         help="pallas vs gather on the model's decode projections at T = 16..256")
     parser.add_argument("--sweep", metavar="KINDS", help="time pallas tile settings on the target rows of "
-                        "these op kinds (comma-separated: shrink,expand,linear)")
+                        "these op kinds or ops (comma-separated: shrink,expand,linear or e.g. down_shrink)")
+    parser.add_argument("--rank", type=int, action="append", help="--sweep only rows of this rank (repeatable)")
     parser.add_argument("--min-tokens", type=int, default=0, help="--sweep only rows with T >= this")
     parser.add_argument("--max-tokens", type=int, default=1 << 30, help="--sweep only rows with T <= this")
     parser.add_argument("--profile", action="store_true", help="device kernel times of the target rows")
@@ -282,7 +289,8 @@ def main() -> None:
                         "mode, time only the missing ones")
     args = parser.parse_args()
     if args.sweep:
-        return sweep(np.random.default_rng(0), args.sweep.split(","), args.min_tokens, args.max_tokens)
+        ranks = set(args.rank or (16, 64))
+        return sweep(np.random.default_rng(0), args.sweep.split(","), args.min_tokens, args.max_tokens, ranks)
     if args.profile:
         return profile(np.random.default_rng(0))
     mode = "quick" if args.quick else "crossover" if args.crossover else "full"
