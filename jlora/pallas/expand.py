@@ -138,7 +138,7 @@ def expand(
       config: tiles; default from `expand_config`.
     """
     num_tokens, rank = base.shape[0], b.shape[2]
-    config = config or expand_config(num_tokens, slice_sizes, info.block_m)
+    config = config or expand_config(num_tokens, slice_sizes, info.block_m, rank)
     if any(n % config.block_n for n in slice_sizes):
         raise ValueError(f"{config} does not tile slice_sizes={slice_sizes}")
     block_rows = config.block_rows or info.block_m

@@ -72,12 +72,17 @@ def test_shrink_config_fits_shared_memory_and_tiles_k():
         cfg = shrink_config(64, k, 16, 16)
         assert (cfg.k_splits, cfg.block_k, cfg.num_stages, cfg.num_warps) == (splits, 128, 3, 1)
     assert shrink_config(64, 8304, 16, 16).k_splits == 3  # K = 16 x 3 x 173: the splits must tile K
+    # A decode program's warps follow its slice's rank: R / 16, at most 4.
+    for width, slices, warps in [(32, 1, 2), (64, 1, 4), (128, 1, 4), (192, 3, 4), (96, 3, 2), (48, 3, 1)]:
+        assert shrink_config(64, 4096, width, 16, num_slices=slices).num_warps == warps
 
 
 def test_expand_config_groups_blocks_only_with_programs_to_spare():
     decode = expand_config(64, (4096,), 16)
     assert (decode.group, decode.block_rows, decode.num_warps, decode.full_rank_branch, decode.segments_first) == (
         1, None, 2, True, False)
+    assert expand_config(64, (4096,), 16, rank=32).num_warps == 2
+    assert expand_config(64, (4096,), 16, rank=64).num_warps == 4
     prefill = expand_config(8192, (4096,), 64)  # 256 row parts x 32 blocks: 8 blocks each leave 1024 programs
     assert (prefill.block_n, prefill.group, prefill.block_rows, prefill.num_warps, prefill.segments_first) == (
         128, 8, 32, 4, True)
