@@ -7,7 +7,9 @@ base projection's fresh output, so the in-place kernels get an intermediate to w
 a jit argument XLA would first copy. Several runs are dispatched back to back before blocking, so host
 dispatch hides behind the GPU; the time is divided by the calls made. The floor counts x (or s) read
 once, the used adapters' weights read once (only their rank rows), the output written (and read, when
-adding into it), over the copy bandwidth measured in the same run.
+adding into it), over the copy bandwidth measured in the same run. The reference's shrink can beat that
+floor: XLA merges the einsums of calls that share a weight stack into one GEMM (8 cuBLAS GEMMs for the 32
+calls on an H200), which the Pallas calls cannot be.
 
   python bench/kernels.py [--quick] [--backends pallas,gather,reference,ragged] [--out bench/results]
   python bench/kernels.py --resume   # the full table, keeping the rows an earlier run already wrote to
