@@ -17,9 +17,10 @@ calls on an H200), which the Pallas calls cannot be.
                                      # time limit loses at most the row it was on)
   python bench/kernels.py --crossover   # pallas vs gather on the model's decode projections, T = 16..256
   python bench/kernels.py --sweep shrink,expand,linear   # pallas tiles on the target rows (and the model's
-                                                         # decode projections for linear, and r=64 decode
-                                                         # rows); best per row. Op names (down_shrink)
-                                                         # pick single ops; --rank 64 only the r=64 rows
+                                                         # decode projections for linear, and r=32 / 64
+                                                         # decode rows); best per row. Op names
+                                                         # (down_shrink) pick single ops; --rank 64 only
+                                                         # the r=64 rows
   python bench/kernels.py --profile   # the target rows' device kernel time from a profiler trace
 Decode rows (T <= 256) are launch-bound in wall time when jitted kernels run outside a CUDA graph, so the
 table also reports their device time from a profiler trace, the figure comparable to the peers' graphs.
@@ -79,9 +80,10 @@ TARGETS = {
 
 # The end-to-end benchmark's decode step (bench/model.py): batch 32, each request its own r=16 adapter.
 MODEL_DECODE = [(op, 32, 32, 16) for op in ("qkv_linear", "o_linear", "gate_up_linear", "down_linear")]
-# Decode rows with r=64 adapters, which the tiles were not tuned on at first (the full table showed them slow).
-R64_DECODE = [(op, 64, n, 64) for op in ("shrink", "qkv_shrink", "down_shrink", "expand", "qkv_expand",
-                                         "gate_up_expand") for n in (8, 32)]
+# Decode rows with r=32 and r=64 adapters, which the tiles were not tuned on at first (the full table showed the
+# r=64 ones slow).
+WIDE_RANK_DECODE = [(op, 64, n, r) for r in (32, 64) for op in ("shrink", "qkv_shrink", "down_shrink", "expand",
+                                                                "qkv_expand", "gate_up_expand") for n in (8, 32)]
 
 
 @dataclasses.dataclass
@@ -229,7 +231,7 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
 
 def sweep(rng, names: list[str], min_tokens: int, max_tokens: int, ranks: set[int]) -> None:
     """Times the pallas tile candidates of each row whose op or op kind is in `names`; prints the best."""
-    for op, tokens, adapters, rank in dict.fromkeys([*TARGETS, *MODEL_DECODE, *R64_DECODE]):
+    for op, tokens, adapters, rank in dict.fromkeys([*TARGETS, *MODEL_DECODE, *WIDE_RANK_DECODE]):
         kind, k, slices = OPS[op]
         if (kind not in names and op not in names) or not min_tokens <= tokens <= max_tokens or rank not in ranks:
             continue
@@ -291,7 +293,7 @@ def main() -> None:
                         "mode, time only the missing ones")
     args = parser.parse_args()
     if args.sweep:
-        ranks = set(args.rank or (16, 64))
+        ranks = set(args.rank or (16, 32, 64))
         return sweep(np.random.default_rng(0), args.sweep.split(","), args.min_tokens, args.max_tokens, ranks)
     if args.profile:
         return profile(np.random.default_rng(0))
