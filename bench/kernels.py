@@ -231,7 +231,7 @@ def sweep_configs(kind: str, k: int | None, width: int, tokens: int):
 
 def sweep(rng, names: list[str], min_tokens: int, max_tokens: int, ranks: set[int]) -> None:
     """Times the pallas tile candidates of each row whose op or op kind is in `names`; prints the best."""
-    for op, tokens, adapters, rank in dict.fromkeys([*TARGETS, *MODEL_DECODE, *WIDE_RANK_DECODE]):
+    for op, tokens, adapters, rank in [*TARGETS, *MODEL_DECODE, *WIDE_RANK_DECODE]:
         kind, k, slices = OPS[op]
         if (kind not in names and op not in names) or not min_tokens <= tokens <= max_tokens or rank not in ranks:
             continue
