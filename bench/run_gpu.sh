@@ -7,6 +7,7 @@
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
 #   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
 #   bash bench/run_gpu.sh limits  # what bounds the prefill expand and the decode down shrink (bench/*_limits.py)
+#   bash bench/run_gpu.sh gather  # forms of the gather backend's expand (bench/gather_forms.py)
 #   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graph scheduling (bench/scheduling.py)
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
 # Results go to $OUT (the device tool's output folder) or bench/results.
@@ -31,6 +32,7 @@ case "${1:-}" in
   limits)
     python3 bench/expand_limits.py 2>&1 | grep -E "^#|µs"
     python3 bench/shrink_limits.py 2>&1 | grep -E "^#|^[a-z]" ;;
+  gather) python3 bench/gather_forms.py 2>&1 | grep -E "µs|ms" ;;
   scheduling) python3 bench/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast off (KINDS.md)
@@ -39,5 +41,5 @@ case "${1:-}" in
       XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_graphs}" 2>&1 \
         | grep -E "^#|^TP"
     done ;;
-  *) echo "usage: $0 check|kernels|full|model|engine|limits|scheduling|tp" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|engine|limits|gather|scheduling|tp" >&2; exit 2 ;;
 esac

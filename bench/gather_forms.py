@@ -1,0 +1,107 @@
+"""Forms of the gather backend's expand, timed side by side (the study behind `reference.expand_gather`).
+
+"gather" is the library's form; "gather_before" the one it replaced (B sliced before the slot gather, the mask
+on the products), "gather_unmasked" the library's without its row mask (slot -1 rows would read slot 0's B,
+NaN there included), to show what the mask costs. Device µs per call of bench/kernels.py's 32-call functions
+on the decode rows where they differ, then the batch-32 decode step of bench/model.py (32 r=16 adapters)
+under each form in alternating rounds.
+
+  python bench/gather_forms.py   # bash bench/run_gpu.sh gather
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kernels as kb  # noqa: E402
+import model as mb  # noqa: E402
+import jlora.models.llama as llama  # noqa: E402
+from jlora import ops, reference  # noqa: E402
+from jlora.engine import row_tile  # noqa: E402
+from jlora.models.llama import KVCache  # noqa: E402
+
+_F32 = jnp.float32
+
+
+def expand_form(one_gather: bool, mask_products: bool):
+    """An expand_gather of another form: B[slot, slice] as one gather or sliced first; the mask on the products
+    or on s alone (no row mask)."""
+    def expand(s, b, info, base, *, slice_sizes):
+        rank = b.shape[2]
+        keep = reference.column_scale(info, rank, len(slice_sizes), scaled=False) != 0
+        s = jnp.where(keep, s.astype(_F32), 0.0)
+        slot = jnp.maximum(info.token_slot, 0)
+        deltas, start = [], 0
+        for i, n in enumerate(slice_sizes):
+            cols = slice(i * rank, (i + 1) * rank)
+            rows = b[slot, start:start + n, :] if one_gather else b[:, start:start + n, :][slot]
+            prod = s[:, None, cols] * rows.astype(_F32)
+            d = jnp.sum(jnp.where(keep[:, None, cols], prod, 0.0) if mask_products else prod, axis=-1)
+            deltas.append(d.astype(base.dtype))
+            start += n
+        return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+    return expand
+
+
+FORMS = {"gather": reference.expand_gather, "gather_before": expand_form(False, True),
+         "gather_unmasked": expand_form(True, False)}
+# Each form runs as a backend of its own name (a static argument of the jitted ops and model, so no trace of
+# one form is reused for another), with the gather shrink and, in the model, the gather backend's attention.
+for _name, _impl in list(FORMS.items())[1:]:
+    ops._JNP_EXPAND[_name] = _impl
+    ops._JNP_SHRINK[_name] = reference.shrink_gather
+    ops.BACKENDS = (*ops.BACKENDS, _name)
+_kernel_attention = llama._kernel_attention
+llama._kernel_attention = lambda backend: _kernel_attention("gather" if backend.startswith("gather") else backend)
+
+
+def kernels() -> None:
+    rng = np.random.default_rng(0)
+    for op, tokens, adapters, rank in [("qkv_expand", 16, 8, 16), ("qkv_expand", 64, 8, 16), ("qkv_expand", 16, 8, 64),
+                                       ("gate_up_expand", 16, 8, 16), ("gate_up_expand", 64, 8, 16),
+                                       ("expand", 64, 8, 16), ("qkv_linear", 64, 8, 16),
+                                       ("gate_up_linear", 32, 32, 16), ("qkv_linear", 16, 8, 64),
+                                       ("qkv_linear", 32, 32, 16), ("o_linear", 32, 32, 16), ("down_linear", 32, 32, 16),
+                                       ("gate_up_expand", 16, 8, 64), ("gate_up_linear", 64, 8, 16)]:
+        kind, slices, slots, inputs, _ = kb.make_inputs(op, tokens, adapters, rank, rng)
+        info = kb.make_info(slots, rank, row_tile(tokens))
+        line = []
+        for name in (*FORMS, "pallas"):  # the public ops under each backend
+            sec, _ = kb.device_time_per_call(kb.make_fn(kind, slices, name), info, *inputs)
+            line.append(f"{name} {sec * 1e6:.2f}")
+        print(f"{op} T={tokens} n={adapters} r={rank}: " + ", ".join(line), flush=True)
+        del inputs
+
+
+def model(rounds: int = 6) -> None:
+    """Batch-32 decode with 32 r=16 adapters, each form as the backend, alternating rounds."""
+    config = mb.llama3_8b(32)
+    model_def, params = mb.random_model(config)
+    batch = 32
+    cache = KVCache.zeros(config, batch, 2 * mb.CONTEXT, jnp.bfloat16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
+    positions = jnp.full((batch, 1), mb.CONTEXT, jnp.int32)
+    lora = mb.random_lora(config, 16)
+    slots = jnp.arange(batch, dtype=jnp.int32) % mb.SLOTS
+    ranks = jnp.full(mb.SLOTS, 16, jnp.int32)
+    runs = {}
+    for name in FORMS:
+        mb.BACKEND = name
+        runs[name] = mb.model_step(model_def, params, tokens, positions, lora, slots, ranks, 16)
+        _, cache = runs[name](cache)  # traces now, under this backend
+    times, cache = mb.time_alternating(runs, cache, rounds=rounds)
+    for name, t in times.items():
+        print(f"model batch 32, 32 r=16 adapters, {name}: median {statistics.median(t) * 1e3:.3f} ms "
+              f"[{', '.join(f'{x * 1e3:.2f}' for x in t)}]", flush=True)
+
+
+if __name__ == "__main__":
+    kernels()
+    model()
