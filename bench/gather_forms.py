@@ -75,7 +75,7 @@ def kernels() -> None:
         line = []
         for name in (*FORMS, "pallas"):  # the public ops under each backend
             sec, _ = kb.device_time_per_call(kb.make_fn(kind, slices, name), info, *inputs)
-            line.append(f"{name} {sec * 1e6:.2f}")
+            line.append(f"{name} {sec * 1e6:.2f} µs")
         print(f"{op} T={tokens} n={adapters} r={rank}: " + ", ".join(line), flush=True)
         del inputs
 
