@@ -8,7 +8,7 @@ import jlora
 from jlora import LoRABatchInfo
 from jlora.pallas import ExpandConfig, ShrinkConfig, expand_config, shrink_config
 from jlora.pallas.config import SMEM_BUDGET
-from tests.oracle import expand_np, rel_err, shrink_np
+from tests.oracle import expand_np, rel_err, shrink_np, worst_row_err
 
 
 def _case(seed, t=45, k=256, slice_sizes=(64, 32, 32), rank=16, num_slots=3):
@@ -46,8 +46,15 @@ def test_shrink_split_k(config):
     slots, ranks, scal, x, a, b, base = _case(3)
     info = LoRABatchInfo.build(slots, ranks, scal, block_m=16)
     y = jlora.pallas.shrink(jnp.asarray(x), jnp.asarray(a), info, num_slices=3, config=config)
-    assert rel_err(y, shrink_np(x, a, slots, ranks, scal, 3)) < 1e-5
+    y_ref = shrink_np(x, a, slots, ranks, scal, 3)
+    assert rel_err(y, y_ref) < 1e-5
     assert (np.asarray(y)[slots < 0] == 0).all()
+    # The kernel into a NaN-poisoned buffer: each used row's split-K sums written, slot -1 rows left alone.
+    poisoned = jnp.full((config.k_splits, *y.shape), jnp.nan, jnp.float32)
+    partials = np.asarray(jlora.pallas.shrink_partials(jnp.asarray(x), jnp.asarray(a), info, num_slices=3,
+                                                       config=config, out=poisoned))
+    assert np.isnan(partials[:, slots < 0]).all()
+    assert worst_row_err(partials[:, slots >= 0].sum(0), y_ref[slots >= 0]) < 1e-5
 
 
 def test_linear_with_both_configs():
