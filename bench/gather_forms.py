@@ -1,8 +1,9 @@
 """Forms of the gather backend's expand, timed side by side (the study behind `reference.expand_gather`).
 
-"gather" is the library's form; "gather_before" the one it replaced (B sliced before the slot gather, the mask
-on the products), "gather_unmasked" the library's without its row mask (slot -1 rows would read slot 0's B,
-NaN there included), to show what the mask costs. Device µs per call of bench/kernels.py's 32-call functions
+"gather" is the library's form (B[slot, slice] as one gather, each slice's delta rows masked); "gather_before"
+the one it replaced (B sliced before the slot gather, the mask on the products); "gather_add" the mask on the
+summed delta's rows at the add instead; "gather_unmasked" no row mask at all (slot -1 rows would read slot 0's
+B, NaN there included), to show what the mask costs. Device µs per call of bench/kernels.py's 32-call functions
 on the decode rows where they differ, then the batch-32 decode step of bench/model.py (32 r=16 adapters)
 under each form in alternating rounds.
 
@@ -24,18 +25,20 @@ import kernels as kb  # noqa: E402
 import model as mb  # noqa: E402
 import jlora.models.llama as llama  # noqa: E402
 from jlora import ops, reference  # noqa: E402
-from jlora.engine import row_tile  # noqa: E402
+from jlora.engine import forward, row_tile  # noqa: E402
 from jlora.models.llama import KVCache  # noqa: E402
 
 _F32 = jnp.float32
 
 
-def expand_form(one_gather: bool, mask_products: bool):
-    """An expand_gather of another form: B[slot, slice] as one gather or sliced first; the mask on the products
-    or on s alone (no row mask)."""
+def expand_form(one_gather: bool, mask: str | None):
+    """An expand_gather of another form: B[slot, slice] as one gather or sliced first; s masked by rank and slot,
+    and besides that the mask on the products ("products"), on the rows of the concatenated delta at the add
+    ("add") or nowhere (None)."""
     def expand(s, b, info, base, *, slice_sizes):
         rank = b.shape[2]
         keep = reference.column_scale(info, rank, len(slice_sizes), scaled=False) != 0
+        used = (info.token_slot >= 0)[:, None]
         s = jnp.where(keep, s.astype(_F32), 0.0)
         slot = jnp.maximum(info.token_slot, 0)
         deltas, start = [], 0
@@ -43,15 +46,17 @@ def expand_form(one_gather: bool, mask_products: bool):
             cols = slice(i * rank, (i + 1) * rank)
             rows = b[slot, start:start + n, :] if one_gather else b[:, start:start + n, :][slot]
             prod = s[:, None, cols] * rows.astype(_F32)
-            d = jnp.sum(jnp.where(keep[:, None, cols], prod, 0.0) if mask_products else prod, axis=-1)
+            d = jnp.sum(jnp.where(keep[:, None, cols], prod, 0.0) if mask == "products" else prod, axis=-1)
             deltas.append(d.astype(base.dtype))
             start += n
-        return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+        delta = jnp.concatenate(deltas, axis=1)
+        return (base.astype(_F32) + (jnp.where(used, delta, 0) if mask == "add" else delta)).astype(base.dtype)
     return expand
 
 
-FORMS = {"gather": reference.expand_gather, "gather_before": expand_form(False, True),
-         "gather_unmasked": expand_form(True, False)}
+FORMS = {"gather": reference.expand_gather, "gather_before": expand_form(False, "products"),
+         "gather_add": expand_form(True, "add"),
+         "gather_unmasked": expand_form(True, None)}
 # Each form runs as a backend of its own name (a static argument of the jitted ops and model, so no trace of
 # one form is reused for another), with the gather shrink and, in the model, the gather backend's attention.
 for _name, _impl in list(FORMS.items())[1:]:
@@ -62,14 +67,17 @@ _kernel_attention = llama._kernel_attention
 llama._kernel_attention = lambda backend: _kernel_attention("gather" if backend.startswith("gather") else backend)
 
 
+# (op, T, adapters, rank): the decode rows where the forms differ, and the model's decode projections.
+ROWS = [("qkv_expand", 16, 8, 16), ("qkv_expand", 64, 8, 16), ("qkv_expand", 16, 8, 64), ("gate_up_expand", 16, 8, 16),
+        ("gate_up_expand", 64, 8, 16), ("gate_up_expand", 16, 8, 64), ("expand", 64, 8, 16), ("qkv_linear", 64, 8, 16),
+        ("qkv_linear", 16, 8, 64), ("gate_up_linear", 64, 8, 16),
+        *((op, 32, 32, 16) for op in ("qkv_linear", "o_linear", "gate_up_linear", "down_linear"))]
+
+
 def kernels() -> None:
+    """Device µs per call of each row under each form and under pallas."""
     rng = np.random.default_rng(0)
-    for op, tokens, adapters, rank in [("qkv_expand", 16, 8, 16), ("qkv_expand", 64, 8, 16), ("qkv_expand", 16, 8, 64),
-                                       ("gate_up_expand", 16, 8, 16), ("gate_up_expand", 64, 8, 16),
-                                       ("expand", 64, 8, 16), ("qkv_linear", 64, 8, 16),
-                                       ("gate_up_linear", 32, 32, 16), ("qkv_linear", 16, 8, 64),
-                                       ("qkv_linear", 32, 32, 16), ("o_linear", 32, 32, 16), ("down_linear", 32, 32, 16),
-                                       ("gate_up_expand", 16, 8, 64), ("gate_up_linear", 64, 8, 16)]:
+    for op, tokens, adapters, rank in ROWS:
         kind, slices, slots, inputs, _ = kb.make_inputs(op, tokens, adapters, rank, rng)
         info = kb.make_info(slots, rank, row_tile(tokens))
         line = []
@@ -91,11 +99,8 @@ def model(rounds: int = 6) -> None:
     lora = mb.random_lora(config, 16)
     slots = jnp.arange(batch, dtype=jnp.int32) % mb.SLOTS
     ranks = jnp.full(mb.SLOTS, 16, jnp.int32)
-    runs = {}
-    for name in FORMS:
-        mb.BACKEND = name
-        runs[name] = mb.model_step(model_def, params, tokens, positions, lora, slots, ranks, 16)
-        _, cache = runs[name](cache)  # traces now, under this backend
+    runs = {name: lambda c, name=name: forward(model_def, params, tokens, positions, c, lora, slots, ranks,
+                                               block_m=16, backend=name) for name in FORMS}
     times, cache = mb.time_alternating(runs, cache, rounds=rounds)
     for name, t in times.items():
         print(f"model batch 32, 32 r=16 adapters, {name}: median {statistics.median(t) * 1e3:.3f} ms "

@@ -117,12 +117,15 @@ def expand_gather(
     layer's: in the model XLA fuses the add into the delta's consumer (the gate|up product, the residual add,
     the cache write) so that the delta overlaps the base GEMM, and the delta then crosses memory in base.dtype
     instead of f32 (batch-32 decode of the 8B shape with 32 r=16 adapters on one H200: 6.46 against 6.53 ms).
-    A slice's rows are one gather, B[slot, slice_i], and the masks act on s and on the delta's rows, not on
+    A slice's rows are one gather, B[slot, slice_i], and the masks act on s and on each delta's rows, not on
     the products: slicing B first (B[:, slice_i][slot]) made XLA copy each slice of the stack, and a mask on
     the products sat inside the reductions, which XLA then merged across independent calls into slow
-    multi-output fusions (H200, device µs per call, 32 calls as in bench/kernels.py, before -> after: q|k|v
-    expand T=64 with 8 r=16 adapters 17.7 -> 4.1, T=16 with r=64 22.7 -> 3.7, gate|up `lora_linear` T=32 with
-    32 adapters 31.5 -> 8.9; the batch-32 model step level, 6.05 / 6.06 ms).
+    multi-output fusions (bench/gather_forms.py on an H200, device µs per call of bench/kernels.py's 32 calls,
+    before -> after: q|k|v expand T=64 with 8 r=16 adapters 17.5 -> 4.2, T=16 with r=64 22.6 -> 3.8, gate|up
+    `lora_linear` T=32 with 32 adapters 32.1 -> 9.0; the rows it slowed lost up to 0.5, gate|up expand T=16
+    3.5 -> 4.1; the batch-32 model step level, 5.99 -> 6.00 ms over six alternating rounds). The row mask
+    keeps NaN in an unused slot out of slot -1 rows; masking the summed delta at the add instead ran the model
+    step at 5.95 ms but made the benchmark's o and down `lora_linear` 22-24 µs (against 2.2 and 4.0).
     """
     rank = b.shape[2]
     keep = column_scale(info, rank, len(slice_sizes), scaled=False) != 0  # [T, S·R]
