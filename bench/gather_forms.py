@@ -16,7 +16,6 @@ import os
 import statistics
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,7 +25,6 @@ import model as mb  # noqa: E402
 import jlora.models.llama as llama  # noqa: E402
 from jlora import ops, reference  # noqa: E402
 from jlora.engine import forward, row_tile  # noqa: E402
-from jlora.models.llama import KVCache  # noqa: E402
 
 _F32 = jnp.float32
 
@@ -93,7 +91,7 @@ def model(rounds: int = 6) -> None:
     config = mb.llama3_8b(32)
     model_def, params = mb.random_model(config)
     batch = 32
-    cache = KVCache.zeros(config, batch, 2 * mb.CONTEXT, jnp.bfloat16)
+    cache = llama.KVCache.zeros(config, batch, 2 * mb.CONTEXT, jnp.bfloat16)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
     positions = jnp.full((batch, 1), mb.CONTEXT, jnp.int32)
     lora = mb.random_lora(config, 16)
