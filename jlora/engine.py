@@ -36,7 +36,7 @@ from jlora.models.llama import KVCache, Transformer
 from jlora.models.loading import load_model
 from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
-from jlora.sampling import sample_tokens
+from jlora.sampling import request_keys, sample_tokens
 
 __all__ = ["Engine", "Generation", "ModelDef", "bucket", "forward", "generate_step"]
 
@@ -128,11 +128,11 @@ def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_s
 
 @step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"), donate_argnames=("cache",))
 def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks,
-                  key, step, temperature, top_p, *, block_m: int, backend: str, tp: TensorParallel | None = None,
-                  nucleus: bool = False):
+                  seeds, token_index, temperature, top_p, *, block_m: int, backend: str,
+                  tp: TensorParallel | None = None, nucleus: bool = False):
     """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
-    (None: row b) and samples each request's next token from its position `last` [B] with the key
-    `fold_in(key, step)` (`nucleus`: see `sample_tokens`).
+    (None: row b) and samples each request's next token from its position `last` [B] with its own key,
+    `request_keys(seeds, token_index)` (`nucleus`: see `sample_tokens`).
 
     Returns (next tokens [B, 1] int32, shaped as the next decode step's `tokens`, and the cache). The key
     folding and that layout live here so the engine's pipelined loop dispatches nothing else per step.
@@ -140,8 +140,8 @@ def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, l
     logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
                                 backend, valid, rows, tp)
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
-    key = jax.random.fold_in(key, step)
-    return sample_tokens(logits, key, temperature, top_p, nucleus=nucleus)[:, None], cache
+    keys = request_keys(seeds, token_index)
+    return sample_tokens(logits, keys, temperature, top_p, nucleus=nucleus)[:, None], cache
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -157,6 +157,16 @@ def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> tupl
         valid[i, : len(p)] = True
     positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
     return tokens, positions, token_slot, valid
+
+
+def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
+    """Each of n requests' seed: `seed + i`, or `seed[i]`; as uint32 values (checked)."""
+    seeds = [seed + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} prompts; give one seed, or one per prompt")
+    if not all(0 <= s < 2**32 for s in seeds):
+        raise ValueError(f"seeds must be in [0, 2**32), got {[s for s in seeds if not 0 <= s < 2**32][:5]}")
+    return seeds
 
 
 class Generation(list):
@@ -176,6 +186,7 @@ class _Request:
     max_new: int
     temperature: float
     top_p: float
+    seed: int
     out: list[int] = dataclasses.field(default_factory=list)
     finish: str = "length"
 
@@ -326,7 +337,7 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] | None = None,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         progress=None,
     ) -> list[Generation]:
         """Generates for every prompt with its adapter (None: the base model), continuously batched.
@@ -338,7 +349,9 @@ class Engine:
           temperature: 0 for greedy decoding.
           top_p: nucleus sampling mass.
           stop_token_ids: a request stops at any of these (not included in its output).
-          seed: sampling seed.
+          seed: sampling seed: request i samples with `seed + i`, or with `seed[i]` when a sequence is given.
+            A request's key for its n-th token is `fold_in(key(its seed), n)` (`jlora.sampling`), so its
+            output never depends on the other requests of the call, their number or order, or its row.
           progress: optional callable(n) told of each generated token batch (e.g. a tqdm's update).
 
         Returns:
@@ -351,18 +364,20 @@ class Engine:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         self._check_prompts(prompts, adapters, max_new_tokens)
         slots = self._slots(adapters)
+        seeds = _request_seeds(seed, len(prompts))
         stop = set(stop_token_ids or ())
-        requests = [_Request(p, int(s), max_new_tokens, temperature, top_p) for p, s in zip(prompts, slots)]
+        requests = [_Request(p, int(s), max_new_tokens, temperature, top_p, sd)
+                    for p, s, sd in zip(prompts, slots, seeds)]
         held = [a for a in adapters if a is not None]
         self.pool.hold(held)
         try:
-            self._run_batched(requests, stop, seed, progress)
+            self._run_batched(requests, stop, progress)
         finally:
             self.pool.release(held)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else (lambda ids: None)
         return [Generation(r.out, decode(r.out), r.finish) for r in requests]
 
-    def _run_batched(self, requests: list[_Request], stop: set[int], seed: int, progress) -> None:
+    def _run_batched(self, requests: list[_Request], stop: set[int], progress) -> None:
         """The continuous-batching loop: admit waiting requests into free rows, decode all rows a step.
 
         Decode steps are pipelined: step n+1 is dispatched, its input tokens being step n's output still on
@@ -379,8 +394,6 @@ class Engine:
         running: list[_Request | None] = [None] * num_rows
         position = np.zeros(num_rows, np.int32)  # next cache index of each row
         last_token = np.zeros(num_rows, np.int32)
-        key = self._like_step_outputs(jax.random.key(seed))  # placed once, not copied on every step
-        step = 0
         in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens [B, 1], its rows)
 
         def finish(row: int, token: int) -> None:
@@ -411,8 +424,7 @@ class Engine:
                     collect()
                     continue
                 admitted = [(row, waiting.popleft()) for row in free[: len(waiting)]]
-                cache = self._prefill_rows(admitted, cache, key, step, finish, running, position, nucleus)
-                step += 1
+                cache = self._prefill_rows(admitted, cache, finish, running, position, nucleus)
                 if progress:
                     progress(len(admitted))
                 continue
@@ -422,16 +434,22 @@ class Engine:
             if rows.size == 0:  # every running request completes with the step in flight
                 collect()
                 continue
+            # Rows outside `rows` (free, or finishing with the step in flight) run as padding: slot -1, no
+            # cache write, greedy; their tokens are never read.
+            slots, seeds = np.full(num_rows, -1, np.int32), np.zeros(num_rows, np.uint32)
+            temps, top_ps = np.zeros(num_rows, np.float32), np.ones(num_rows, np.float32)
+            token_index = np.zeros(num_rows, np.int32)
             active = np.zeros(num_rows, bool)
-            active[rows] = True
-            slots = np.array([r.slot if r is not None else -1 for r in running], np.int32)
-            temps = np.array([r.temperature if r is not None else 0.0 for r in running], np.float32)
-            top_ps = np.array([r.top_p if r is not None else 1.0 for r in running], np.float32)
+            for row in rows:
+                r = running[row]
+                active[row] = True
+                slots[row], seeds[row], temps[row], top_ps[row] = r.slot, r.seed, r.temperature, r.top_p
+                token_index[row] = len(r.out) + (row in pending)
             # [B, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
             last = self._like_step_outputs(last_token[:, None]) if in_flight is None else in_flight[0]
             tokens, cache = self._step(last, np.where(active, position, 0)[:, None], active[:, None], None,
-                                       np.zeros(num_rows, np.int32), cache, slots, key, step, temps, top_ps, nucleus)
-            step += 1
+                                       np.zeros(num_rows, np.int32), cache, slots, seeds, token_index, temps,
+                                       top_ps, nucleus)
             position[rows] += 1
             if in_flight is not None:
                 collect()  # while the step just dispatched runs
@@ -439,16 +457,17 @@ class Engine:
         if in_flight is not None:  # tokens of requests that all ended on the step before
             collect()
 
-    def _prefill_rows(self, admitted, cache, key, step, finish, running, position, nucleus):
+    def _prefill_rows(self, admitted, cache, finish, running, position, nucleus):
         """Prefills admitted requests into their cache rows and records each one's first token."""
         tokens, positions, slots, valid = pack_prompts([r.prompt for _, r in admitted], [r.slot for _, r in admitted])
         n = tokens.shape[0]
-        rows, last = np.zeros(n, np.int32), np.zeros(n, np.int32)  # padding requests: row 0, no cache writes
+        # Padding requests: slot -1 and no valid token (pack_prompts), so no cache write; row 0, greedy.
+        rows, last, seeds = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.uint32)
         temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
         for i, (row, r) in enumerate(admitted):
-            rows[i], last[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.temperature, r.top_p
-        next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), key, step,
-                                        temps, top_ps, nucleus)
+            rows[i], last[i], seeds[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.seed, r.temperature, r.top_p
+        next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), seeds,
+                                        np.zeros(n, np.int32), temps, top_ps, nucleus)
         next_tokens = np.asarray(next_tokens)[:, 0]
         for i, (row, r) in enumerate(admitted):
             running[row] = r
@@ -462,11 +481,12 @@ class Engine:
         device tokens go would compile the decode step twice); as it is on one device."""
         return x if self.tp is None else jax.device_put(x, self.tp.replicated())
 
-    def _step(self, tokens, positions, valid, rows, last, cache, token_slot, key, step, temperature, top_p, nucleus):
+    def _step(self, tokens, positions, valid, rows, last, cache, token_slot, seeds, token_index, temperature, top_p,
+              nucleus):
         """Dispatches one generate_step; returns (next tokens [B, 1] on the device, cache)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first).
         return generate_step(
             self.model_def, self.params, tokens, positions, valid, rows, last, cache, self._lora_for(token_slot),
-            token_slot, self.pool.ranks.copy(), key, np.int32(step), temperature, top_p,
+            token_slot, self.pool.ranks.copy(), seeds, token_index, temperature, top_p,
             block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp, nucleus=nucleus)

@@ -2,10 +2,11 @@
 
 Semantics shared by every backend: token t with slot s >= 0 gets, per slice i,
 `scalings[s] * (x[t] @ A[s, i*R : i*R + r_s]ᵀ) @ B[s, slice_i, :r_s]ᵀ` added to `base[t, slice_i]`; slot -1
-tokens keep `base[t]`; rows and columns of a slot beyond its rank `r_s` contribute nothing, whatever finite
-values the stored weights hold there.
+tokens keep `base[t]`; rows and columns of a slot beyond its rank `r_s` contribute nothing, and a slot's
+weights reach only its own tokens, whatever values they hold (NaN and inf included: every backend selects
+rather than multiplies by zero).
 
-Backends: "reference" (one-hot einsum), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in plain
+Backends: "reference" (per-slot products, selected per token), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in plain
 jnp: each token reads its own slot's weights inside one fused XLA reduction), "pallas" (the segmented
 kernels in `jlora.pallas`; on CPU they run in interpret mode) and "auto": on GPU, gather for calls whose
 tokens x max rank is at most `GATHER_MAX_TOKEN_RANK` (decode) and pallas above; reference elsewhere.
@@ -265,5 +266,6 @@ def _embedding(token_ids, a_emb, b_emb, info, base, *, backend):
     # The A side of an embedding LoRA is a lookup: row `token_id` of Aᵀ, scaled and rank-masked.
     slot = jnp.maximum(info.token_slot, 0)
     rows = a_emb[slot, :, jnp.clip(token_ids, 0, a_emb.shape[2] - 1)]  # [T, R]
-    s = (rows.astype(jnp.float32) * reference.column_scale(info, a_emb.shape[1], 1, scaled=True)).astype(base.dtype)
+    scale = reference.column_scale(info, a_emb.shape[1], 1, scaled=True)
+    s = jnp.where(scale != 0, rows.astype(jnp.float32) * scale, 0.0).astype(base.dtype)
     return _expand(s, b_emb, info, base, slice_sizes=(b_emb.shape[1],), backend=backend)

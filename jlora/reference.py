@@ -1,10 +1,11 @@
-"""Plain-jnp backends: `reference` (one-hot einsum), `ragged` (`jax.lax.ragged_dot`) and `gather`.
+"""Plain-jnp backends: `reference` (a loop over slots), `ragged` (`jax.lax.ragged_dot`) and `gather`.
 
 All compute exactly the semantics of `jlora.ops` and are what a JAX user would write without custom
-kernels. The reference contracts every token against every slot's weights through a one-hot [T, L] matrix
-instead of gathering one weight matrix per token: a materialized gather would be [T, R, K] (13 GB for
-T=8192, R=192, K=4096 in bf16), while the one-hot form reads each slot's weights once and costs only
-arithmetic. `gather` is Punica's BGMV for few tokens: every token reads its own slot's weights, written as
+kernels. The reference multiplies every token by every slot's weights and keeps, by selection, each token's
+own slot's product, instead of gathering one weight matrix per token: a materialized gather would be
+[T, R, K] (13 GB for T=8192, R=192, K=4096 in bf16), while the loop reads each slot's weights once and
+costs only arithmetic. Every backend selects (`jnp.where`) rather than multiplies by zero, so a slot's
+weights reach only its own tokens and only up to its rank, whatever values (NaN, inf) the rest holds. `gather` is Punica's BGMV for few tokens: every token reads its own slot's weights, written as
 an elementwise product and a sum, so XLA fuses the gather into the reduction and nothing [T, R, K] is
 materialized; it reads T copies of the weights (from L2 where tokens share a slot), so it suits decode.
 Arguments arrive checked by `jlora.ops`.
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jlora.batch_info import LoRABatchInfo
+from jlora.precision import dot_precision
 
 __all__ = ["column_scale", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged",
            "shrink_gather", "expand_gather"]
@@ -32,9 +34,9 @@ def column_scale(info: LoRABatchInfo, rank: int, num_slices: int, *, scaled: boo
     return jnp.tile(jnp.where(keep, factor, 0.0), (1, num_slices))
 
 
-def _one_hot(info: LoRABatchInfo) -> jax.Array:
-    """[T, L] f32, 1 at each token's slot; all zero for slot -1."""
-    return jax.nn.one_hot(info.token_slot, info.num_slots, dtype=_F32)
+def _in_rank(ranks: jax.Array, rank: int) -> jax.Array:
+    """[L, R] bool: the columns (A's rows, B's columns) below each slot's rank."""
+    return jnp.arange(rank)[None, :] < ranks[:, None]
 
 
 def _slice_bounds(slice_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -47,25 +49,33 @@ def _slice_bounds(slice_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def shrink_reference(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
-    """x [T, K] @ A[slot]ᵀ -> [T, S·R] in x.dtype, through a one-hot contraction over slots."""
+    """x [T, K] @ A[slot]ᵀ -> [T, S·R] in x.dtype: each slot's product, selected for its tokens."""
     rank = a.shape[1] // num_slices
-    y = jnp.einsum("tk,lrk->tlr", x, a, preferred_element_type=_F32)  # [T, L, S·R]
-    y = jnp.einsum("tlr,tl->tr", y, _one_hot(info))
-    return (y * column_scale(info, rank, num_slices, scaled=True)).astype(x.dtype)
+    in_rank = jnp.tile(_in_rank(info.ranks, rank), (1, num_slices))  # [L, S·R]
+    y = jnp.zeros((x.shape[0], a.shape[1]), _F32)
+    for slot in range(info.num_slots):
+        a_l = jnp.where(in_rank[slot][:, None], a[slot], 0)  # [S·R, K]: rows past the rank never read
+        y_l = jnp.einsum("tk,rk->tr", x, a_l, preferred_element_type=_F32, precision=dot_precision(x.dtype))
+        y = jnp.where((info.token_slot == slot)[:, None], y_l * info.scalings[slot], y)
+    return y.astype(x.dtype)
 
 
 def expand_reference(
     s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
 ) -> jax.Array:
-    """base [T, N] + per slice s_i [T, R] @ B[slot, slice_i]ᵀ, through a one-hot contraction over slots."""
+    """base [T, N] + per slice s_i [T, R] @ B[slot, slice_i]ᵀ: each slot's product, selected for its tokens."""
     rank = b.shape[2]
-    s = s.astype(_F32) * column_scale(info, rank, len(slice_sizes), scaled=False)
-    onehot = _one_hot(info)
-    deltas = []
-    for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):
-        s_slot = jnp.einsum("tr,tl->tlr", s[:, i * rank : (i + 1) * rank], onehot)  # [T, L, R]
-        deltas.append(jnp.einsum("tlr,lnr->tn", s_slot, b[:, start:stop, :], preferred_element_type=_F32))
-    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+    s = jnp.where(column_scale(info, rank, len(slice_sizes), scaled=False) != 0, s.astype(_F32), 0.0)
+    in_rank = _in_rank(info.ranks, rank)  # [L, R]
+    delta = jnp.zeros(base.shape, _F32)
+    for slot in range(info.num_slots):
+        b_l = jnp.where(in_rank[slot][None, :], b[slot].astype(_F32), 0.0)  # [N, R]: columns past the rank 0
+        d_l = jnp.concatenate([
+            jnp.einsum("tr,nr->tn", s[:, i * rank : (i + 1) * rank], b_l[start:stop], preferred_element_type=_F32,
+                       precision=dot_precision(_F32))
+            for i, (start, stop) in enumerate(_slice_bounds(slice_sizes))], axis=1)
+        delta = jnp.where((info.token_slot == slot)[:, None], d_l, delta)
+    return (base.astype(_F32) + delta).astype(base.dtype)
 
 
 def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.Array:
@@ -73,7 +83,8 @@ def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.A
 
     Rows past sum(slot_counts) belong to no group; they are zeroed by the final mask.
     """
-    y = jax.lax.ragged_dot(lhs_sorted, rhs, info.slot_counts, preferred_element_type=_F32)
+    y = jax.lax.ragged_dot(lhs_sorted, rhs, info.slot_counts, preferred_element_type=_F32,
+                           precision=dot_precision(lhs_sorted.dtype))
     y = jnp.zeros_like(y).at[info.sorted_idx].set(y)
     return jnp.where((info.token_slot >= 0)[:, None], y, 0.0)
 
@@ -81,8 +92,10 @@ def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.A
 def shrink_ragged(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
     """`shrink_reference` through `jax.lax.ragged_dot` on tokens sorted by slot."""
     rank = a.shape[1] // num_slices
+    a = jnp.where(jnp.tile(_in_rank(info.ranks, rank), (1, num_slices))[:, :, None], a, 0)  # rows past the rank: 0
     y = _ragged(x[info.sorted_idx], jnp.swapaxes(a, 1, 2), info)
-    return (y * column_scale(info, rank, num_slices, scaled=True)).astype(x.dtype)
+    scale = column_scale(info, rank, num_slices, scaled=True)
+    return jnp.where(scale != 0, y * scale, 0.0).astype(x.dtype)
 
 
 def expand_ragged(
@@ -90,8 +103,9 @@ def expand_ragged(
 ) -> jax.Array:
     """`expand_reference` through one `jax.lax.ragged_dot` per slice on tokens sorted by slot."""
     rank = b.shape[2]
-    s = (s.astype(_F32) * column_scale(info, rank, len(slice_sizes), scaled=False)).astype(b.dtype)
+    s = jnp.where(column_scale(info, rank, len(slice_sizes), scaled=False) != 0, s, 0)
     s_sorted = s[info.sorted_idx]
+    b = jnp.where(_in_rank(info.ranks, rank)[:, None, :], b, 0)  # columns past each slot's rank: 0
     deltas = [
         _ragged(s_sorted[:, i * rank : (i + 1) * rank], jnp.swapaxes(b[:, start:stop, :], 1, 2), info)
         for i, (start, stop) in enumerate(_slice_bounds(slice_sizes))
@@ -129,11 +143,12 @@ def expand_gather(
     """
     rank = b.shape[2]
     keep = column_scale(info, rank, len(slice_sizes), scaled=False) != 0  # [T, S·R]
-    s = jnp.where(keep, s.astype(_F32), 0.0)  # B's finite values past a slot's rank multiply 0
+    s = jnp.where(keep, s.astype(_F32), 0.0)
     slot, used = jnp.maximum(info.token_slot, 0), (info.token_slot >= 0)[:, None]
+    in_rank = keep[:, None, :rank]  # [T, 1, R]: B's columns past the slot's rank are selected out
     deltas = []
     for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):  # one fused reduction per slice
-        b_rows = b[slot, start:stop, :].astype(_F32)  # [T, n_i, R], fused into the sum
+        b_rows = jnp.where(in_rank, b[slot, start:stop, :].astype(_F32), 0.0)  # [T, n_i, R], fused into the sum
         delta = jnp.sum(s[:, None, i * rank : (i + 1) * rank] * b_rows, axis=-1)
         deltas.append(jnp.where(used, delta, 0.0).astype(base.dtype))  # slot -1 rows read slot 0's B
     return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)

@@ -1,10 +1,6 @@
 import jax
 import pytest
 
-if jax.default_backend() == "gpu":
-    # float32 checks compare against float64 oracles: no TF32 in XLA's own matmuls.
-    jax.config.update("jax_default_matmul_precision", "highest")
-
 
 def pytest_collection_modifyitems(config, items):
     """GPU-marked tests skip unless JAX runs on a GPU."""

@@ -28,6 +28,7 @@ from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights
 from jlora.ops import lora_embedding, lora_linear, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
+from jlora.precision import dot_precision
 
 __all__ = ["KVCache", "Transformer", "rope_frequencies"]
 
@@ -92,7 +93,8 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("TK,KN->TN", x, self.weight[...], preferred_element_type=jnp.float32)
+        y = jnp.einsum("TK,KN->TN", x, self.weight[...], preferred_element_type=jnp.float32,
+                       precision=dot_precision(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype)
@@ -129,7 +131,8 @@ def _masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position
                       sliding_window: int | None) -> jax.Array:
     """q [B, S, KV, G, D] against every position of keys / values [B, KV, max_seq, D], the invisible ones
     (later than the query, or outside the sliding window) masked: [B, S, KV, G, D] (the form XLA runs)."""
-    scores = jnp.einsum("BSKGD,BKTD->BKGST", q, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BSKGD,BKTD->BKGST", q, keys, preferred_element_type=jnp.float32,
+                        precision=dot_precision(q.dtype))
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
     key_pos = jnp.arange(keys.shape[2])[None, None, :]
     visible = key_pos <= positions[:, :, None]  # [B, S, max_seq]: causal
@@ -137,7 +140,7 @@ def _masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position
         visible &= key_pos > positions[:, :, None] - sliding_window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("BKGST,BKTD->BSKGD", probs, values)
+    return jnp.einsum("BKGST,BKTD->BSKGD", probs, values, precision=dot_precision(values.dtype))
 
 
 class RMSNorm(nnx.Module):
@@ -175,11 +178,12 @@ class Attention(nnx.Module):
         k = _rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(k.shape)
         row = rows[:, None]  # [B, 1]
-        keep = valid[:, :, None, None]
         # [row, :, position] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
-        at = (row, slice(None), positions)
-        k_cache = k_cache.at[at].set(jnp.where(keep, k.astype(k_cache.dtype), k_cache[at]))
-        v_cache = v_cache.at[at].set(jnp.where(keep, v.astype(v_cache.dtype), v_cache[at]))
+        # Invalid tokens (padding) get an out-of-range position, so the scatter drops them: padding requests
+        # share a real request's row, and a scatter with duplicate indices keeps an arbitrary one of them.
+        at = (row, slice(None), jnp.where(valid, positions, k_cache.shape[2]))
+        k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
         if attention_kernel:
@@ -301,7 +305,8 @@ class Transformer(nnx.Module):
             vs.append(v)
         x = self.norm(x)
         if self.lm_head is None:
-            logits = jnp.einsum("TH,VH->TV", x, embed, preferred_element_type=jnp.float32).astype(x.dtype)
+            logits = jnp.einsum("TH,VH->TV", x, embed, preferred_element_type=jnp.float32,
+                                precision=dot_precision(x.dtype)).astype(x.dtype)
         else:
             logits = self.lm_head(x)
         if ctx is not None:  # no barrier (base_first) here: see its docstring

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jlora.precision import dot_precision
+
 __all__ = ["dot_dim", "dot_precision", "segment_meta", "segment_rows"]
 
 
@@ -38,6 +40,3 @@ def segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, num_row
     return seg_len_ref[seg], jnp.maximum(seg_slot_ref[seg], 0), rows
 
 
-def dot_precision(dtype) -> jax.lax.Precision:
-    """f32 inputs get IEEE f32 products (no tf32), so f32 checks are exact; half types use the default."""
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jlora.pallas.common import dot_dim
+from jlora.pallas.common import dot_dim, dot_precision
 from jlora.pallas.config import pow2_divisor
 
 __all__ = ["decode_attention", "decode_attention_supported"]
@@ -53,6 +53,7 @@ def _kernel(
     block_t: int,
     scale: float,
     window: int | None,
+    precision,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
     pos, row = pos_ref[b], rows_ref[b]
@@ -63,7 +64,7 @@ def _kernel(
     def step(j, carry):
         m, l, acc = carry  # [GP, 1] running max, [GP, 1] running sum, [GP, D] weighted values
         t = pl.ds(pl.multiple_of(j * block_t, block_t), block_t)
-        s = pltriton.dot(q, k_ref[row, h, t, :], trans_b=True) * scale  # [GP, BT] f32
+        s = pltriton.dot(q, k_ref[row, h, t, :], trans_b=True, precision=precision) * scale  # [GP, BT] f32
         key = j * block_t + jnp.arange(block_t)[None, :]  # [1, BT] positions of this block
         visible = key <= pos
         if window is not None:
@@ -72,7 +73,7 @@ def _kernel(
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)  # [GP, BT]
         alpha = jnp.exp(m - m_new)
-        acc = acc * alpha + pltriton.dot(p.astype(v_ref.dtype), v_ref[row, h, t, :])
+        acc = acc * alpha + pltriton.dot(p.astype(v_ref.dtype), v_ref[row, h, t, :], precision=precision)
         return m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True), acc
 
     gp, d = q.shape
@@ -106,7 +107,7 @@ def decode_attention(
     batch, kv, groups, d = q.shape
     max_seq = k_cache.shape[2]
     kernel = functools.partial(_kernel, groups=groups, tile=dot_dim(groups), block_t=_block_t(max_seq),
-                               scale=1 / math.sqrt(d), window=window)
+                               scale=1 / math.sqrt(d), window=window, precision=dot_precision(q.dtype))
     flat = q.reshape(batch * kv * groups, d)
     out = pl.pallas_call(
         kernel,

@@ -102,8 +102,9 @@ def _expand_kernel(
                 if full_rank:
                     b = b_ref[slot, cols, :]  # [BN, R]
                     out = pltriton.dot(eye, base, precision=base_precision)  # = base, in f32
-                else:
+                else:  # chunks past the rank unread; the select drops the rest of the last chunk, whatever it holds
                     b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
+                    b = jnp.where(col < slot_rank, b, 0)
                     out = base.astype(jnp.float32)
                 out += pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
                 o_ref[rows, cols] = out.astype(o_ref.dtype)
