@@ -81,8 +81,11 @@ def expand_reference(
 def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.Array:
     """Sorted rows [T, K] times per-slot rhs [L, K, N] -> [T, N] f32 in token order, slot -1 rows 0.
 
-    Rows past sum(slot_counts) belong to no group; they are zeroed by the final mask.
+    Rows past sum(slot_counts) belong to no group; they are zeroed by the final mask. Slots without tokens
+    are zeroed first: XLA's CPU ragged_dot multiplies every group's weights by masked (zero) rows, so their
+    NaN or inf would reach every token.
     """
+    rhs = jnp.where((info.slot_counts > 0)[:, None, None], rhs, 0)
     y = jax.lax.ragged_dot(lhs_sorted, rhs, info.slot_counts, preferred_element_type=_F32,
                            precision=dot_precision(lhs_sorted.dtype))
     y = jnp.zeros_like(y).at[info.sorted_idx].set(y)

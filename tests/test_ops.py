@@ -159,17 +159,74 @@ def test_auto_backend_by_device_and_tokens(monkeypatch):
         jlora.ops.resolve_backend("cuda", 1)
 
 
-@pytest.mark.parametrize("backend", ["gather", "pallas"])
-def test_unused_slots_never_reach_the_output(backend):
-    """NaN weights in a slot no token uses (slot 0, which slot -1 tokens would index if unmasked) stay out."""
-    rng = np.random.default_rng(13)
-    slots = np.array([1, 2, -1, 3, 1, -1, 3])
+def poison(w: np.ndarray, in_use: int, ranks, rank_axis: int, num_slices: int, rng) -> np.ndarray:
+    """w [L, ...] with NaN / inf in every slot but `in_use`, and in `in_use`'s entries past its rank along
+    `rank_axis` (per slice of R columns)."""
+    w = np.array(w, np.float32)
+    for slot in range(w.shape[0]):
+        if slot != in_use:
+            w[slot] = rng.choice([np.nan, np.inf, -np.inf], w[slot].shape)
+    rank = w.shape[rank_axis] // num_slices
+    past = np.tile(np.arange(rank) >= ranks[in_use], num_slices)
+    view = np.moveaxis(w[in_use], rank_axis - 1, 0)  # [S·R, ...] of slot in_use
+    view[past] = np.where(rng.random(view[past].shape) < 0.5, np.nan, np.inf)
+    return w
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("in_use", [0, 2])
+def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in_use):
+    """One slot in use beside base tokens; every other slot (used by no token, slot 0 among them, which slot
+    -1 tokens index when unmasked) and the in-use slot's columns past its rank hold NaN and inf. Outputs must
+    equal the clean oracle: every backend selects instead of multiplying by zero."""
+    rng = np.random.default_rng(17 + in_use)
+    slots = np.where(rng.random(21) < 0.6, in_use, -1)
     slice_sizes = (32, 16)
     info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, jnp.float32, slice_sizes)
-    a, b = a.at[0].set(jnp.nan), b.at[0].set(jnp.nan)
-    out = jlora.lora_linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=backend)
+    a_bad = jnp.asarray(poison(an, in_use, RANKS, 1, 2, rng))
+    b_bad = jnp.asarray(poison(bn, in_use, RANKS, 2, 1, rng))
     y = shrink_np(xn, an, slots, RANKS, scal, 2)
+    out = jlora.lora_linear(x, base, a_bad, b_bad, info, slice_sizes=slice_sizes, backend=backend)
     check(out, expand_np(y, bn, slots, RANKS, basen, slice_sizes), jnp.float32, info, basen)
+    check(jlora.lora_shrink(x, a_bad, info, num_slices=2, backend=backend), y, jnp.float32, info)
+    s = rng.standard_normal(y.shape).astype(np.float32)  # non-zero past the rank too
+    out = jlora.lora_expand(jnp.asarray(s), b_bad, info, base, slice_sizes=slice_sizes, backend=backend)
+    check(out, expand_np(s, bn, slots, RANKS, basen, slice_sizes), jnp.float32, info, basen)
+    # The embedding: A_emb [L, R, V] and B_emb [L, H, R] poisoned the same way.
+    vocab, hidden = 40, 32
+    tokens = rng.integers(0, vocab, len(slots))
+    a_emb = rng.standard_normal((NUM_SLOTS, R, vocab)).astype(np.float32)
+    b_emb = (rng.standard_normal((NUM_SLOTS, hidden, R)) / 4).astype(np.float32)
+    base_h = rng.standard_normal((len(slots), hidden)).astype(np.float32)
+    out = jlora.lora_embedding(jnp.asarray(tokens, jnp.int32), jnp.asarray(poison(a_emb, in_use, RANKS, 1, 1, rng)),
+                               jnp.asarray(poison(b_emb, in_use, RANKS, 2, 1, rng)), info, jnp.asarray(base_h),
+                               backend=backend)
+    s_emb = shrink_np(np.eye(vocab)[tokens], a_emb, slots, RANKS, scal, 1)  # the A side as a one-hot product
+    check(out, expand_np(s_emb, b_emb, slots, RANKS, base_h, (hidden,)), jnp.float32, info, base_h)
+
+
+# Widths that are no multiple of the kernels' tiles: K (the shrink's input) and output slices, down to 1.
+WIDTHS = [((1,), 17), ((15,), 300), ((17,), 15), ((300,), 64), ((17, 33, 16), 1), ((100, 20), 48), ((32001,), 24)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("slice_sizes,k", WIDTHS)
+def test_any_width(slice_sizes, k, backend):
+    """Every backend takes any K and any slice widths (the Pallas kernels end on an overlapping block)."""
+    rng = np.random.default_rng(sum(slice_sizes) + k)
+    slots = rng.integers(-1, NUM_SLOTS, 23 if sum(slice_sizes) < 10000 else 7)
+    num_slices = len(slice_sizes)
+    info = LoRABatchInfo.build(slots, RANKS, rng.uniform(0.5, 2.0, NUM_SLOTS), block_m=16)
+    x = rng.standard_normal((len(slots), k)).astype(np.float32)
+    a = (rng.standard_normal((NUM_SLOTS, num_slices * R, k)) / np.sqrt(k)).astype(np.float32)
+    b = rng.standard_normal((NUM_SLOTS, sum(slice_sizes), R)).astype(np.float32)
+    base = rng.standard_normal((len(slots), sum(slice_sizes))).astype(np.float32)
+    y = shrink_np(x, a, slots, RANKS, np.asarray(info.scalings), num_slices)
+    ref = expand_np(y, b, slots, RANKS, base, slice_sizes)
+    args = [jnp.asarray(v) for v in (x, base, a, b)]
+    out = jlora.lora_linear(*args, info, slice_sizes=slice_sizes, backend=backend)
+    check(out, ref, jnp.float32, info, base)
+    check(jlora.lora_shrink(args[0], args[2], info, num_slices=num_slices, backend=backend), y, jnp.float32, info)
 
 
 def test_jitted_lora_linear_compiles_once_over_adapter_mixes():
@@ -236,8 +293,8 @@ def test_errors_name_the_problem():
         jlora.lora_expand(jnp.ones((8, 16)), b, info, base, slice_sizes=(16, 16))
     with pytest.raises(TypeError, match="LoRABatchInfo"):
         jlora.lora_shrink(x, a, {"token_slot": None})
-    with pytest.raises(NotImplementedError, match="multiples of 16 for the pallas backend"):
-        jlora.lora_expand(jnp.ones((8, 32)), jnp.ones((2, 24, 16)), info, jnp.ones((8, 24)), slice_sizes=(12, 12),
+    with pytest.raises(NotImplementedError, match="block_m=8 must be a power of two >= 16 for the pallas backend"):
+        jlora.lora_expand(jnp.ones((8, 32)), b, dataclasses.replace(info, block_m=8), base, slice_sizes=(16, 16),
                           backend="pallas")
     with pytest.raises(ValueError, match="slot id 2 >= number of slots"):
         jlora.lora_shrink(x, a, dataclasses.replace(info, token_slot=info.token_slot.at[1].set(2)))

@@ -109,6 +109,9 @@ def _read_tensors(adapter_dir: str) -> dict[str, np.ndarray]:
                 if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
                     raise AdapterError(f"{path}: tensor {key} has dtype {t.dtype}; LoRA weights must be floating")
                 tensors[key] = np.asarray(t.astype(np.float32))
+                if not np.isfinite(tensors[key]).all():  # one inf would make every token of the adapter inf
+                    bad = int((~np.isfinite(tensors[key])).sum())
+                    raise AdapterError(f"{path}: tensor {key} holds {bad} non-finite values (NaN or inf)")
     except SafetensorError as err:
         raise AdapterError(f"{path}: cannot read safetensors ({err})") from None
     return tensors

@@ -2,8 +2,10 @@
 
 Rules the Triton lowering imposes: every loaded or stored block is a power of two in each dimension, and
 every `dot` dimension is >= 16. So the row tile (`LoRABatchInfo.block_m`), the rank R, `block_k` and
-`block_n` are powers of two >= 16; `block_k` divides K and `block_n` divides every output slice, so no
-column mask is needed on gathered rows (masked gathers do not run in interpret mode).
+`block_n` are powers of two >= 16. Where they divide K and the output slices, every block is aligned; where
+not, the kernels add one last block that ends at the edge and overlaps the one before (masked loads of
+gathered rows do not run in interpret mode, so no block reaches past the edge): K >= block_k and every
+slice >= block_n.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ class ExpandConfig:
     num_stages: int = 2
 
 
+def _block(n: int, cap: int) -> int:
+    """A power-of-two tile >= 16 for a dimension of n >= 16: the largest dividing n, up to cap, else the
+    largest <= min(n, cap) (then a last overlapping block covers the rest)."""
+    d = pow2_divisor(n, cap)
+    return d if d >= 16 else 1 << (min(n, cap).bit_length() - 1)
+
+
 def pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two <= cap that divides n."""
     d = 1
@@ -57,8 +66,8 @@ def shrink_config(
     """Shrink tiles for T tokens, input width K, S·R output columns (S = num_slices) and row tile block_m.
 
     A shrink program streams [block_m, K] of x and [S·R, K] of A and does little arithmetic, so the kernel
-    is bound by the bytes in flight. block_k is the largest power of two <= 128 dividing K whose pipelined
-    tiles (num_stages x (block_m + S·R) x block_k) fit the shared memory.
+    is bound by the bytes in flight. block_k is the largest power of two <= 128 dividing K (`_block`) whose
+    pipelined tiles (num_stages x (block_m + S·R) x block_k) fit the shared memory.
     At decode sizes the segments are few (8 with 8 adapters), so K is split over programs until about four
     programs per SM can run, each walking 4 blocks (at most 32 splits) through 3 pipeline stages with one warp
     at r=16, and the slices of a fused projection get programs of their own (x is tiny there; more, shorter
@@ -80,7 +89,7 @@ def shrink_config(
     """
     decode = num_tokens <= 256
     num_stages = 3
-    block_k = pow2_divisor(k, 128)
+    block_k = _block(k, 128)
     while block_k > 16 and num_stages * (block_m + width) * block_k * itemsize > SMEM_BUDGET:
         block_k //= 2
     segments = -(-num_tokens // block_m) * (num_slices if decode else 1)  # programs per K split
@@ -92,7 +101,7 @@ def shrink_config(
     for cand in range(2, max_split + 1):
         if segments * split >= target:
             break
-        if k % (cand * block_k) == 0:
+        if (k // block_k) % cand == 0:  # the splits share K's full blocks
             split = cand
     warps = min(4, max(1, width // num_slices // 16)) if decode else 4
     return ShrinkConfig(block_k=block_k, k_splits=split, split_slices=decode, num_warps=warps, num_stages=num_stages)
@@ -127,7 +136,7 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int, r
     At decode sizes it lost (gate|up 8.7 against 7.5 at T=64 with 8 adapters), as it did for the shrink
     kernel (decode shrink 3.3 against 2.9, T=8192 down shrink 74.4 / 74.7 against 72.7).
     """
-    block_n = min(pow2_divisor(n, 128) for n in slice_sizes)
+    block_n = min(_block(n, 128) for n in slice_sizes)
     if num_tokens <= 256:
         return ExpandConfig(block_n=block_n, num_warps=4 if rank >= 32 else 2, num_stages=2)
     block_rows = min(32, block_m)

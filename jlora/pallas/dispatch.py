@@ -1,14 +1,18 @@
 """Entry points of the Pallas backend: shape requirements, rank padding, split-K finishing.
 
-The kernels need R to be a power of two >= 16 (a `dot` dimension), K and every output slice a multiple of
-16, and `block_m` a power of two >= 16. A smaller or odd R is zero-padded here per slice, which copies the
-weights on every call; the adapter pool stores weights already padded, so the model never pays it.
+The kernels need R to be a power of two >= 16 (a `dot` dimension), K and every output slice at least 16 wide
+(any width above: a last block overlaps the one before), and `block_m` a power of two >= 16. A smaller or odd
+R is zero-padded here per slice, which copies the weights on every call; the adapter pool stores weights
+already padded, so the model never pays it. K or a slice narrower than 16 is zero-padded here as well.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jlora.batch_info import LoRABatchInfo
 from jlora.pallas.common import dot_dim
@@ -24,21 +28,41 @@ def kernel_rank(rank: int) -> int:
     return dot_dim(rank)
 
 
-def supported(k: int | None, slice_sizes: tuple[int, ...], block_m: int) -> str | None:
-    """Why the kernels cannot run these shapes, or None when they can."""
+def supported(block_m: int) -> str | None:
+    """Why the kernels cannot run a batch info's row tile, or None when they can (every K, rank and slice
+    width runs)."""
     if block_m < 16 or block_m & (block_m - 1):
         return f"info.block_m={block_m} must be a power of two >= 16 for the pallas backend"
-    if k is not None and k % 16:
-        return f"input dim K={k} must be a multiple of 16 for the pallas backend"
-    if any(n % 16 for n in slice_sizes):
-        return f"slice_sizes={slice_sizes} must be multiples of 16 for the pallas backend"
     return None
 
 
-def _require(k: int | None, slice_sizes: tuple[int, ...], info: LoRABatchInfo) -> None:
-    reason = supported(k, slice_sizes, info.block_m)
+def _require(info: LoRABatchInfo) -> None:
+    reason = supported(info.block_m)
     if reason:
         raise NotImplementedError(reason + "; use backend='reference' or 'ragged'")
+
+
+def _pad_k(x: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] and A [L, S·R, K] zero-padded to K >= 16 (a `dot` dimension)."""
+    extra = 16 - x.shape[1]
+    if extra <= 0:
+        return x, a
+    return jnp.pad(x, ((0, 0), (0, extra))), jnp.pad(a, ((0, 0), (0, 0), (0, extra)))
+
+
+def _pad_narrow_slices(b: jax.Array, base: jax.Array, slice_sizes: tuple[int, ...]):
+    """(B, base, slice sizes) with every slice narrower than 16 zero-padded to 16 columns, and the padded
+    output's columns to keep [N] (None when no slice is narrow: nothing padded)."""
+    if min(slice_sizes) >= 16:
+        return b, base, slice_sizes, None
+    bounds = list(itertools.accumulate(slice_sizes, initial=0))
+    padded = tuple(max(16, n) for n in slice_sizes)
+    pad = lambda w, i: jnp.pad(w[..., bounds[i] : bounds[i + 1]], [(0, 0)] * (w.ndim - 1) + [(0, padded[i] - slice_sizes[i])])
+    b = jnp.concatenate([jnp.swapaxes(pad(jnp.swapaxes(b, 1, 2), i), 1, 2) for i in range(len(slice_sizes))], axis=1)
+    base = jnp.concatenate([pad(base, i) for i in range(len(slice_sizes))], axis=1)
+    starts = itertools.accumulate(padded, initial=0)
+    keep = np.concatenate([np.arange(o, o + n) for o, n in zip(starts, slice_sizes)])
+    return b, base, padded, keep
 
 
 def _pad_slices(w: jax.Array, axis: int, num_slices: int, rank: int) -> jax.Array:
@@ -67,9 +91,9 @@ def shrink(
     one multi-output loop fusion (22 µs for the 32 sums of 28 splits). Without the mask, or with 56 or 112
     splits (kernel up to 0.1 µs faster), each sum is a reduce kernel of its own, 1.4-1.7 µs: 5.5-6.0 µs per
     call in all (H200, one process)."""
-    _require(x.shape[1], (), info)
+    _require(info)
     rank = a.shape[1] // num_slices
-    a = _pad_slices(a, 1, num_slices, rank)
+    x, a = _pad_k(x, _pad_slices(a, 1, num_slices, rank))
     config = config or default_config(x, a, info, num_slices)
     if config.k_splits == 1:  # the kernel writes x.dtype into zeros: no pass over f32 sums, no mask
         out = jnp.zeros((1, x.shape[0], a.shape[1]), x.dtype)
@@ -90,11 +114,12 @@ def expand(
     config: ExpandConfig | None = None,
 ) -> jax.Array:
     """[T, N] (see `jlora.lora_expand`); `config` overrides the heuristic tiles."""
-    _require(None, slice_sizes, info)
+    _require(info)
     rank = b.shape[2]
     s = _pad_slices(s, 1, len(slice_sizes), rank)
-    b = _pad_slices(b, 2, 1, rank)
-    return _expand(s[None], b, info, base, slice_sizes=slice_sizes, config=config)
+    b, padded_base, padded, keep = _pad_narrow_slices(_pad_slices(b, 2, 1, rank), base, slice_sizes)
+    out = _expand(s[None], b, info, padded_base, slice_sizes=padded, config=config)
+    return out if keep is None else out[:, keep]
 
 
 def linear(
@@ -127,9 +152,10 @@ def linear(
     2.9 vs 3.4 µs, expand 4.5 vs 2.9, q|k|v linear 13.0 vs 10.0, gate|up expand 19.1 vs 8.7, down shrink 6.7
     vs 6.4); in the batch-32 model step with 32 adapters they ran level with the XLA `gather` backend (7.64
     vs 7.53 ms in one process), so `gather` serves those calls instead."""
-    _require(x.shape[1], slice_sizes, info)
+    _require(info)
     rank = b.shape[2]
-    a = _pad_slices(a, 1, len(slice_sizes), rank)
-    b = _pad_slices(b, 2, 1, rank)
+    x, a = _pad_k(x, _pad_slices(a, 1, len(slice_sizes), rank))
+    b, padded_base, padded, keep = _pad_narrow_slices(_pad_slices(b, 2, 1, rank), base, slice_sizes)
     partials = shrink_partials(x, a, info, num_slices=len(slice_sizes), config=shrink_config)
-    return _expand(partials, b, info, base, slice_sizes=slice_sizes, config=expand_config)
+    out = _expand(partials, b, info, padded_base, slice_sizes=padded, config=expand_config)
+    return out if keep is None else out[:, keep]

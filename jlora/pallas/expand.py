@@ -4,6 +4,8 @@ One launch covers every slice (q 4096 | k 1024 | v 1024): the grid's column axis
 all slices, and each program finds its slice from static block offsets. B is read only up to each slot's
 rank, in 16-column chunks (masked loads fetch nothing). The sum is written into `base`'s buffer
 (`input_output_aliases`), so rows of slot -1 tokens are never touched and there is no extra pass over [T, N].
+A slice whose width is no multiple of the column block ends with a block that overlaps the one before; such
+calls read `base` and write a copy of it (one extra pass), so overlapping blocks write identical values.
 A program may take a part of its segment's rows (`block_rows`), for more and smaller programs than the
 shrink's row tile gives.
 """
@@ -34,10 +36,11 @@ def _expand_kernel(
     ranks_ref,  # [L] int32
     s_ref,  # [P, T, num_slices * R] shrink output as P partial sums (P = 1 for a finished s)
     b_ref,  # [L, N, R]
-    base_ref,  # [T, N], the same buffer as o_ref
-    o_ref,  # [T, N]
-    *,
+    base_ref,  # [T, N], the same buffer as o_ref; with `tail`, read only
+    *refs,  # with `tail`, a copy of base aliased to o_ref; then o_ref [T, N]
     slice_start: tuple[int, ...],  # first column of each slice
+    slice_end: tuple[int, ...],  # end column of each slice
+    tail: bool,  # some slice's width is no multiple of block_n: its last block ends at the slice's end
     group_start: tuple[int, ...],  # first column group of each slice
     num_groups: int,  # column groups of all slices
     rank: int,
@@ -50,6 +53,7 @@ def _expand_kernel(
     precision,
     base_precision,
 ):
+    o_ref = refs[-1]
     # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h)
     # and `group` consecutive column blocks of one slice: the rows, s and rank mask are loaded once, and the
     # loop over blocks lets the compiler pipeline loads.
@@ -67,11 +71,12 @@ def _expand_kernel(
     def _():
         # The slice of group g: the last whose first group is <= g (static offsets). Integer steps
         # (0 or 1) instead of booleans: the Triton lowering mistypes bool -> int converts.
-        sl, col0, g0 = 0, slice_start[0], group_start[0]
+        sl, col0, end, g0 = 0, slice_start[0], slice_end[0], group_start[0]
         for i in range(1, len(slice_start)):
             step = jnp.clip(g - group_start[i] + 1, 0, 1)  # 1 once g reaches slice i
             sl += step
             col0 += step * (slice_start[i] - slice_start[i - 1])
+            end += step * (slice_end[i] - slice_end[i - 1])
             g0 += step * (group_start[i] - group_start[i - 1])
         first_col = col0 + (g - g0) * (group * block_n)
         r = pl.ds(sl * rank if len(slice_start) == 1 else pl.multiple_of(sl * rank, rank), rank)
@@ -97,7 +102,10 @@ def _expand_kernel(
 
         def columns(full_rank: bool):
             def block(j, carry):
-                cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
+                if tail:  # a block past the slice's end moves back to end there
+                    cols = pl.ds(jnp.minimum(first_col + j * block_n, end - block_n), block_n)
+                else:
+                    cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
                 base = base_ref[rows, cols]  # [BR, BN]
                 if full_rank:
                     b = b_ref[slot, cols, :]  # [BN, R]
@@ -135,23 +143,26 @@ def expand(
       b: [L, N, R] with R a power of two >= 16.
       info: the batch's metadata.
       base: [T, N].
-      slice_sizes: static widths of the S slices; each a multiple of 16.
+      slice_sizes: static widths of the S slices; each >= config.block_n.
       config: tiles; default from `expand_config`.
     """
     num_tokens, rank = base.shape[0], b.shape[2]
     config = config or expand_config(num_tokens, slice_sizes, info.block_m, rank)
-    if any(n % config.block_n for n in slice_sizes):
+    if min(slice_sizes) < config.block_n:
         raise ValueError(f"{config} does not tile slice_sizes={slice_sizes}")
+    tail = any(n % config.block_n for n in slice_sizes)
     block_rows = config.block_rows or info.block_m
     if block_rows < 16 or info.block_m % block_rows or block_rows & (block_rows - 1):
         raise ValueError(f"{config}: block_rows must be a power of two >= 16 dividing block_m={info.block_m}")
-    blocks = [n // config.block_n for n in slice_sizes]
+    blocks = [-(-n // config.block_n) for n in slice_sizes]
     group = pow2_divisor(math.gcd(*blocks), config.group)  # column blocks per program, within one slice
-    slice_start = tuple(itertools.accumulate(slice_sizes, initial=0))[:-1]
+    bounds = tuple(itertools.accumulate(slice_sizes, initial=0))
     group_start = tuple(itertools.accumulate((n // group for n in blocks), initial=0))
     kernel = functools.partial(
         _expand_kernel,
-        slice_start=slice_start,
+        slice_start=bounds[:-1],
+        slice_end=bounds[1:],
+        tail=tail,
         group_start=group_start[:-1],
         num_groups=group_start[-1],
         rank=rank,
@@ -169,8 +180,8 @@ def expand(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
         grid=(grid[0] * grid[1],) if config.segments_first else grid,
-        input_output_aliases={7: 0},
+        input_output_aliases={8 if tail else 7: 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_expand_{len(slice_sizes)}x{rank}x{base.shape[1]}",  # shapes: readable profiles
-    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, base)
+    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, base, *((base,) if tail else ()))

@@ -36,6 +36,7 @@ def _shrink_kernel(
     block_m: int,
     block_k: int,
     k_per_split: int,
+    k_tail: int,
     precision,
 ):
     # Program (seg, split, part): segment `seg`, K range `split`, and slices part·spp .. part·spp + spp - 1
@@ -70,6 +71,15 @@ def _shrink_kernel(
 
         zeros = tuple(jnp.zeros((block_m, rank), jnp.float32) for _ in cols)
         accs = jax.lax.fori_loop(0, k_per_split // block_k, step, zeros)
+        if k_tail:  # K's last k_tail columns, past the splits' full blocks, go to the last split: a block
+            # ending at K (in bounds, overlapping the one before), with A's columns before the tail masked out
+            k_dim = x_ref.shape[1]
+            k = pl.ds(k_dim - block_k, block_k)
+            tail = (jnp.arange(block_k) >= block_k - k_tail)[None, :] & (split == pl.num_programs(1) - 1)
+            xb = x_ref[rows, k]
+            accs = tuple(acc + pltriton.dot(xb, pltriton.load(a_ref.at[slot, c, k], mask=in_rank & tail, other=0),
+                                            trans_b=True, precision=precision)
+                         for c, acc in zip(cols, accs))
         for c, acc in zip(cols, accs):
             o_ref[split, rows, c] = (acc * scale).astype(o_ref.dtype)
 
@@ -91,7 +101,7 @@ def shrink_partials(
     """[P, T, S·R] f32 split-K partial sums of the shrink; rows of slot -1 tokens are left unwritten.
 
     Args:
-      x: [T, K]; a: [L, S·R, K] with R a power of two >= 16 and K a multiple of 16.
+      x: [T, K]; a: [L, S·R, K] with R a power of two >= 16 and K >= config.block_k.
       info: the batch's metadata; info.block_m is the row tile.
       num_slices: S.
       config: tiles; default from `default_config`.
@@ -101,8 +111,9 @@ def shrink_partials(
     num_tokens, k = x.shape
     rank = a.shape[1] // num_slices
     config = config or default_config(x, a, info, num_slices)
-    k_per_split = k // config.k_splits
-    if k_per_split * config.k_splits != k or k_per_split % config.block_k:
+    k_tail = k % config.block_k  # columns past the last full block
+    k_per_split = (k - k_tail) // config.k_splits
+    if k < config.block_k or k_per_split * config.k_splits != k - k_tail or k_per_split % config.block_k:
         raise ValueError(f"{config} does not tile K={k}")
     slices_per_program = 1 if config.split_slices else num_slices
     kernel = functools.partial(
@@ -112,6 +123,7 @@ def shrink_partials(
         block_m=info.block_m,
         block_k=config.block_k,
         k_per_split=k_per_split,
+        k_tail=k_tail,
         precision=dot_precision(x.dtype),
     )
     shape = (config.k_splits, num_tokens, num_slices * rank)

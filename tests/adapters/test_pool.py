@@ -48,6 +48,12 @@ def _break_tensor(path, key_part, fn):
     save_file(tensors, file)
 
 
+def _set(w: np.ndarray, index, value) -> np.ndarray:
+    w = w.copy()
+    w[index] = value
+    return w
+
+
 def _edit_config(path, **changes):
     file = os.path.join(path, "adapter_config.json")
     with open(file) as f:
@@ -73,6 +79,10 @@ BAD = {
                            "unknown module 'model.layers.7"),
     "int dtype": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: t[k].astype(np.int32)}),
                   "must be floating"),
+    "an inf weight": (lambda p: _break_tensor(p, "v_proj.lora_B", lambda t, k: t | {k: _set(t[k], (3, 1), np.inf)}),
+                      r"v_proj.lora_B.weight holds 1 non-finite values \(NaN or inf\)"),
+    "NaN weights": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: _set(t[k], (slice(None), 0), np.nan)}),
+                    "non-finite values"),
     "dora": (lambda p: _edit_config(p, use_dora=True), "DoRA"),
     "modules_to_save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]), "modules_to_save"),
     "lora_bias": (lambda p: _edit_config(p, lora_bias=True), "LoRA bias"),

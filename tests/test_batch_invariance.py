@@ -1,0 +1,86 @@
+"""Batch invariance: every request generates what it generates alone, whatever else is in the batch.
+
+A seeded generator draws rounds of `generate` calls on one engine: `max_batch` in {1, 2, 3, 4, 8}, 1 to
+max_batch + 3 requests (so batches are full, partly filled and refilled), prompt lengths from 1 to what
+max_seq_len allows, any mix of adapters (several requests per adapter) and base-model requests, stop tokens,
+greedy and sampled requests, adapters unloaded and loaded between rounds (so they change slots). Each
+request must equal the same request run alone on the same engine, token for token (float32): greedy ones
+exactly, sampled ones too, since a request's key depends on its seed and token index only.
+"""
+
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES
+from jlora.engine import Engine
+
+CFG = testing.tiny_config("llama", vocab_size=83)  # a vocabulary no multiple of 16
+MAX_SEQ = 32
+ADAPTERS = {"a": (4, ["q_proj", "v_proj"], {}), "b": (16, LINEAR_MODULES, {"embeddings": True, "lm_head": True}),
+            "c": (8, ["gate_proj", "down_proj", "o_proj"], {}), "d": (2, ["k_proj", "up_proj"], {})}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("invariance")
+    testing.write_model(str(root / "m"), CFG, seed=11)
+    for i, (name, (r, targets, kw)) in enumerate(ADAPTERS.items()):
+        testing.write_adapter(str(root / name), CFG, r=r, alpha=2 * r, seed=20 + i, target_modules=targets, **kw)
+    return root
+
+
+def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
+    """Runs `rounds` random rounds on one engine with 3 slots for 4 adapters; returns the requests checked."""
+    rng = np.random.default_rng(seed)
+    engine = Engine.from_pretrained(str(root / "m"), max_loras=3, max_lora_rank=16, dtype="float32",
+                                    backend=backend, max_seq_len=MAX_SEQ, progress=False)
+    for name in ("a", "b", "c"):
+        engine.load_adapter(name, str(root / name))
+    checked = 0
+    for _ in range(rounds):
+        if rng.random() < 0.5:  # swap an adapter out: the others keep their slots, the new one takes the free one
+            out = str(rng.choice(engine.adapters))
+            engine.unload_adapter(out)
+            new = str(rng.choice(sorted(set(ADAPTERS) - set(engine.adapters))))
+            engine.load_adapter(new, str(root / new))
+        engine.max_batch = int(rng.choice([1, 2, 3, 4, 8]))
+        n = int(rng.integers(1, engine.max_batch + 4))
+        max_new = int(rng.integers(1, 7))
+        prompts = [rng.integers(0, CFG["vocab_size"], int(rng.integers(1, MAX_SEQ - max_new + 1))).tolist()
+                   for _ in range(n)]
+        names = engine.adapters + [None]
+        adapters = [names[i] for i in rng.integers(0, len(names), n)]
+        stop = rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 4))).tolist()
+        sampling = dict(temperature=0.9, top_p=float(rng.choice([1.0, 0.8]))) if rng.random() < 0.4 else {}
+        seeds = rng.integers(0, 2**32, n).tolist()
+        batched = engine.generate(prompts, adapters, max_new_tokens=max_new, stop_token_ids=stop, seed=seeds,
+                                  **sampling)
+        for i in range(n):
+            (alone,) = engine.generate([prompts[i]], [adapters[i]], max_new_tokens=max_new, stop_token_ids=stop,
+                                       seed=[seeds[i]], **sampling)
+            context = (f"request {i} of {n} (max_batch {engine.max_batch}, adapter {adapters[i]}, "
+                       f"{len(prompts[i])} prompt tokens, {sampling or 'greedy'})")
+            assert list(batched[i]) == list(alone), context
+            assert batched[i].finish_reason == alone.finish_reason, context
+        checked += n
+    return checked
+
+
+@pytest.mark.parametrize("backend,rounds", [("reference", 10), ("ragged", 5), ("pallas", 3)])
+def test_every_request_generates_what_it_generates_alone(root, backend, rounds):
+    assert run_rounds(root, backend, rounds, seed={"reference": 0, "ragged": 1, "pallas": 2}[backend]) >= rounds
+
+
+def test_an_int_seed_gives_request_i_the_seed_plus_i(root):
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_seq_len=MAX_SEQ, max_batch=2,
+                                    progress=False)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    kw = dict(max_new_tokens=5, temperature=1.0)
+    batched = engine.generate(prompts, [None] * 3, seed=40, **kw)
+    for i, p in enumerate(prompts):
+        assert list(batched[i]) == list(engine.generate([p], [None], seed=40 + i, **kw)[0])
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        engine.generate(prompts, [None] * 3, seed=[1, 2], **kw)
+    with pytest.raises(ValueError, match=r"seeds must be in \[0, 2\*\*32\)"):
+        engine.generate(prompts, [None] * 3, seed=[1, 2, -3], **kw)
