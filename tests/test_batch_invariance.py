@@ -8,6 +8,7 @@ request must equal the same request run alone on the same engine, token for toke
 exactly, sampled ones too, since a request's key depends on its seed and token index only.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -67,9 +68,12 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("backend,rounds", [("reference", 10), ("ragged", 5), ("pallas", 3)])
+BACKEND_ROUNDS = [("reference", 10), ("ragged", 5), ("pallas", 3)] + ([("auto", 10)] if jax.default_backend() == "gpu" else [])
+
+
+@pytest.mark.parametrize("backend,rounds", BACKEND_ROUNDS)
 def test_every_request_generates_what_it_generates_alone(root, backend, rounds):
-    assert run_rounds(root, backend, rounds, seed={"reference": 0, "ragged": 1, "pallas": 2}[backend]) >= rounds
+    assert run_rounds(root, backend, rounds, seed={"reference": 0, "ragged": 1, "pallas": 2, "auto": 3}[backend]) >= rounds
 
 
 def test_an_int_seed_gives_request_i_the_seed_plus_i(root):

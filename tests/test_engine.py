@@ -42,6 +42,36 @@ def test_greedy_generation_matches_logits_with_continuous_batching(engine):
     assert list(base[1]) == list(out[1])
 
 
+def test_copies_of_one_request_generate_what_it_generates_alone(engine):
+    # The issue's report: with 3 rows in use of a 4-row bucket, request 0's cache row was overwritten by the
+    # padding requests. Every count up to 3 x max_batch (so partly filled and refilled batches).
+    p = [5, 17, 42, 9, 3]
+    for adapter in (None, "a1"):
+        alone = list(engine.generate([p], [adapter], max_new_tokens=6)[0])
+        for n in range(1, 3 * engine.max_batch + 1):
+            assert [list(o) for o in engine.generate([p] * n, [adapter] * n, max_new_tokens=6)] == [alone] * n, n
+
+
+def test_garbage_in_a_free_slot_changes_nothing(engine):
+    # NaN and inf in every weight of a slot that no request uses (and past the ranks of the used ones) reach no
+    # request: the backends select rather than multiply by zero.
+    import jax
+    import jax.numpy as jnp
+
+    ref = [list(o) for o in engine.generate(PROMPTS, ["a0", None, "a0", None, "a0"], max_new_tokens=4)]
+    clean, slot = engine.pool.weights, engine.pool.slot("a1")
+    engine.pool.weights = jax.tree.map(
+        lambda w: w.at[slot].set(jnp.where(jnp.arange(w.shape[1]) % 2 == 0, jnp.nan, jnp.inf)[:, *([None] * (w.ndim - 2))]),
+        clean)
+    try:
+        for backend in ("reference", "ragged", "gather", "pallas"):
+            engine.backend = backend
+            out = engine.generate(PROMPTS, ["a0", None, "a0", None, "a0"], max_new_tokens=4)
+            assert [list(o) for o in out] == ref, backend
+    finally:
+        engine.pool.weights, engine.backend = clean, "auto"
+
+
 def test_pallas_backend_generates_the_same(engine):
     # Under "pallas" the decode steps also run the decode-attention kernel, over the rows the continuous
     # batching hands out (interpret mode on CPU).
