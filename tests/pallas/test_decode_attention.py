@@ -11,13 +11,14 @@ from jlora.pallas.decode_attention import decode_attention, decode_attention_sup
 def _reference(q, k, v, positions, rows, window):
     """[B, KV, G, D] f32: softmax over each request's visible cache positions, every position scored."""
     keys, values = k[rows].astype(jnp.float32), v[rows].astype(jnp.float32)
-    scores = jnp.einsum("bkgd,bktd->bkgt", q.astype(jnp.float32), keys) / np.sqrt(q.shape[-1])
+    exact = jax.lax.Precision.HIGHEST  # float32 products, also on a GPU (no TF32)
+    scores = jnp.einsum("bkgd,bktd->bkgt", q.astype(jnp.float32), keys, precision=exact) / np.sqrt(q.shape[-1])
     key = jnp.arange(k.shape[2])[None, :]
     visible = key <= positions[:, None]
     if window is not None:
         visible &= key > positions[:, None] - window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    return jnp.einsum("bkgt,bktd->bkgd", jax.nn.softmax(scores, axis=-1), values)
+    return jnp.einsum("bkgt,bktd->bkgd", jax.nn.softmax(scores, axis=-1), values, precision=exact)
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
