@@ -174,35 +174,38 @@ def poison(w: np.ndarray, in_use: int, ranks, rank_axis: int, num_slices: int, r
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("in_use", [0, 2])
-def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in_use):
+@pytest.mark.parametrize("in_use, rank, ranks", [(0, R, RANKS), (2, R, RANKS), (0, 32, [16, 5, 20, 12]),
+                                                 (2, 32, [16, 5, 20, 12]), (1, 32, [16, 32, 20, 12])])
+def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in_use, rank, ranks):
     """One slot in use beside base tokens; every other slot (used by no token, slot 0 among them, which slot
     -1 tokens index when unmasked) and the in-use slot's columns past its rank hold NaN and inf. Outputs must
-    equal the clean oracle: every backend selects instead of multiplying by zero."""
-    rng = np.random.default_rng(17 + in_use)
+    equal the clean oracle: every backend selects instead of multiplying by zero. Ranks at R, below R on a
+    16-column chunk's end and inside a chunk take the Pallas expand's three paths."""
+    rng = np.random.default_rng(17 + in_use + rank)
+    ranks = np.asarray(ranks)
     slots = np.where(rng.random(21) < 0.6, in_use, -1)
     slice_sizes = (32, 16)
-    info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, jnp.float32, slice_sizes)
-    a_bad = jnp.asarray(poison(an, in_use, RANKS, 1, 2, rng))
-    b_bad = jnp.asarray(poison(bn, in_use, RANKS, 2, 1, rng))
-    y = shrink_np(xn, an, slots, RANKS, scal, 2)
+    info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, jnp.float32, slice_sizes, rank, ranks)
+    a_bad = jnp.asarray(poison(an, in_use, ranks, 1, 2, rng))
+    b_bad = jnp.asarray(poison(bn, in_use, ranks, 2, 1, rng))
+    y = shrink_np(xn, an, slots, ranks, scal, 2)
     out = jlora.lora_linear(x, base, a_bad, b_bad, info, slice_sizes=slice_sizes, backend=backend)
-    check(out, expand_np(y, bn, slots, RANKS, basen, slice_sizes), jnp.float32, info, basen)
+    check(out, expand_np(y, bn, slots, ranks, basen, slice_sizes), jnp.float32, info, basen)
     check(jlora.lora_shrink(x, a_bad, info, num_slices=2, backend=backend), y, jnp.float32, info)
     s = rng.standard_normal(y.shape).astype(np.float32)  # non-zero past the rank too
     out = jlora.lora_expand(jnp.asarray(s), b_bad, info, base, slice_sizes=slice_sizes, backend=backend)
-    check(out, expand_np(s, bn, slots, RANKS, basen, slice_sizes), jnp.float32, info, basen)
+    check(out, expand_np(s, bn, slots, ranks, basen, slice_sizes), jnp.float32, info, basen)
     # The embedding: A_emb [L, R, V] and B_emb [L, H, R] poisoned the same way.
     vocab, hidden = 40, 32
     tokens = rng.integers(0, vocab, len(slots))
-    a_emb = rng.standard_normal((NUM_SLOTS, R, vocab)).astype(np.float32)
-    b_emb = (rng.standard_normal((NUM_SLOTS, hidden, R)) / 4).astype(np.float32)
+    a_emb = rng.standard_normal((NUM_SLOTS, rank, vocab)).astype(np.float32)
+    b_emb = (rng.standard_normal((NUM_SLOTS, hidden, rank)) / 4).astype(np.float32)
     base_h = rng.standard_normal((len(slots), hidden)).astype(np.float32)
-    out = jlora.lora_embedding(jnp.asarray(tokens, jnp.int32), jnp.asarray(poison(a_emb, in_use, RANKS, 1, 1, rng)),
-                               jnp.asarray(poison(b_emb, in_use, RANKS, 2, 1, rng)), info, jnp.asarray(base_h),
+    out = jlora.lora_embedding(jnp.asarray(tokens, jnp.int32), jnp.asarray(poison(a_emb, in_use, ranks, 1, 1, rng)),
+                               jnp.asarray(poison(b_emb, in_use, ranks, 2, 1, rng)), info, jnp.asarray(base_h),
                                backend=backend)
-    s_emb = shrink_np(np.eye(vocab)[tokens], a_emb, slots, RANKS, scal, 1)  # the A side as a one-hot product
-    check(out, expand_np(s_emb, b_emb, slots, RANKS, base_h, (hidden,)), jnp.float32, info, base_h)
+    s_emb = shrink_np(np.eye(vocab)[tokens], a_emb, slots, ranks, scal, 1)  # the A side as a one-hot product
+    check(out, expand_np(s_emb, b_emb, slots, ranks, base_h, (hidden,)), jnp.float32, info, base_h)
 
 
 # Widths that are no multiple of the kernels' tiles: K (the shrink's input) and output slices, down to 1.
