@@ -43,12 +43,6 @@ TOLERANCE = 1e-3
 
 
 def run_demo(max_new_tokens: int = 16) -> bool:
-    # float32 matmuls at full precision (no TF32 on GPUs), so LoRA and merged weights agree to ~1e-5.
-    with jax.default_matmul_precision("highest"):
-        return _run(max_new_tokens)
-
-
-def _run(max_new_tokens: int) -> bool:
     cfg = testing.tiny_config("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                               num_attention_heads=8, num_key_value_heads=4)
     with tempfile.TemporaryDirectory(prefix="jlora-demo-") as root:
