@@ -4,7 +4,8 @@ Semantics shared by every backend: token t with slot s >= 0 gets, per slice i,
 `scalings[s] * (x[t] @ A[s, i*R : i*R + r_s]ᵀ) @ B[s, slice_i, :r_s]ᵀ` added to `base[t, slice_i]`; slot -1
 tokens keep `base[t]`; rows and columns of a slot beyond its rank `r_s` contribute nothing, and a slot's
 weights reach only its own tokens, whatever values they hold (NaN and inf included: every backend selects
-rather than multiplies by zero).
+rather than multiplies by zero). One exception: the pallas expand reads B in 16-column chunks up to the rank,
+so B's columns past the rank inside its last chunk must be finite (the adapter pool stores zeros there).
 
 Backends: "reference" (per-slot products, selected per token), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in plain
 jnp: each token reads its own slot's weights inside one fused XLA reduction), "pallas" (the segmented

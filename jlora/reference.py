@@ -1,11 +1,12 @@
-"""Plain-jnp backends: `reference` (a loop over slots), `ragged` (`jax.lax.ragged_dot`) and `gather`.
+"""Plain-jnp backends: `reference` (contractions over slots), `ragged` (`jax.lax.ragged_dot`) and `gather`.
 
 All compute exactly the semantics of `jlora.ops` and are what a JAX user would write without custom
-kernels. The reference multiplies every token by every slot's weights and keeps, by selection, each token's
-own slot's product, instead of gathering one weight matrix per token: a materialized gather would be
-[T, R, K] (13 GB for T=8192, R=192, K=4096 in bf16), while the loop reads each slot's weights once and
-costs only arithmetic. Every backend selects (`jnp.where`) rather than multiplies by zero, so a slot's
-weights reach only its own tokens and only up to its rank, whatever values (NaN, inf) the rest holds. `gather` is Punica's BGMV for few tokens: every token reads its own slot's weights, written as
+kernels. The reference contracts every token with every slot's weights and keeps each token's own slot's
+part, instead of gathering one weight matrix per token: a materialized gather would be [T, R, K] (13 GB for
+T=8192, R=192, K=4096 in bf16), while the contraction reads each slot's weights once and costs only
+arithmetic. Every backend selects (`jnp.where`) rather than multiplies by zero, so a slot's weights reach
+only its own tokens and only up to its rank, whatever values (NaN, inf) the rest holds.
+`gather` is Punica's BGMV for few tokens: every token reads its own slot's weights, written as
 an elementwise product and a sum, so XLA fuses the gather into the reduction and nothing [T, R, K] is
 materialized; it reads T copies of the weights (from L2 where tokens share a slot), so it suits decode.
 Arguments arrive checked by `jlora.ops`.
@@ -34,6 +35,11 @@ def column_scale(info: LoRABatchInfo, rank: int, num_slices: int, *, scaled: boo
     return jnp.tile(jnp.where(keep, factor, 0.0), (1, num_slices))
 
 
+def _own_slot(info: LoRABatchInfo) -> jax.Array:
+    """[T, L] bool: True at each token's slot (none for slot -1)."""
+    return info.token_slot[:, None] == jnp.arange(info.num_slots)[None, :]
+
+
 def _in_rank(ranks: jax.Array, rank: int) -> jax.Array:
     """[L, R] bool: the columns (A's rows, B's columns) below each slot's rank."""
     return jnp.arange(rank)[None, :] < ranks[:, None]
@@ -49,33 +55,32 @@ def _slice_bounds(slice_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def shrink_reference(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
-    """x [T, K] @ A[slot]ᵀ -> [T, S·R] in x.dtype: each slot's product, selected for its tokens."""
+    """x [T, K] @ A[slot]ᵀ -> [T, S·R] in x.dtype: every slot's product [T, L, S·R], each token's own selected."""
     rank = a.shape[1] // num_slices
-    in_rank = jnp.tile(_in_rank(info.ranks, rank), (1, num_slices))  # [L, S·R]
-    y = jnp.zeros((x.shape[0], a.shape[1]), _F32)
-    for slot in range(info.num_slots):
-        a_l = jnp.where(in_rank[slot][:, None], a[slot], 0)  # [S·R, K]: rows past the rank never read
-        y_l = jnp.einsum("tk,rk->tr", x, a_l, preferred_element_type=_F32, precision=dot_precision(x.dtype))
-        y = jnp.where((info.token_slot == slot)[:, None], y_l * info.scalings[slot], y)
-    return y.astype(x.dtype)
+    a = jnp.where(jnp.tile(_in_rank(info.ranks, rank), (1, num_slices))[:, :, None], a, 0)  # rows past the rank: 0
+    y = jnp.einsum("tk,lrk->tlr", x, a, preferred_element_type=_F32, precision=dot_precision(x.dtype))
+    y = jnp.sum(jnp.where(_own_slot(info)[:, :, None], y, 0.0), axis=1)
+    scale = column_scale(info, rank, num_slices, scaled=True)
+    return jnp.where(scale != 0, y * scale, 0.0).astype(x.dtype)
 
 
 def expand_reference(
     s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
 ) -> jax.Array:
-    """base [T, N] + per slice s_i [T, R] @ B[slot, slice_i]ᵀ: each slot's product, selected for its tokens."""
+    """base [T, N] + per slice s_i [T, R] @ B[slot, slice_i]ᵀ, through a contraction over slots of s placed in
+    each token's own slot ([T, L, R], zeros elsewhere). That contraction multiplies the zeros by every slot's B,
+    so B's non-finite values and its columns past each rank are read as 0 here: they reach no token (other
+    backends pass a slot's NaN or inf on to its own tokens; the adapter pool refuses such weights)."""
     rank = b.shape[2]
     s = jnp.where(column_scale(info, rank, len(slice_sizes), scaled=False) != 0, s.astype(_F32), 0.0)
-    in_rank = _in_rank(info.ranks, rank)  # [L, R]
-    delta = jnp.zeros(base.shape, _F32)
-    for slot in range(info.num_slots):
-        b_l = jnp.where(in_rank[slot][None, :], b[slot].astype(_F32), 0.0)  # [N, R]: columns past the rank 0
-        d_l = jnp.concatenate([
-            jnp.einsum("tr,nr->tn", s[:, i * rank : (i + 1) * rank], b_l[start:stop], preferred_element_type=_F32,
-                       precision=dot_precision(_F32))
-            for i, (start, stop) in enumerate(_slice_bounds(slice_sizes))], axis=1)
-        delta = jnp.where((info.token_slot == slot)[:, None], d_l, delta)
-    return (base.astype(_F32) + delta).astype(base.dtype)
+    b = jnp.where(_in_rank(info.ranks, rank)[:, None, :] & jnp.isfinite(b), b, 0)
+    own = _own_slot(info)[:, :, None]  # [T, L, 1]
+    deltas = []
+    for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):
+        s_slot = jnp.where(own, s[:, None, i * rank : (i + 1) * rank], 0.0)  # [T, L, R]
+        deltas.append(jnp.einsum("tlr,lnr->tn", s_slot, b[:, start:stop, :], preferred_element_type=_F32,
+                                 precision=dot_precision(_F32)))
+    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
 
 
 def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.Array:

@@ -159,15 +159,15 @@ def test_auto_backend_by_device_and_tokens(monkeypatch):
         jlora.ops.resolve_backend("cuda", 1)
 
 
-def poison(w: np.ndarray, in_use: int, ranks, rank_axis: int, num_slices: int, rng) -> np.ndarray:
+def poison(w: np.ndarray, in_use: int, ranks, rank_axis: int, num_slices: int, rng, chunk: int = 1) -> np.ndarray:
     """w [L, ...] with NaN / inf in every slot but `in_use`, and in `in_use`'s entries past its rank along
-    `rank_axis` (per slice of R columns)."""
+    `rank_axis` (per slice of R columns), from the end of the rank's last `chunk`-column chunk on."""
     w = np.array(w, np.float32)
     for slot in range(w.shape[0]):
         if slot != in_use:
             w[slot] = rng.choice([np.nan, np.inf, -np.inf], w[slot].shape)
     rank = w.shape[rank_axis] // num_slices
-    past = np.tile(np.arange(rank) >= ranks[in_use], num_slices)
+    past = np.tile(np.arange(rank) >= -(-ranks[in_use] // chunk) * chunk, num_slices)
     view = np.moveaxis(w[in_use], rank_axis - 1, 0)  # [S·R, ...] of slot in_use
     view[past] = np.where(rng.random(view[past].shape) < 0.5, np.nan, np.inf)
     return w
@@ -179,15 +179,17 @@ def poison(w: np.ndarray, in_use: int, ranks, rank_axis: int, num_slices: int, r
 def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in_use, rank, ranks):
     """One slot in use beside base tokens; every other slot (used by no token, slot 0 among them, which slot
     -1 tokens index when unmasked) and the in-use slot's columns past its rank hold NaN and inf. Outputs must
-    equal the clean oracle: every backend selects instead of multiplying by zero. Ranks at R, below R on a
-    16-column chunk's end and inside a chunk take the Pallas expand's three paths."""
+    equal the clean oracle: every backend selects instead of multiplying by zero. The Pallas expand reads B in
+    16-column chunks up to the rank, so B's columns past the rank in its last chunk must be finite there: they
+    stay clean for it. Ranks at R, below R on a chunk's end and inside a chunk."""
     rng = np.random.default_rng(17 + in_use + rank)
     ranks = np.asarray(ranks)
     slots = np.where(rng.random(21) < 0.6, in_use, -1)
     slice_sizes = (32, 16)
     info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, jnp.float32, slice_sizes, rank, ranks)
     a_bad = jnp.asarray(poison(an, in_use, ranks, 1, 2, rng))
-    b_bad = jnp.asarray(poison(bn, in_use, ranks, 2, 1, rng))
+    chunk = 16 if backend == "pallas" else 1
+    b_bad = jnp.asarray(poison(bn, in_use, ranks, 2, 1, rng, chunk))
     y = shrink_np(xn, an, slots, ranks, scal, 2)
     out = jlora.lora_linear(x, base, a_bad, b_bad, info, slice_sizes=slice_sizes, backend=backend)
     check(out, expand_np(y, bn, slots, ranks, basen, slice_sizes), jnp.float32, info, basen)
@@ -202,7 +204,7 @@ def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in
     b_emb = (rng.standard_normal((NUM_SLOTS, hidden, rank)) / 4).astype(np.float32)
     base_h = rng.standard_normal((len(slots), hidden)).astype(np.float32)
     out = jlora.lora_embedding(jnp.asarray(tokens, jnp.int32), jnp.asarray(poison(a_emb, in_use, ranks, 1, 1, rng)),
-                               jnp.asarray(poison(b_emb, in_use, ranks, 2, 1, rng)), info, jnp.asarray(base_h),
+                               jnp.asarray(poison(b_emb, in_use, ranks, 2, 1, rng, chunk)), info, jnp.asarray(base_h),
                                backend=backend)
     s_emb = shrink_np(np.eye(vocab)[tokens], a_emb, slots, ranks, scal, 1)  # the A side as a one-hot product
     check(out, expand_np(s_emb, b_emb, slots, ranks, base_h, (hidden,)), jnp.float32, info, base_h)

@@ -97,13 +97,14 @@ def _expand_kernel(
         # behind a masked load took 83.8 / 524.4, so slots below the full rank keep the plain add. At decode
         # sizes the fast path wins too (T=32, 32 adapters, r=16: gate|up 17.1 against 21.4 µs). A loop over
         # the rank's 16-column chunks instead of the mask was slower still (69.2 and 458.3 µs).
-        # A rank that is no multiple of 16 ends inside a chunk, whose columns past the rank are then selected
-        # out of B, so that they reach nothing whatever they hold (NaN, inf); the select costs about 2 µs of
-        # 60 on the T=8192 r=64 expand (H100), so ranks that end on a chunk skip it.
+        # So a rank that is no multiple of 16 reads its last chunk whole: B's columns there past the rank
+        # multiply zeros of s and must be finite (the pool stores zeros). Selecting them out, in a branch of
+        # its own or through a per-column load mask, made the full-rank path 7 % slower (H200, T=8192, r=64:
+        # 49.6-49.8 against 46.1-46.4 µs; the branch's code alone costs it).
         in_rank = col // 16 * 16 < slot_rank  # [1, R]
         eye = (jnp.arange(block_rows)[:, None] == jnp.arange(block_rows)[None, :]).astype(base_ref.dtype)
 
-        def columns(full_rank: bool, partial_chunk: bool = False):
+        def columns(full_rank: bool):
             def block(j, carry):
                 if tail:  # a block past the slice's end moves back to end there
                     cols = pl.ds(jnp.minimum(first_col + j * block_n, end - block_n), block_n)
@@ -115,8 +116,6 @@ def _expand_kernel(
                     out = pltriton.dot(eye, base, precision=base_precision)  # = base, in f32
                 else:
                     b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
-                    if partial_chunk:
-                        b = jnp.where(col < slot_rank, b, 0)
                     out = base.astype(jnp.float32)
                 out += pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
                 o_ref[rows, cols] = out.astype(o_ref.dtype)
@@ -124,11 +123,11 @@ def _expand_kernel(
 
             jax.lax.fori_loop(0, group, block, 0)
 
-        masked = slot_rank < rank if full_rank_branch else True
         if full_rank_branch:
             pl.when(slot_rank >= rank)(lambda: columns(True))
-        pl.when(masked & (slot_rank % 16 == 0))(lambda: columns(False))
-        pl.when(masked & (slot_rank % 16 != 0))(lambda: columns(False, partial_chunk=True))
+            pl.when(slot_rank < rank)(lambda: columns(False))
+        else:
+            columns(False)
 
 
 def expand(
