@@ -7,14 +7,13 @@ compilations: one decode step per (rows, max_seq) and one prefill per (admitted 
 with and without the LoRA ops (a batch of base-model requests only skips them), and with the top-p sort only
 when a request asks for it.
 
-Generation is continuously batched: `max_batch` cache rows decode together; a finished request frees its
-row and the next waiting request is prefilled into it, so throughput holds with mixed lengths. Requests
-with different adapters, and with none, share every step.
+Generation is continuously batched (`jlora.scheduler`): `max_batch` cache rows decode together; a finished
+request frees its row and the next waiting request is prefilled into it, so throughput holds with mixed
+lengths. Requests with different adapters, and with none, share every step.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -37,6 +36,7 @@ from jlora.models.loading import load_model
 from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
 from jlora.sampling import request_keys, sample_tokens
+from jlora.scheduler import Batcher, Request
 
 __all__ = ["Engine", "Generation", "ModelDef", "bucket", "forward", "generate_step"]
 
@@ -177,18 +177,6 @@ class Generation(list):
         super().__init__(tokens)
         self.text = text
         self.finish_reason = finish_reason
-
-
-@dataclasses.dataclass
-class _Request:
-    prompt: list[int]
-    slot: int
-    max_new: int
-    temperature: float
-    top_p: float
-    seed: int
-    out: list[int] = dataclasses.field(default_factory=list)
-    finish: str = "length"
 
 
 class Engine:
@@ -365,115 +353,22 @@ class Engine:
         self._check_prompts(prompts, adapters, max_new_tokens)
         slots = self._slots(adapters)
         seeds = _request_seeds(seed, len(prompts))
-        stop = set(stop_token_ids or ())
-        requests = [_Request(p, int(s), max_new_tokens, temperature, top_p, sd)
+        stop = frozenset(stop_token_ids or ())
+        requests = [Request(p, int(s), max_new_tokens, temperature, top_p, sd, stop)
                     for p, s, sd in zip(prompts, slots, seeds)]
+        batcher = Batcher(self, bucket(min(len(requests), self.max_batch)),
+                          bucket(max(len(p) for p in prompts) + max_new_tokens, 16), progress)
+        for r in requests:
+            batcher.add(r)
         held = [a for a in adapters if a is not None]
         self.pool.hold(held)
         try:
-            self._run_batched(requests, stop, progress)
+            while batcher.busy:
+                batcher.step()
         finally:
             self.pool.release(held)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else (lambda ids: None)
         return [Generation(r.out, decode(r.out), r.finish) for r in requests]
-
-    def _run_batched(self, requests: list[_Request], stop: set[int], progress) -> None:
-        """The continuous-batching loop: admit waiting requests into free rows, decode all rows a step.
-
-        Decode steps are pipelined: step n+1 is dispatched, its input tokens being step n's output still on
-        the device, before the host reads step n's tokens, so the host's work (dispatch, bookkeeping, the
-        device-to-host copy) overlaps the device's. A request that ends at step n (a stop token) was already
-        given to step n+1; that token is dropped and its cache write is never read. Admissions wait for the
-        step in flight, since they need every row's state.
-        """
-        num_rows = bucket(min(len(requests), self.max_batch))
-        max_seq = bucket(max(len(r.prompt) + r.max_new for r in requests), 16)
-        nucleus = any(r.temperature > 0 and r.top_p < 1 for r in requests)
-        cache = self.new_cache(num_rows, max_seq)
-        waiting = collections.deque(requests)
-        running: list[_Request | None] = [None] * num_rows
-        position = np.zeros(num_rows, np.int32)  # next cache index of each row
-        last_token = np.zeros(num_rows, np.int32)
-        in_flight: tuple[jax.Array, np.ndarray] | None = None  # a decode step not yet read: (tokens [B, 1], its rows)
-
-        def finish(row: int, token: int) -> None:
-            r = running[row]
-            if token in stop:
-                r.finish = "stop"
-            else:
-                r.out.append(token)
-            if r.finish == "stop" or len(r.out) >= r.max_new:
-                running[row] = None
-            else:
-                last_token[row] = token
-
-        def collect() -> None:  # reads the step in flight and records its tokens
-            nonlocal in_flight
-            tokens, rows = np.asarray(in_flight[0])[:, 0], in_flight[1]
-            in_flight = None
-            live = [row for row in rows if running[row] is not None]  # not ended by the step before
-            for row in live:
-                finish(row, int(tokens[row]))
-            if progress:
-                progress(len(live))
-
-        while waiting or any(running):
-            free = [row for row in range(num_rows) if running[row] is None]
-            if waiting and free:
-                if in_flight is not None:
-                    collect()
-                    continue
-                admitted = [(row, waiting.popleft()) for row in free[: len(waiting)]]
-                cache = self._prefill_rows(admitted, cache, finish, running, position, nucleus)
-                if progress:
-                    progress(len(admitted))
-                continue
-            pending = set() if in_flight is None else set(in_flight[1].tolist())
-            rows = np.array([row for row, r in enumerate(running)
-                             if r is not None and len(r.out) + (row in pending) < r.max_new], np.int64)
-            if rows.size == 0:  # every running request completes with the step in flight
-                collect()
-                continue
-            # Rows outside `rows` (free, or finishing with the step in flight) run as padding: slot -1, no
-            # cache write, greedy; their tokens are never read.
-            slots, seeds = np.full(num_rows, -1, np.int32), np.zeros(num_rows, np.uint32)
-            temps, top_ps = np.zeros(num_rows, np.float32), np.ones(num_rows, np.float32)
-            token_index = np.zeros(num_rows, np.int32)
-            active = np.zeros(num_rows, bool)
-            for row in rows:
-                r = running[row]
-                active[row] = True
-                slots[row], seeds[row], temps[row], top_ps[row] = r.slot, r.seed, r.temperature, r.top_p
-                token_index[row] = len(r.out) + (row in pending)
-            # [B, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
-            last = self._like_step_outputs(last_token[:, None]) if in_flight is None else in_flight[0]
-            tokens, cache = self._step(last, np.where(active, position, 0)[:, None], active[:, None], None,
-                                       np.zeros(num_rows, np.int32), cache, slots, seeds, token_index, temps,
-                                       top_ps, nucleus)
-            position[rows] += 1
-            if in_flight is not None:
-                collect()  # while the step just dispatched runs
-            in_flight = (tokens, rows)
-        if in_flight is not None:  # tokens of requests that all ended on the step before
-            collect()
-
-    def _prefill_rows(self, admitted, cache, finish, running, position, nucleus):
-        """Prefills admitted requests into their cache rows and records each one's first token."""
-        tokens, positions, slots, valid = pack_prompts([r.prompt for _, r in admitted], [r.slot for _, r in admitted])
-        n = tokens.shape[0]
-        # Padding requests: slot -1 and no valid token (pack_prompts), so no cache write; row 0, greedy.
-        rows, last, seeds = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.uint32)
-        temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
-        for i, (row, r) in enumerate(admitted):
-            rows[i], last[i], seeds[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.seed, r.temperature, r.top_p
-        next_tokens, cache = self._step(tokens, positions, valid, rows, last, cache, slots.reshape(-1), seeds,
-                                        np.zeros(n, np.int32), temps, top_ps, nucleus)
-        next_tokens = np.asarray(next_tokens)[:, 0]
-        for i, (row, r) in enumerate(admitted):
-            running[row] = r
-            position[row] = len(r.prompt)
-            finish(row, int(next_tokens[i]))
-        return cache
 
     def _like_step_outputs(self, x):
         """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input

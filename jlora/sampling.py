@@ -30,11 +30,13 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     Top-p keeps the smallest set of most likely tokens whose probability reaches top_p (at least one). It
     sorts every row's logits (the sort dominates sampling at large vocabularies), so it runs only when the
     static `nucleus` is set: the caller knows whether any row samples with top_p < 1. Without it, rows with
-    temperature > 0 sample from all tokens (their top_p is taken as 1).
+    temperature > 0 sample from all tokens (their top_p is taken as 1). Rows with top_p >= 1 draw the same
+    token either way, so no row's draw depends on the other rows' settings.
     """
     greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     categorical = jax.vmap(lambda key, row: jax.random.categorical(key, row))  # each row its own key
+    sampled = categorical(keys, scaled)
     if nucleus:
         order = jnp.argsort(-scaled, axis=-1)
         sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -42,7 +44,6 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
         before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
         sorted_logits = jnp.where(before < top_p[:, None], sorted_logits, -jnp.inf)
         choice = categorical(keys, sorted_logits)
-        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    else:
-        sampled = categorical(keys, scaled)
+        cut = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        sampled = jnp.where(top_p < 1, cut, sampled)
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)

@@ -56,3 +56,15 @@ def test_a_row_samples_from_its_own_key_whatever_the_other_rows(nucleus):
     many = sample_tokens(jnp.zeros((64, 50)), request_keys(np.arange(64, dtype=np.uint32), np.zeros(64, np.int32)),
                          jnp.ones(64), jnp.ones(64), nucleus=nucleus)
     assert len(set(np.asarray(many).tolist())) > 20
+
+
+def test_a_row_without_top_p_draws_the_same_beside_nucleus_rows():
+    # The nucleus variant runs when any row has top_p < 1; rows with top_p = 1 must not notice.
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((6, 40)), jnp.float32)
+    keys = request_keys(np.arange(6, dtype=np.uint32), np.full(6, 2, np.int32))
+    top_p = jnp.array([1.0, 0.5, 1.0, 0.9, 1.0, 1.0])
+    plain = np.asarray(sample_tokens(logits, keys, jnp.ones(6), top_p, nucleus=False))
+    mixed = np.asarray(sample_tokens(logits, keys, jnp.ones(6), top_p, nucleus=True))
+    full = np.asarray(top_p) >= 1
+    assert (mixed[full] == plain[full]).all()
