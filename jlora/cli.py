@@ -1,4 +1,4 @@
-"""The `jlora` command line: `demo`, `generate` and `bench`."""
+"""The `jlora` command line: `demo`, `selfcheck`, `generate`, `serve` and `bench`."""
 
 from __future__ import annotations
 
@@ -86,6 +86,18 @@ def _bench(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from jlora.server import serve
+
+    if len(args.lora) > args.max_loras:
+        raise ValueError(f"{len(args.lora)} --lora adapters but --max-loras {args.max_loras}")
+    serve(args.model, loras=args.lora, served_model_name=args.served_model_name, host=args.host, port=args.port,
+          api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora, max_waiting=args.max_waiting,
+          max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_batch=args.max_batch,
+          max_seq_len=args.max_seq_len, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jlora", description="Multi-LoRA inference for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--output", help="write results to this file (atomically) instead of stdout")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server: the model and adapters by name")
+    srv.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+    srv.add_argument("--lora", type=_parse_lora, action="append", default=[], metavar="NAME=DIR",
+                     help="a PEFT adapter directory to serve under NAME (repeatable)")
+    srv.add_argument("--served-model-name", help="the base model's name in the API (default: the directory's)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    srv.add_argument("--allow-runtime-lora", action="store_true",
+                     help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    srv.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond which new ones get 503")
+    srv.add_argument("--max-loras", type=int, default=8, help="adapter slots on the device")
+    srv.add_argument("--max-lora-rank", type=int, default=64)
+    srv.add_argument("--max-batch", type=int, default=32, help="requests decoding together")
+    srv.add_argument("--max-seq-len", type=int, default=2048, help="the longest prompt + completion")
+    srv.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N")
+
     bench = sub.add_parser("bench", help="run a benchmark script from bench/ (kernels or model)")
     bench.add_argument("which", choices=sorted(BENCH_SCRIPTS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -129,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return 0 if run_selfcheck() else 1
     try:
+        if args.command == "serve":
+            return _serve(args)
         return _generate(args) if args.command == "generate" else _bench(args)
     except (FileNotFoundError, ValueError, KeyError, RuntimeError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err

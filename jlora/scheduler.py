@@ -34,8 +34,9 @@ __all__ = ["Batcher", "Request"]
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request. `out` grows as tokens arrive; `finish` is set when it ends: "stop" (a stop
-    token, not included), "length" (max_new tokens) or "cancelled". `on_update(request)`, when given, is
-    called on the batcher's thread after every new token and once more when the request ends."""
+    token, not included), "length" (max_new tokens), "cancelled", or "error" (with `error`, set by whoever
+    refused it). `on_update(request)`, when given, is called on the batcher's thread after every new token
+    and once more when the request ends."""
 
     prompt: list[int]
     slot: int  # adapter slot, -1 for the base model
@@ -48,6 +49,7 @@ class Request:
     out: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
     cancelled: bool = False
+    error: str | None = None
     first_token_time: float | None = None  # time.monotonic() of its first token
 
     def _notify(self) -> None:

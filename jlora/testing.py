@@ -168,16 +168,24 @@ def merge_adapter(model_dir: str, adapter_dir: str, out_dir: str) -> None:
     save_file(weights, os.path.join(out_dir, "model.safetensors"))
 
 
-def write_tokenizer(path: str, vocab_size: int) -> None:
-    """Writes a word-level `tokenizer.json` of `vocab_size` made-up words (w0, w1, ...; a few English ones)."""
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def write_tokenizer(path: str, vocab_size: int, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Writes a word-level `tokenizer.json` of `vocab_size` made-up words (w0, w1, ...; a few English ones,
+    and the chat roles), and a `tokenizer_config.json` with `chat_template` (None: none)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    words = ["<unk>", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    words = ["<unk>", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "system", "user", "assistant"]
     vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(len(words), vocab_size)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
     tok.save(os.path.join(path, "tokenizer.json"))
+    if chat_template is not None:
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"chat_template": chat_template, "unk_token": "<unk>"}, f)
 
 
 def compile_prefill(engine, prompts: list[list[int]]) -> None:

@@ -1,0 +1,137 @@
+"""`OnlineEngine`: one thread owns the device and runs the engine's continuous batching over time.
+
+Other threads talk to it through one FIFO inbox: submit a request, cancel one, or call a function between
+steps (adapter loads and unloads), so the device and the adapter pool are only ever touched by the loop.
+A submitted request holds its adapter from its intake until it ends, so unloading or evicting an adapter
+in use fails instead of changing a running request's weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from jlora.engine import Engine, bucket
+from jlora.scheduler import Batcher, Request
+from jlora.server.metrics import Metrics
+
+__all__ = ["OnlineEngine", "QueueFull"]
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the engine accepts (`max_waiting`)."""
+
+
+class OnlineEngine:
+    """`engine` served online: requests join between steps, rows `bucket(engine.max_batch)` of
+    `engine.max_seq_len` positions. `start()` runs the loop thread; `stop()` ends it."""
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 256, metrics: Metrics | None = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics or Metrics()
+        self.batcher = Batcher(engine, bucket(engine.max_batch), bucket(engine.max_seq_len, 16))
+        self._inbox: queue.Queue = queue.Queue()
+        self._queued = 0  # submitted, not yet taken in by the loop
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="jlora-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=10)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._queued + len(self.batcher.waiting)
+
+    def submit(self, request: Request, adapter: str | None) -> None:
+        """Queues `request` for `adapter` (None: the base model). `request.on_update` is called on the loop
+        thread; a request whose adapter is gone by its intake ends at once with finish "error" and `.error`.
+
+        Raises:
+          QueueFull: `max_waiting` requests are already waiting.
+        """
+        with self._lock:
+            if self.num_waiting >= self.max_waiting:
+                raise QueueFull(f"{self.num_waiting} requests are waiting (max {self.max_waiting})")
+            self._queued += 1
+        self._inbox.put(("submit", request, adapter))
+
+    def cancel(self, request: Request) -> None:
+        """Ends `request` ("cancelled") if it is still waiting or running; its row frees at once."""
+        self._inbox.put(("cancel", request))
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Runs `fn()` on the loop thread between two steps; the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, future))
+        return future
+
+    def _take(self, item) -> None:
+        kind = item[0]
+        if kind == "submit":
+            _, request, adapter = item
+            with self._lock:
+                self._queued -= 1
+            self._intake(request, adapter)
+        elif kind == "cancel":
+            if item[1].finish is None:
+                self.batcher.cancel(item[1])
+        elif kind == "call":
+            _, fn, future = item
+            try:
+                future.set_result(fn())
+            except Exception as err:  # handed to the caller, which answers its client
+                future.set_exception(err)
+
+    def _intake(self, request: Request, adapter: str | None) -> None:
+        if request.cancelled:
+            request.finish = "cancelled"
+            request._notify()
+            return
+        pool = self.engine.pool
+        if adapter is not None:
+            if adapter not in pool.names:
+                request.error = f"adapter {adapter!r} is not loaded"
+                request.finish = "error"
+                request._notify()
+                return
+            pool.hold([adapter])
+            request.slot = pool.slot(adapter)
+        user_update = request.on_update
+        arrival = time.monotonic()
+
+        def on_update(r: Request) -> None:
+            if r.finish is not None:
+                if adapter is not None:
+                    pool.release([adapter])
+                self.metrics.finished(r, adapter, arrival)
+            if user_update is not None:
+                user_update(r)
+
+        request.on_update = on_update
+        self.metrics.prompt_tokens.inc(len(request.prompt))
+        self.batcher.add(request)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:  # block for work when idle; between steps take whatever has arrived
+                self._take(self._inbox.get(block=not self.batcher.busy))
+                while True:
+                    self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self.batcher.busy:
+                start = time.monotonic()
+                self.batcher.step()
+                self.metrics.step_seconds.observe(time.monotonic() - start)
+            self.metrics.running.set(self.batcher.num_running)
+            self.metrics.waiting.set(self.num_waiting)

@@ -1,0 +1,244 @@
+"""`jlora serve` as a user runs it: a subprocess on 127.0.0.1, driven by the official `openai` client and
+plain HTTP. Greedy outputs equal `Engine.generate` of the same requests; a load of 64 concurrent streams over
+4 adapters and the base model completes and leaks no row or adapter hold; disconnects free rows; runtime
+loads and unloads; bad input answers 4xx and the server keeps serving."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES
+from jlora.engine import Engine
+
+CFG = testing.tiny_config("llama", vocab_size=120)
+KEY = "sk-test"
+MAX_SEQ = 64
+ADAPTERS = {"a0": dict(r=4, target_modules=["q_proj", "v_proj"]), "a1": dict(r=8, target_modules=LINEAR_MODULES),
+            "a2": dict(r=2, target_modules=["o_proj", "down_proj"]), "a3": dict(r=8, target_modules=["gate_proj"])}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jlora", "serve", "--model", model_dir, "--port", str(port), "--dtype", "float32",
+           "--max-seq-len", str(MAX_SEQ), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read().decode())
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    testing.write_model(str(root / "m"), CFG, seed=5)
+    testing.write_tokenizer(str(root / "m"), CFG["vocab_size"])
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        testing.write_adapter(str(root / name), CFG, alpha=2 * kw["r"], seed=40 + i, **kw)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    loras = [a for name in ("a0", "a1", "a2") for a in ("--lora", f"{name}={root / name}")]
+    proc, url = _start(str(root / "m"), *loras, "--max-loras", "4", "--max-lora-rank", "8", "--max-batch", "8",
+                       "--api-key", KEY, "--allow-runtime-lora", "--served-model-name", "tiny")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(root):
+    """The same model in this process: what the server's answers must equal."""
+    eng = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=4, max_lora_rank=8, max_seq_len=MAX_SEQ,
+                                 progress=False)
+    for name in ADAPTERS:
+        eng.load_adapter(name, str(root / name))
+    return eng
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_completions_and_chat_equal_the_engine(server, engine):
+    api = client(server)
+    prompt = "the quick brown fox"
+    for model, adapter in (("tiny", None), ("a1", "a1"), ("a2", "a2")):
+        want = engine.generate([prompt], [adapter], max_new_tokens=6)[0].text
+        done = api.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        assert done.choices[0].text == want and done.choices[0].finish_reason == "length"
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (4, 6)
+        stream = api.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        ids = engine.tokenizer.encode(prompt).ids  # token ids as the prompt
+        assert api.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0).choices[0].text == want
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    chat_prompt = engine.tokenizer.encode("user the lazy dog assistant").ids  # the test template, rendered
+    want = engine.generate([chat_prompt], ["a0"], max_new_tokens=5)[0].text
+    done = api.chat.completions.create(model="a0", messages=messages, max_tokens=5, temperature=0)
+    assert done.choices[0].message.content == want and done.choices[0].message.role == "assistant"
+    stream = api.chat.completions.create(model="a0", messages=messages, max_tokens=5, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    # Sampling with a seed is reproducible; stop strings cut the text before them.
+    kw = dict(model="a1", prompt=prompt, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    assert api.completions.create(**kw).choices[0].text == api.completions.create(**kw).choices[0].text
+    full = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    stop = full.split()[2]
+    cut = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stop=[stop]).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_models_lists_the_base_and_adapters(server, root):
+    data = {m.id: m for m in client(server).models.list().data}
+    assert set(data) >= {"tiny", "a0", "a1", "a2"}
+    assert data["a1"].parent == "tiny" and data["a1"].root == str(root / "a1")
+
+
+def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
+    rng = np.random.default_rng(0)
+    names = [None, "a0", "a1", "a2"]
+    prompts = [rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 20))).tolist() for _ in range(64)]
+    adapters = [names[i] for i in rng.integers(0, 4, 64)]
+    lengths = rng.integers(1, 12, 64).tolist()
+    want = {}
+    for n in set(lengths):  # what each request generates alone (batch invariance: the same as batched)
+        idx = [i for i in range(64) if lengths[i] == n]
+        for i, g in zip(idx, engine.generate([prompts[i] for i in idx], [adapters[i] for i in idx], max_new_tokens=n)):
+            want[i] = g.text
+    api = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+    async def one(i: int) -> str:
+        await asyncio.sleep(0.02 * (i % 16))  # arrivals spread over the others' decoding
+        stream = await api.completions.create(model=adapters[i] or "tiny", prompt=prompts[i], max_tokens=lengths[i],
+                                              temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(64)))
+
+    got = asyncio.run(all_of_them())
+    assert got == [want[i] for i in range(64)]
+    assert metric(server, "jlora_requests_running") == 0 and metric(server, "jlora_requests_waiting") == 0
+    assert metric(server, 'jlora_requests_total{adapter="a0",outcome="length"}') >= adapters.count("a0")
+
+
+def test_a_client_that_disconnects_frees_its_row(server):
+    cancelled = metric(server, 'jlora_requests_total{adapter="a1",outcome="cancelled"}')
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "a1", "prompt": "the dog", "max_tokens": 60, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the first chunk, then hang up
+    for _ in range(100):
+        if metric(server, 'jlora_requests_total{adapter="a1",outcome="cancelled"}') > cancelled:
+            break
+        time.sleep(0.1)
+    assert metric(server, 'jlora_requests_total{adapter="a1",outcome="cancelled"}') == cancelled + 1
+    assert metric(server, "jlora_requests_running") == 0
+
+
+def test_runtime_load_and_unload(server, root, engine):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    post = lambda path, body: httpx.post(server + path, json=body, headers=headers, timeout=60)
+    models = lambda: sorted(m.id for m in client(server).models.list().data)
+    before = models()
+    bad = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "nope")})
+    assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
+    assert models() == before  # a failed load leaves the served adapters as they were
+    assert post("/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": str(root / "a3")}).status_code == 200
+    want = engine.generate(["the fox"], ["a3"], max_new_tokens=4)[0].text
+    assert client(server).completions.create(model="a3", prompt="the fox", max_tokens=4, temperature=0).choices[0].text == want
+    # Unloading an adapter while a request uses it fails (409) and the request completes unchanged.
+    body = {"model": "a3", "prompt": "fox", "max_tokens": MAX_SEQ - 1, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers) as response:
+        busy = post("/v1/unload_lora_adapter", {"lora_name": "a3"})  # the request was taken in before it
+        assert busy.status_code == 409 and "used by running requests" in busy.json()["error"]["message"]
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == engine.generate(["fox"], ["a3"], max_new_tokens=MAX_SEQ - 1)[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert post("/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 200
+    assert "a3" not in models()
+    assert post("/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 404
+
+
+@pytest.mark.parametrize("body, status, match", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "nope", "prompt": "the"}, 404, "does not exist"),
+    ({"prompt": "the"}, 400, "'model' is required"),
+    ({"model": "tiny", "prompt": "the " * 70}, 400, "maximum context"),
+    ({"model": "tiny", "prompt": "the", "max_tokens": 64}, 400, "exceeds the maximum context"),
+    ({"model": "tiny", "prompt": "the", "temperature": -1}, 400, "'temperature' must be"),
+    ({"model": "tiny", "prompt": "the", "top_p": 2}, 400, "'top_p' must be"),
+    ({"model": "tiny", "prompt": "the", "n": 2}, 400, "'n' must be 1"),
+    ({"model": "tiny", "prompt": "the", "logprobs": 2}, 400, "'logprobs' is not supported"),
+    ({"model": "tiny", "prompt": [1, 500]}, 400, "outside"),
+    ({"model": "tiny", "prompt": ""}, 400, "empty"),
+])
+def test_bad_input_answers_4xx_and_the_server_keeps_serving(server, body, status, match):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(server + "/v1/completions", headers=headers, **kw)
+    assert response.status_code == status and match in response.json()["error"]["message"]
+    chat = httpx.post(server + "/v1/chat/completions", headers=headers, json={"model": "tiny", "messages": "hi"})
+    assert chat.status_code == 400 and "'messages' must be a non-empty list" in chat.json()["error"]["message"]
+    assert client(server).completions.create(model="tiny", prompt="the", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_api_key(server):
+    assert httpx.get(server + "/health").status_code == 200  # open
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.get(server + "/v1/models", headers=headers)
+        assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_full_queue_answers_503_with_retry_after(root):
+    proc, url = _start(str(root / "m"), "--max-batch", "1", "--max-waiting", "1")
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"model": "m", "prompt": "the quick brown fox", "max_tokens": 30, "temperature": 0}
+                return await asyncio.gather(*(http.post(url + "/v1/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert codes[0] == 200 and codes[-1] == 503, codes
+        busy = next(r for r in responses if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and "busy" in busy.json()["error"]["message"]
+        assert httpx.get(url + "/v1/models").status_code == 200  # no key needed without --api-key
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
