@@ -4,6 +4,8 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 /v1/models, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with `allow_runtime_lora`), GET
 /health, GET /metrics. The OpenAI `model` field names the served base model or a loaded adapter. Errors
 answer 4xx (or 503 when the queue is full) with OpenAI's error body, and the server keeps serving.
+Beyond OpenAI's fields, every choice (and streamed chunk) carries `token_ids`, the generated token ids (as
+vLLM's `return_token_ids`), and requests may give `stop_token_ids` and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -171,21 +173,23 @@ class _Api:
         finish = text.finish or _finish_reason(request)
         usage = _usage(request)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text.final()}, "finish_reason": finish}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text.final()}, "finish_reason": finish,
+                      "token_ids": list(request.out)}
             return JSONResponse({**meta, "object": "chat.completion", "choices": [choice], "usage": usage})
-        choice = {"index": 0, "text": text.final(), "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text.final(), "logprobs": None, "finish_reason": finish,
+                  "token_ids": list(request.out)}
         return JSONResponse({**meta, "object": "text_completion", "choices": [choice], "usage": usage})
 
     async def _stream(self, http, request: Request, updates, text: "_Text", meta: dict, chat: bool
                       ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece: str | None, finish: str | None, usage: dict | None = None) -> str:
+        def chunk(piece: str | None, finish: str | None, ids: list[int], usage: dict | None = None) -> str:
             if chat:
                 delta = {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": ids}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish, "token_ids": ids}
             body = {**meta, "object": kind, "choices": [choice]}
             if usage is not None:
                 body["usage"] = usage
@@ -195,17 +199,19 @@ class _Api:
             if chat:  # the first chunk names the role
                 role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
                 yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [role]})}\n\n"
+            sent = 0  # tokens reported so far
             while True:
                 done = await _finished(http, request, updates, text)
                 if request.finish == "error":
                     error = {"message": request.error, "type": "NotFoundError", "param": "model", "code": 404}
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     break
-                piece = text.take()
-                if piece:
-                    yield chunk(piece, None)
+                piece, ids = text.take(), request.out[sent:]
+                sent += len(ids)
+                if piece or ids:
+                    yield chunk(piece, None, ids)
                 if done:
-                    yield chunk(None, text.finish or _finish_reason(request), _usage(request))
+                    yield chunk(None, text.finish or _finish_reason(request), [], _usage(request))
                     break
             yield "data: [DONE]\n\n"
         finally:

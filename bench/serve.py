@@ -1,0 +1,182 @@
+"""Serving benchmark: `jlora serve`'s HTTP API under Poisson arrivals, against the bare engine loop.
+
+A Llama-3-8B-shaped model with random bf16 weights (`--tiny`: a tiny float32 model, a CPU smoke run) serves
+32 r=16 adapters (one random adapter under 32 names: 32 weight stacks) and the base model, popularity
+skewed as in S-LoRA's experiments (adapter i drawn with weight 1 / (i + 1), the base model as often as the
+top adapter). Prompts of 65-128 random tokens, outputs of 16-256 tokens (ignore_eos). Requests stream
+through uvicorn on localhost from an asyncio client in the same process. Per arrival rate: throughput, time
+to first token and inter-token latency (p50 / p99). The reference: `Engine.generate`'s decode step at batch
+`--max-batch` with the same adapters (the bare engine loop), its tokens per second and its step time.
+
+  python bench/serve.py [--rates 2,8,32,inf] [--requests 96] [--max-batch 32] [--out bench/results] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from jlora import testing  # noqa: E402
+from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
+from jlora.engine import Engine  # noqa: E402
+from jlora.server.app import build_app  # noqa: E402
+from jlora.server.chat import ChatTemplate  # noqa: E402
+from jlora.server.online import OnlineEngine  # noqa: E402
+
+ADAPTERS, RANK = 32, 16
+
+
+def build_engine(tiny: bool, max_batch: int, root: str) -> tuple[Engine, dict]:
+    """The engine with ADAPTERS adapters loaded, and the HF config of its model."""
+    if tiny:
+        cfg = testing.tiny_config("llama", vocab_size=256)
+        testing.write_model(f"{root}/m", cfg, seed=0)
+        engine = Engine.from_pretrained(f"{root}/m", dtype="float32", max_loras=ADAPTERS, max_lora_rank=RANK,
+                                        max_batch=max_batch, max_seq_len=512, progress=False)
+    else:
+        from model import llama3_8b, llama3_8b_hf, random_model
+
+        cfg = llama3_8b_hf(32)
+        model_def, params = random_model(llama3_8b(32))
+        engine = Engine(model_def.merge(params), max_loras=ADAPTERS, max_lora_rank=RANK, dtype=jnp.bfloat16,
+                        max_batch=max_batch, max_seq_len=512)
+    testing.write_adapter(f"{root}/a", cfg, r=RANK, alpha=2 * RANK, seed=1, target_modules=LINEAR_MODULES)
+    for i in range(ADAPTERS):
+        engine.load_adapter(f"a{i}", f"{root}/a")
+    return engine, cfg
+
+
+def bare_loop(engine: Engine, batch: int, rng) -> dict:
+    """`Engine.generate`'s decode step for `batch` requests on distinct adapters: ms per step and tok/s."""
+    prompts = rng.integers(0, engine.config.vocab_size, (batch, 96)).tolist()
+    adapters = [f"a{i % ADAPTERS}" for i in range(batch)]
+    run = lambda n: (lambda t0: (engine.generate(prompts, adapters, max_new_tokens=n), time.perf_counter() - t0)[1])(
+        time.perf_counter())
+    run(128)
+    prefill = statistics.median(run(1) for _ in range(3))
+    total = statistics.median(run(128) for _ in range(3))
+    step = (total - prefill) / 127
+    return {"step_ms": step * 1e3, "tokens_per_s": batch / step}
+
+
+def pick_model(rng) -> str:
+    weights = np.array([1.0] + [1 / (i + 1) for i in range(ADAPTERS)])
+    i = rng.choice(ADAPTERS + 1, p=weights / weights.sum())
+    return "base" if i == 0 else f"a{i - 1}"
+
+
+async def one_request(http, url: str, body: dict, delay: float, record: list) -> None:
+    await asyncio.sleep(delay)
+    start = time.perf_counter()
+    times, tokens = [], 0
+    async with http.stream("POST", url, json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            if ids:
+                times.append((time.perf_counter(), len(ids)))
+                tokens += len(ids)
+    assert tokens == body["max_tokens"], (tokens, body["max_tokens"])
+    record.append({"start": start, "end": times[-1][0], "ttft": times[0][0] - start, "tokens": tokens,
+                   "itl": [(t - prev) / n for (prev, _), (t, n) in zip(times, times[1:])]})
+
+
+async def run_rate(url: str, rate: float, requests: list[dict], rng) -> dict:
+    import httpx
+
+    gaps = rng.exponential(1 / rate, len(requests)) if np.isfinite(rate) else np.zeros(len(requests))
+    delays = np.cumsum(gaps) - gaps[0]
+    record = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await asyncio.gather(*(one_request(http, url, body, d, record) for body, d in zip(requests, delays)))
+    span = max(r["end"] for r in record) - min(r["start"] for r in record)
+    itl = sorted(x for r in record for x in r["itl"])
+    ttft = sorted(r["ttft"] for r in record)
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
+    return {"rate": rate, "requests": len(record), "tokens_per_s": sum(r["tokens"] for r in record) / span,
+            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(itl, 0.5),
+            "itl_p99_ms": pct(itl, 0.99)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="2,8,32,inf", help="arrival rates, requests per second (inf: all at once)")
+    parser.add_argument("--requests", type=int, default=96, help="requests per rate")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--tiny", action="store_true", help="a tiny float32 model (a smoke run on CPU)")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    device = jax.devices()[0].device_kind
+    with tempfile.TemporaryDirectory() as root:
+        engine, _ = build_engine(args.tiny, args.max_batch, root)
+        bare = bare_loop(engine, args.max_batch, rng)
+        print(f"# {device}: bare engine loop, batch {args.max_batch} on {ADAPTERS} r={RANK} adapters: "
+              f"{bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s", flush=True)
+        online = OnlineEngine(engine, max_waiting=100_000)
+        app = build_app(online, served_model_name="base", chat=ChatTemplate(root))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        vocab = engine.config.vocab_size
+
+        def requests(n: int) -> list[dict]:
+            return [{"model": pick_model(rng), "prompt": rng.integers(0, vocab, int(rng.integers(65, 129))).tolist(),
+                     "max_tokens": int(rng.integers(16, 257)), "temperature": 0, "stream": True, "ignore_eos": True}
+                    for _ in range(n)]
+
+        for wave in (args.max_batch, 16, 8, 4, 2, 1):  # compiles the prefill buckets before timing
+            asyncio.run(run_rate(url, float("inf"), requests(wave), rng))
+        rows = []
+        for rate in (float(r) for r in args.rates.split(",")):
+            row = asyncio.run(run_rate(url, rate, requests(args.requests), rng))
+            row["vs_bare_throughput"] = row["tokens_per_s"] / bare["tokens_per_s"]
+            row["itl_p50_vs_bare_step"] = row["itl_p50_ms"] / bare["step_ms"]
+            rows.append(row)
+            print(f"rate {rate:>5} req/s: {row['tokens_per_s']:7.0f} tok/s ({row['vs_bare_throughput']:.0%} of bare), "
+                  f"TTFT p50 {row['ttft_p50_ms']:.0f} / p99 {row['ttft_p99_ms']:.0f} ms, inter-token p50 "
+                  f"{row['itl_p50_ms']:.2f} / p99 {row['itl_p99_ms']:.2f} ms (p50 x{row['itl_p50_vs_bare_step']:.2f} "
+                  f"the bare step)", flush=True)
+        server.should_exit = True
+    os.makedirs(args.out, exist_ok=True)
+    name = "serve_tiny" if args.tiny else "serve"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump({"device": device, "max_batch": args.max_batch, "adapters": ADAPTERS, "rank": RANK, "bare": bare,
+                   "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write(f"Device: {device}; batch {args.max_batch}; {ADAPTERS} r={RANK} adapters + base, skewed; bare engine "
+                f"loop {bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s.\n\n"
+                "| rate req/s | tok/s | of bare | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p50 / bare step |\n"
+                "|---|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            f.write(f"| {r['rate']:g} | {r['tokens_per_s']:.0f} | {r['vs_bare_throughput']:.0%} | {r['ttft_p50_ms']:.0f} | "
+                    f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
+                    f"{r['itl_p50_vs_bare_step']:.2f} |\n")
+
+
+if __name__ == "__main__":
+    main()
