@@ -8,7 +8,8 @@ through uvicorn on localhost from an asyncio client in the same process. Per arr
 to first token and inter-token latency (p50 / p99). The reference: `Engine.generate`'s decode step at batch
 `--max-batch` with the same adapters (the bare engine loop), its tokens per second and its step time.
 
-  python bench/serve.py [--rates 2,8,32,inf] [--requests 96] [--max-batch 32] [--out bench/results] [--tiny]
+  python bench/serve.py [--rates 4,16,64,inf] [--requests 96] [--max-batch 32] [--admit-delay-ms 0]
+                        [--out bench/results] [--tiny]
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ async def run_rate(url: str, rate: float, requests: list[dict], rng) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="2,8,32,inf", help="arrival rates, requests per second (inf: all at once)")
+    parser.add_argument("--rates", default="4,16,64,inf", help="arrival rates, requests per second (inf: all at once)")
     parser.add_argument("--requests", type=int, default=96, help="requests per rate")
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--admit-delay-ms", type=float, default=0.0, help="the server's admission batching")
     parser.add_argument("--tiny", action="store_true", help="a tiny float32 model (a smoke run on CPU)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -130,7 +132,7 @@ def main() -> None:
         bare = bare_loop(engine, args.max_batch, rng)
         print(f"# {device}: bare engine loop, batch {args.max_batch} on {ADAPTERS} r={RANK} adapters: "
               f"{bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s", flush=True)
-        online = OnlineEngine(engine, max_waiting=100_000)
+        online = OnlineEngine(engine, max_waiting=100_000, admit_delay=args.admit_delay_ms / 1e3)
         app = build_app(online, served_model_name="base", chat=ChatTemplate(root))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -144,13 +146,14 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}/v1/completions"
         vocab = engine.config.vocab_size
 
-        def requests(n: int) -> list[dict]:
-            return [{"model": pick_model(rng), "prompt": rng.integers(0, vocab, int(rng.integers(65, 129))).tolist(),
+        def requests(n: int, model: str | None = None) -> list[dict]:
+            return [{"model": model or pick_model(rng), "prompt": rng.integers(0, vocab, int(rng.integers(65, 129))).tolist(),
                      "max_tokens": int(rng.integers(16, 257)), "temperature": 0, "stream": True, "ignore_eos": True}
                     for _ in range(n)]
 
-        for wave in (args.max_batch, 16, 8, 4, 2, 1):  # compiles the prefill buckets before timing
-            asyncio.run(run_rate(url, float("inf"), requests(wave), rng))
+        for wave in (args.max_batch, 16, 8, 4, 2, 1):  # compiles the prefill buckets, with and without LoRA
+            for model in ("a0", "base"):
+                asyncio.run(run_rate(url, float("inf"), requests(wave, model), rng))
         rows = []
         for rate in (float(r) for r in args.rates.split(",")):
             row = asyncio.run(run_rate(url, rate, requests(args.requests), rng))
@@ -166,10 +169,11 @@ def main() -> None:
     name = "serve_tiny" if args.tiny else "serve"
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"device": device, "max_batch": args.max_batch, "adapters": ADAPTERS, "rank": RANK, "bare": bare,
-                   "rows": rows}, f, indent=1)
+                   "admit_delay_ms": args.admit_delay_ms, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(f"Device: {device}; batch {args.max_batch}; {ADAPTERS} r={RANK} adapters + base, skewed; bare engine "
-                f"loop {bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s.\n\n"
+        f.write(f"Device: {device}; batch {args.max_batch}; {ADAPTERS} r={RANK} adapters + base, skewed; admission delay "
+                f"{args.admit_delay_ms:g} ms; bare engine loop {bare['step_ms']:.2f} ms per decode step, "
+                f"{bare['tokens_per_s']:.0f} tok/s.\n\n"
                 "| rate req/s | tok/s | of bare | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p50 / bare step |\n"
                 "|---|---|---|---|---|---|---|---|\n")
         for r in rows:

@@ -93,6 +93,7 @@ def _serve(args) -> int:
         raise ValueError(f"{len(args.lora)} --lora adapters but --max-loras {args.max_loras}")
     serve(args.model, loras=args.lora, served_model_name=args.served_model_name, host=args.host, port=args.port,
           api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora, max_waiting=args.max_waiting,
+          admit_delay=args.admit_delay_ms / 1e3,
           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_batch=args.max_batch,
           max_seq_len=args.max_seq_len, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     return 0
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--allow-runtime-lora", action="store_true",
                      help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     srv.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond which new ones get 503")
+    srv.add_argument("--admit-delay-ms", type=float, default=0.0,
+                     help="batch admissions: while few rows are free, prefill once the oldest request waited this long")
     srv.add_argument("--max-loras", type=int, default=8, help="adapter slots on the device")
     srv.add_argument("--max-lora-rank", type=int, default=64)
     srv.add_argument("--max-batch", type=int, default=32, help="requests decoding together")

@@ -50,6 +50,7 @@ class Request:
     finish: str | None = None
     cancelled: bool = False
     error: str | None = None
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() of its first token
 
     def _notify(self) -> None:
@@ -59,11 +60,18 @@ class Request:
 
 class Batcher:
     """Runs requests on `engine` in `num_rows` cache rows of `max_seq` positions (each request's prompt plus
-    max_new must fit). Not thread-safe: one thread adds, cancels and steps."""
+    max_new must fit). Not thread-safe: one thread adds, cancels and steps.
 
-    def __init__(self, engine: Engine, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None):
+    `admit_delay` (seconds) batches admissions: while rows decode and fewer than a quarter of them are free,
+    waiting requests are prefilled only once the oldest has waited that long, so that one prefill (which
+    stalls every decoding row) takes in several requests. 0: admit at once.
+    """
+
+    def __init__(self, engine: Engine, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None,
+                 admit_delay: float = 0.0):
         self.engine = engine
         self.num_rows, self.max_seq = num_rows, max_seq
+        self.admit_delay = admit_delay
         self.progress = progress
         self.cache = engine.new_cache(num_rows, max_seq)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -119,6 +127,11 @@ class Batcher:
             self.last_token[row] = token
             r._notify()
 
+    def _hold_admission(self, free: int) -> bool:
+        """Whether to decode once more before admitting (see `admit_delay`)."""
+        return (self.admit_delay > 0 and free < self.num_rows // 4 and free < len(self.waiting)
+                and self.num_running > 0 and time.monotonic() - self.waiting[0].arrival < self.admit_delay)
+
     def _collect(self) -> None:
         """Reads the step in flight and records its tokens."""
         tokens, rows = np.asarray(self.in_flight[0])[:, 0], self.in_flight[1]
@@ -132,7 +145,7 @@ class Batcher:
     def step(self) -> None:
         """One step: admit waiting requests into free rows (a prefill), else decode the running rows."""
         free = [row for row in range(self.num_rows) if self.running[row] is None]
-        if self.waiting and free:
+        if self.waiting and free and not self._hold_admission(len(free)):
             if self.in_flight is not None:
                 self._collect()
                 return

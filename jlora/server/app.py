@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -149,8 +150,18 @@ class _Api:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         strings = settings.pop("strings")
-        request = Request(prompt, -1, **settings,
-                          on_update=lambda r: loop.call_soon_threadsafe(updates.put_nowait, None))
+        woken = threading.Event()  # an update is on its way to the event loop: later ones ride along
+
+        def wake() -> None:
+            woken.clear()
+            updates.put_nowait(None)
+
+        def on_update(r: Request) -> None:  # on the engine thread, after every token
+            if not woken.is_set():
+                woken.set()
+                loop.call_soon_threadsafe(wake)
+
+        request = Request(prompt, -1, **settings, on_update=on_update)
         try:
             self.online.submit(request, adapter)
         except QueueFull as err:

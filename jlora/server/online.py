@@ -27,13 +27,16 @@ class QueueFull(RuntimeError):
 
 class OnlineEngine:
     """`engine` served online: requests join between steps, rows `bucket(engine.max_batch)` of
-    `engine.max_seq_len` positions. `start()` runs the loop thread; `stop()` ends it."""
+    `engine.max_seq_len` positions (`admit_delay`: see `Batcher`). `start()` runs the loop thread; `stop()`
+    ends it."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256, metrics: Metrics | None = None):
+    def __init__(self, engine: Engine, *, max_waiting: int = 256, admit_delay: float = 0.0,
+                 metrics: Metrics | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
-        self.batcher = Batcher(engine, bucket(engine.max_batch), bucket(engine.max_seq_len, 16))
+        self.batcher = Batcher(engine, bucket(engine.max_batch), bucket(engine.max_seq_len, 16),
+                               admit_delay=admit_delay)
         self._inbox: queue.Queue = queue.Queue()
         self._queued = 0  # submitted, not yet taken in by the loop
         self._lock = threading.Lock()
