@@ -102,7 +102,8 @@ def _serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jlora", description="Multi-LoRA inference for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="random model + PEFT adapters: generate a mixed batch, check against merged weights")
+    demo = sub.add_parser("demo", help="random model + PEFT adapters: generate a mixed batch, check against merged weights")
+    demo.add_argument("--out", help="keep the model (OUT/model) and adapters (OUT/<name>) in this directory")
     sub.add_parser("selfcheck", help="check the multi-LoRA ops on random data against a float64 oracle")
 
     gen = sub.add_parser("generate", help="generate with a HF model and PEFT adapters")
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from jlora.demo import run_demo
 
-        return 0 if run_demo() else 1
+        return 0 if run_demo(out_dir=args.out) else 1
     if args.command == "selfcheck":
         from jlora.selfcheck import run_selfcheck
 

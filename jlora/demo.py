@@ -10,6 +10,7 @@ on a GPU it uses the Pallas kernels.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -42,10 +43,15 @@ PROMPTS = [
 TOLERANCE = 1e-3
 
 
-def run_demo(max_new_tokens: int = 16) -> bool:
+def run_demo(max_new_tokens: int = 16, out_dir: str | None = None) -> bool:
+    """Runs the demo; with `out_dir`, the model (`out_dir/model`) and adapters (`out_dir/<name>`) stay there,
+    e.g. to serve them."""
     cfg = testing.tiny_config("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                               num_attention_heads=8, num_key_value_heads=4)
-    with tempfile.TemporaryDirectory(prefix="jlora-demo-") as root:
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+    keep = contextlib.nullcontext(out_dir) if out_dir is not None else None
+    with keep or tempfile.TemporaryDirectory(prefix="jlora-demo-") as root:
         model_dir = os.path.join(root, "model")
         testing.write_model(model_dir, cfg, seed=0)
         testing.write_tokenizer(model_dir, cfg["vocab_size"])
