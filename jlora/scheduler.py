@@ -34,8 +34,8 @@ __all__ = ["Batcher", "Request"]
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request. `out` grows as tokens arrive; `finish` is set when it ends: "stop" (a stop
-    token, not included), "length" (max_new tokens), "cancelled", or "error" (with `error`, set by whoever
-    refused it). `on_update(request)`, when given, is called on the batcher's thread after every new token
+    token, not included), "length" (max_new tokens), "cancelled", or, with `error` saying why, "error" (refused
+    at intake) or "failed" (the engine failed). `on_update(request)`, when given, is called on the batcher's thread after every new token
     and once more when the request ends."""
 
     prompt: list[int]
@@ -193,13 +193,13 @@ class Batcher:
         temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
         for i, (row, r) in enumerate(admitted):
             rows[i], last[i], seeds[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.seed, r.temperature, r.top_p
+            self.running[row] = r  # before the step: a step that raises leaves its requests findable
+            self.position[row] = len(r.prompt)
         next_tokens, self.cache = self.engine._step(tokens, positions, valid, rows, last, self.cache,
                                                     slots.reshape(-1), seeds, np.zeros(n, np.int32), temps, top_ps,
                                                     _nucleus(temps, top_ps))
         next_tokens = np.asarray(next_tokens)[:, 0]
-        for i, (row, r) in enumerate(admitted):
-            self.running[row] = r
-            self.position[row] = len(r.prompt)
+        for i, (row, _) in enumerate(admitted):
             self._record(row, int(next_tokens[i]))
 
 

@@ -179,8 +179,8 @@ class _Api:
         finally:
             if request.finish is None:
                 self.online.cancel(request)  # the client went away
-        if request.finish == "error":
-            raise ApiError(404, request.error, "model", "NotFoundError")
+        if request.finish in ("error", "failed"):
+            raise _request_error(request)
         finish = text.finish or _finish_reason(request)
         usage = _usage(request)
         if chat:
@@ -213,9 +213,8 @@ class _Api:
             sent = 0  # tokens reported so far
             while True:
                 done = await _finished(http, request, updates, text)
-                if request.finish == "error":
-                    error = {"message": request.error, "type": "NotFoundError", "param": "model", "code": 404}
-                    yield f"data: {json.dumps({'error': error})}\n\n"
+                if request.finish in ("error", "failed"):
+                    yield f"data: {_request_error(request).response().body.decode()}\n\n"
                     break
                 piece, ids = text.take(), request.out[sent:]
                 sent += len(ids)
@@ -275,6 +274,13 @@ async def _finished(http: HTTPRequest, request: Request, updates: asyncio.Queue,
         updates.get_nowait()
     done = request.finish is not None
     return text.update(list(request.out), done) or done  # the caller cancels a request a stop string ended
+
+
+def _request_error(request: Request) -> ApiError:
+    """The error of a request refused at intake (its adapter gone: 404) or failed in the engine (500)."""
+    if request.finish == "error":
+        return ApiError(404, request.error, "model", "NotFoundError")
+    return ApiError(500, request.error, kind="server_error")
 
 
 def _finish_reason(request: Request) -> str:

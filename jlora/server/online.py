@@ -12,6 +12,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from jlora.engine import Engine, bucket
@@ -124,6 +125,14 @@ class OnlineEngine:
         self.metrics.prompt_tokens.inc(len(request.prompt))
         self.batcher.add(request)
 
+    def _fail_all(self, message: str) -> None:
+        """Ends every waiting and running request with finish "failed" and starts over on a fresh cache."""
+        old = self.batcher
+        self.batcher = Batcher(self.engine, old.num_rows, old.max_seq, admit_delay=old.admit_delay)
+        for r in [*old.waiting, *(r for r in old.running if r is not None)]:
+            r.error, r.finish = message, "failed"
+            r._notify()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:  # block for work when idle; between steps take whatever has arrived
@@ -134,7 +143,11 @@ class OnlineEngine:
                 pass
             if self.batcher.busy:
                 start = time.monotonic()
-                self.batcher.step()
+                try:
+                    self.batcher.step()
+                except Exception as err:  # a failed step must not hang its requests, nor stop the server
+                    traceback.print_exc()
+                    self._fail_all(f"the engine step failed: {type(err).__name__}: {err}")
                 self.metrics.step_seconds.observe(time.monotonic() - start)
             self.metrics.running.set(self.batcher.num_running)
             self.metrics.waiting.set(self.num_waiting)

@@ -1,0 +1,48 @@
+"""The online engine in process: requests over time equal the engine's own generation, and a failing step
+ends its requests with an error instead of hanging them, and the loop serves on."""
+
+import threading
+
+import pytest
+
+from jlora import testing
+from jlora.engine import Engine
+from jlora.scheduler import Request
+from jlora.server.online import OnlineEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("online")
+    cfg = testing.tiny_config("llama")
+    testing.write_model(str(root / "m"), cfg, seed=3)
+    testing.write_adapter(str(root / "a"), cfg, r=4, alpha=8, seed=4)
+    eng = Engine.from_pretrained(str(root / "m"), dtype="float32", max_batch=2, max_seq_len=32, progress=False)
+    eng.load_adapter("a", str(root / "a"))
+    return eng
+
+
+def run(online: OnlineEngine, prompt, adapter, max_new: int) -> Request:
+    done = threading.Event()
+    request = Request(prompt, -1, max_new, on_update=lambda r: r.finish is not None and done.set())
+    online.submit(request, adapter)
+    assert done.wait(60)
+    return request
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypatch):
+    online = OnlineEngine(engine)
+    online.start()
+    try:
+        want = [list(g) for g in engine.generate([[1, 2, 3], [4, 5]], ["a", None], max_new_tokens=5)]
+        assert [run(online, [1, 2, 3], "a", 5).out, run(online, [4, 5], None, 5).out] == want
+        step = engine._step
+        monkeypatch.setattr(engine, "_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+        failed = run(online, [1, 2, 3], "a", 5)
+        assert failed.finish == "failed" and "device lost" in failed.error
+        monkeypatch.setattr(engine, "_step", step)
+        assert run(online, [1, 2, 3], "a", 5).out == want[0]
+        assert run(online, [1], "gone", 5).finish == "error"  # an adapter not loaded: refused at intake
+        online.call(lambda: engine.unload_adapter("a")).result(timeout=10)  # no hold leaked by the failed request
+    finally:
+        online.stop()
