@@ -4,6 +4,7 @@ plain HTTP. Greedy outputs equal `Engine.generate` of the same requests; a load 
 loads and unloads; bad input answers 4xx and the server keeps serving."""
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -64,8 +65,8 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(root):
-    loras = [a for name in ("a0", "a1", "a2") for a in ("--lora", f"{name}={root / name}")]
-    proc, url = _start(str(root / "m"), *loras, "--max-loras", "4", "--max-lora-rank", "8", "--max-batch", "8",
+    loras = [a for name in ADAPTERS for a in ("--lora", f"{name}={root / name}")]
+    proc, url = _start(str(root / "m"), *loras, "--max-loras", "5", "--max-lora-rank", "8", "--max-batch", "8",
                        "--api-key", KEY, "--allow-runtime-lora", "--served-model-name", "tiny")
     yield url
     proc.terminate()
@@ -75,7 +76,7 @@ def server(root):
 @pytest.fixture(scope="module")
 def engine(root):
     """The same model in this process: what the server's answers must equal."""
-    eng = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=4, max_lora_rank=8, max_seq_len=MAX_SEQ,
+    eng = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=5, max_lora_rank=8, max_seq_len=MAX_SEQ,
                                  progress=False)
     for name in ADAPTERS:
         eng.load_adapter(name, str(root / name))
@@ -121,15 +122,15 @@ def test_completions_and_chat_equal_the_engine(server, engine):
 
 def test_models_lists_the_base_and_adapters(server, root):
     data = {m.id: m for m in client(server).models.list().data}
-    assert set(data) >= {"tiny", "a0", "a1", "a2"}
+    assert set(data) >= {"tiny", *ADAPTERS}
     assert data["a1"].parent == "tiny" and data["a1"].root == str(root / "a1")
 
 
 def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
     rng = np.random.default_rng(0)
-    names = [None, "a0", "a1", "a2"]
+    names = [None, *ADAPTERS]  # 4 adapters and the base model
     prompts = [rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 20))).tolist() for _ in range(64)]
-    adapters = [names[i] for i in rng.integers(0, 4, 64)]
+    adapters = [names[i] for i in rng.integers(0, len(names), 64)]
     lengths = rng.integers(1, 12, 64).tolist()
     want = {}
     for n in set(lengths):  # what each request generates alone (batch invariance: the same as batched)
@@ -176,21 +177,28 @@ def test_runtime_load_and_unload(server, root, engine):
     bad = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "nope")})
     assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
     assert models() == before  # a failed load leaves the served adapters as they were
-    assert post("/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": str(root / "a3")}).status_code == 200
+    assert post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(root / "a3")}).status_code == 200
     want = engine.generate(["the fox"], ["a3"], max_new_tokens=4)[0].text
-    assert client(server).completions.create(model="a3", prompt="the fox", max_tokens=4, temperature=0).choices[0].text == want
+    assert client(server).completions.create(model="late", prompt="the fox", max_tokens=4, temperature=0).choices[0].text == want
     # Unloading an adapter while a request uses it fails (409) and the request completes unchanged.
-    body = {"model": "a3", "prompt": "fox", "max_tokens": MAX_SEQ - 1, "stream": True, "temperature": 0}
-    with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers) as response:
-        busy = post("/v1/unload_lora_adapter", {"lora_name": "a3"})  # the request was taken in before it
+    # 8 long base-model requests fill the rows first, so the adapter's request waits (holding its adapter from
+    # its intake) and cannot finish before the unload arrives.
+    filler = {"model": "tiny", "prompt": "dog", "max_tokens": MAX_SEQ - 1, "stream": True, "ignore_eos": True}
+    body = {"model": "late", "prompt": "fox", "max_tokens": MAX_SEQ - 1, "stream": True, "temperature": 0}
+    with contextlib.ExitStack() as stack:
+        fillers = [stack.enter_context(httpx.stream("POST", server + "/v1/completions", json=filler, headers=headers))
+                   for _ in range(8)]
+        response = stack.enter_context(httpx.stream("POST", server + "/v1/completions", json=body, headers=headers))
+        busy = post("/v1/unload_lora_adapter", {"lora_name": "late"})  # the request was taken in before it
         assert busy.status_code == 409 and "used by running requests" in busy.json()["error"]["message"]
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert all(f.status_code == 200 for f in fillers)
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert text == engine.generate(["fox"], ["a3"], max_new_tokens=MAX_SEQ - 1)[0].text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert post("/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 200
-    assert "a3" not in models()
-    assert post("/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 404
+    assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    assert "late" not in models()
+    assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404
 
 
 @pytest.mark.parametrize("body, status, match", [
