@@ -5,10 +5,12 @@ import threading
 
 import pytest
 
-from jlora import testing
-from jlora.engine import Engine
-from jlora.scheduler import Request
-from jlora.server.online import OnlineEngine
+pytest.importorskip("prometheus_client")  # the server's metrics (absent on the GPU machine)
+
+from jlora import testing  # noqa: E402
+from jlora.engine import Engine  # noqa: E402
+from jlora.scheduler import Request  # noqa: E402
+from jlora.server.online import OnlineEngine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
