@@ -50,8 +50,10 @@ def run_demo(max_new_tokens: int = 16, out_dir: str | None = None) -> bool:
                               num_attention_heads=8, num_key_value_heads=4)
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
-    keep = contextlib.nullcontext(out_dir) if out_dir is not None else None
-    with keep or tempfile.TemporaryDirectory(prefix="jlora-demo-") as root:
+        where = contextlib.nullcontext(out_dir)
+    else:
+        where = tempfile.TemporaryDirectory(prefix="jlora-demo-")
+    with where as root:
         model_dir = os.path.join(root, "model")
         testing.write_model(model_dir, cfg, seed=0)
         testing.write_tokenizer(model_dir, cfg["vocab_size"])

@@ -7,8 +7,8 @@ weights reach only its own tokens, whatever values they hold (NaN and inf includ
 rather than multiplies by zero). One exception: the pallas expand reads B in 16-column chunks up to the rank,
 so B's columns past the rank inside its last chunk must be finite (the adapter pool stores zeros there).
 
-Backends: "reference" (per-slot products, selected per token), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in plain
-jnp: each token reads its own slot's weights inside one fused XLA reduction), "pallas" (the segmented
+Backends: "reference" (contractions over slots), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in
+plain jnp: each token reads its own slot's weights inside one fused XLA reduction), "pallas" (the segmented
 kernels in `jlora.pallas`; on CPU they run in interpret mode) and "auto": on GPU, gather for calls whose
 tokens x max rank is at most `GATHER_MAX_TOKEN_RANK` (decode) and pallas above; reference elsewhere.
 """
@@ -267,6 +267,5 @@ def _embedding(token_ids, a_emb, b_emb, info, base, *, backend):
     # The A side of an embedding LoRA is a lookup: row `token_id` of Aᵀ, scaled and rank-masked.
     slot = jnp.maximum(info.token_slot, 0)
     rows = a_emb[slot, :, jnp.clip(token_ids, 0, a_emb.shape[2] - 1)]  # [T, R]
-    scale = reference.column_scale(info, a_emb.shape[1], 1, scaled=True)
-    s = jnp.where(scale != 0, rows.astype(jnp.float32) * scale, 0.0).astype(base.dtype)
+    s = reference.scale_rows(rows.astype(jnp.float32), info, a_emb.shape[1], 1).astype(base.dtype)
     return _expand(s, b_emb, info, base, slice_sizes=(b_emb.shape[1],), backend=backend)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jlora.batch_info import LoRABatchInfo
 from jlora.precision import dot_precision
 
-__all__ = ["column_scale", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged",
+__all__ = ["column_scale", "scale_rows", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged",
            "shrink_gather", "expand_gather"]
 
 _F32 = jnp.float32
@@ -45,6 +45,18 @@ def _in_rank(ranks: jax.Array, rank: int) -> jax.Array:
     return jnp.arange(rank)[None, :] < ranks[:, None]
 
 
+def _a_in_rank(a: jax.Array, info: LoRABatchInfo, num_slices: int) -> jax.Array:
+    """A [L, S·R, K] with each slot's rows past its rank selected out (0, whatever they held)."""
+    in_rank = jnp.tile(_in_rank(info.ranks, a.shape[1] // num_slices), (1, num_slices))
+    return jnp.where(in_rank[:, :, None], a, 0)
+
+
+def scale_rows(y: jax.Array, info: LoRABatchInfo, rank: int, num_slices: int) -> jax.Array:
+    """y [T, S·R] f32 times each token's slot scaling, columns past its rank and slot -1 rows selected to 0."""
+    scale = column_scale(info, rank, num_slices, scaled=True)
+    return jnp.where(scale != 0, y * scale, 0.0)
+
+
 def _slice_bounds(slice_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
     """[(start, stop)] of each output slice in the fused N dimension."""
     bounds, start = [], 0
@@ -56,12 +68,10 @@ def _slice_bounds(slice_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
 
 def shrink_reference(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
     """x [T, K] @ A[slot]ᵀ -> [T, S·R] in x.dtype: every slot's product [T, L, S·R], each token's own selected."""
-    rank = a.shape[1] // num_slices
-    a = jnp.where(jnp.tile(_in_rank(info.ranks, rank), (1, num_slices))[:, :, None], a, 0)  # rows past the rank: 0
+    a = _a_in_rank(a, info, num_slices)
     y = jnp.einsum("tk,lrk->tlr", x, a, preferred_element_type=_F32, precision=dot_precision(x.dtype))
     y = jnp.sum(jnp.where(_own_slot(info)[:, :, None], y, 0.0), axis=1)
-    scale = column_scale(info, rank, num_slices, scaled=True)
-    return jnp.where(scale != 0, y * scale, 0.0).astype(x.dtype)
+    return scale_rows(y, info, a.shape[1] // num_slices, num_slices).astype(x.dtype)
 
 
 def expand_reference(
@@ -99,11 +109,8 @@ def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.A
 
 def shrink_ragged(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
     """`shrink_reference` through `jax.lax.ragged_dot` on tokens sorted by slot."""
-    rank = a.shape[1] // num_slices
-    a = jnp.where(jnp.tile(_in_rank(info.ranks, rank), (1, num_slices))[:, :, None], a, 0)  # rows past the rank: 0
-    y = _ragged(x[info.sorted_idx], jnp.swapaxes(a, 1, 2), info)
-    scale = column_scale(info, rank, num_slices, scaled=True)
-    return jnp.where(scale != 0, y * scale, 0.0).astype(x.dtype)
+    y = _ragged(x[info.sorted_idx], jnp.swapaxes(_a_in_rank(a, info, num_slices), 1, 2), info)
+    return scale_rows(y, info, a.shape[1] // num_slices, num_slices).astype(x.dtype)
 
 
 def expand_ragged(
@@ -123,11 +130,9 @@ def expand_ragged(
 
 def shrink_gather(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
     """`shrink_reference` as a batched gather-matvec: row t of [T, S·R] is x[t] @ A[slot(t)]ᵀ."""
-    rank = a.shape[1] // num_slices
     slot = jnp.maximum(info.token_slot, 0)
     y = jnp.sum(x.astype(_F32)[:, None, :] * a[slot].astype(_F32), axis=-1)  # [T, S·R]; a[slot] stays fused
-    scale = column_scale(info, rank, num_slices, scaled=True)
-    return jnp.where(scale != 0, y * scale, 0.0).astype(x.dtype)  # where: past-rank rows may hold anything
+    return scale_rows(y, info, a.shape[1] // num_slices, num_slices).astype(x.dtype)
 
 
 def expand_gather(
