@@ -24,7 +24,7 @@ import kernels as kb  # noqa: E402
 import model as mb  # noqa: E402
 import jlora.models.llama as llama  # noqa: E402
 from jlora import ops, reference  # noqa: E402
-from jlora.engine import forward, row_tile  # noqa: E402
+from jlora.runner import forward, row_tile  # noqa: E402
 
 _F32 = jnp.float32
 

@@ -44,7 +44,7 @@ import numpy as np
 import jlora
 from common import copy_bandwidth, trace_kernels
 from jlora import LoRABatchInfo
-from jlora.engine import row_tile
+from jlora.runner import row_tile
 
 CALLS, STACKS, RUNS, REPEATS = 32, 8, 4, 5
 REQUEST_LEN = 128  # prefill tokens per request

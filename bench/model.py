@@ -28,7 +28,8 @@ from flax import nnx
 
 from common import copy_bandwidth, kernel_durations, trace_events
 from jlora.adapters.peft import LINEAR_MODULES
-from jlora.engine import Engine, ModelDef, bucket, forward
+from jlora.engine import Engine
+from jlora.runner import ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights
@@ -332,7 +333,7 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, deg
         for i in range(SLOTS):
             engine.load_adapter(f"a{i}", adapter_dir)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt_len)).tolist()
-    cache = engine.new_cache(batch, bucket(prompt_len + new_tokens, 16))
+    cache = engine.runner.new_cache(batch, bucket(prompt_len + new_tokens, 16))
     tokens = np.zeros((batch, 1), np.int32)  # host arrays, as the engine passes them
     positions = np.full((batch, 1), prompt_len + new_tokens // 2, np.int32)
     for name, adapters, lora, slots in (
@@ -349,8 +350,8 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, deg
         prefill = statistics.median(run(1) for _ in range(3))
         total = statistics.median(run(new_tokens) for _ in range(3))
         step = (total - prefill) / (new_tokens - 1)
-        bare, _, cache = time_steps(engine.model_def, engine.params, tokens, positions, cache, lora, slots,
-                                    engine.pool.ranks.copy(), 16, engine.tp)
+        bare, _, cache = time_steps(engine.runner.model_def, engine.runner.params, tokens, positions, cache, lora, slots,
+                                    engine.pool.ranks.copy(), 16, engine.runner.tp)
         rows.append(dict(case=name, tp=degree, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                          engine_step_ms=step * 1e3, bare_step_ms=bare * 1e3, engine_vs_bare=step / bare,
                          decode_tokens_per_s=batch / step, generate_s=total))

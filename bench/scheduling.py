@@ -18,7 +18,7 @@ import statistics
 
 import jax
 
-from jlora.engine import forward
+from jlora.runner import forward
 from model import CONTEXT, llama3_8b, random_model, setup, time_alternating
 
 CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}

@@ -21,12 +21,9 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from jlora.engine import Engine
+from jlora.runner import ModelRunner, pack_prompts
 
 __all__ = ["Batcher", "Request"]
 
@@ -59,7 +56,7 @@ class Request:
 
 
 class Batcher:
-    """Runs requests on `engine` in `num_rows` cache rows of `max_seq` positions (each request's prompt plus
+    """Runs requests on `runner` in `num_rows` cache rows of `max_seq` positions (each request's prompt plus
     max_new must fit). Not thread-safe: one thread adds, cancels and steps.
 
     `admit_delay` (seconds) batches admissions: while rows decode and fewer than a quarter of them are free,
@@ -67,13 +64,13 @@ class Batcher:
     stalls every decoding row) takes in several requests. 0: admit at once.
     """
 
-    def __init__(self, engine: Engine, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None,
+    def __init__(self, runner: ModelRunner, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None,
                  admit_delay: float = 0.0):
-        self.engine = engine
+        self.runner = runner
         self.num_rows, self.max_seq = num_rows, max_seq
         self.admit_delay = admit_delay
         self.progress = progress
-        self.cache = engine.new_cache(num_rows, max_seq)
+        self.cache = runner.new_cache(num_rows, max_seq)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * num_rows
         self.position = np.zeros(num_rows, np.int32)  # next cache index of each row
@@ -172,9 +169,9 @@ class Batcher:
             slots[row], seeds[row], temps[row], top_ps[row] = r.slot, r.seed, r.temperature, r.top_p
             token_index[row] = len(r.out) + (row in pending)
         # [B, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
-        last = (self.engine._like_step_outputs(self.last_token[:, None]) if self.in_flight is None
+        last = (self.runner.like_step_outputs(self.last_token[:, None]) if self.in_flight is None
                 else self.in_flight[0])
-        tokens, self.cache = self.engine._step(
+        tokens, self.cache = self.runner.step(
             last, np.where(active, self.position, 0)[:, None], active[:, None], None, np.zeros(n, np.int32),
             self.cache, slots, seeds, token_index, temps, top_ps, _nucleus(temps, top_ps))
         self.position[rows] += 1
@@ -184,8 +181,6 @@ class Batcher:
 
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
         """Prefills admitted requests into their cache rows and records each one's first token."""
-        from jlora.engine import pack_prompts
-
         tokens, positions, slots, valid = pack_prompts([r.prompt for _, r in admitted], [r.slot for _, r in admitted])
         n = tokens.shape[0]
         # Padding requests: slot -1 and no valid token (pack_prompts), so no cache write; row 0, greedy.
@@ -195,7 +190,7 @@ class Batcher:
             rows[i], last[i], seeds[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.seed, r.temperature, r.top_p
             self.running[row] = r  # before the step: a step that raises leaves its requests findable
             self.position[row] = len(r.prompt)
-        next_tokens, self.cache = self.engine._step(tokens, positions, valid, rows, last, self.cache,
+        next_tokens, self.cache = self.runner.step(tokens, positions, valid, rows, last, self.cache,
                                                     slots.reshape(-1), seeds, np.zeros(n, np.int32), temps, top_ps,
                                                     _nucleus(temps, top_ps))
         next_tokens = np.asarray(next_tokens)[:, 0]

@@ -192,8 +192,8 @@ def compile_prefill(engine, prompts: list[list[int]]) -> None:
     """Runs `engine`'s prefill of `prompts` with and without the LoRA ops (the two variants `prefill_logits`
     compiles per shape), the LoRA one with every token on slot 0 whether or not an adapter is loaded there:
     what a test compiles before it loads adapters and checks that nothing recompiles."""
-    from jlora.engine import pack_prompts
+    from jlora.runner import pack_prompts
 
     engine.prefill_logits(prompts, [None] * len(prompts))
     tokens, positions, token_slot, _ = pack_prompts(prompts, [0] * len(prompts))
-    engine.run(tokens, positions, token_slot.reshape(-1), engine.new_cache(*tokens.shape))
+    engine.runner.run(tokens, positions, token_slot.reshape(-1), engine.runner.new_cache(*tokens.shape))

@@ -5,7 +5,8 @@ import pytest
 
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
-from jlora.engine import Engine, generate_step
+from jlora.engine import Engine
+from jlora.runner import generate_step
 
 CFG = testing.tiny_config("llama")
 
@@ -65,22 +66,22 @@ def test_garbage_in_a_free_slot_changes_nothing(engine):
         clean)
     try:
         for backend in ("reference", "ragged", "gather", "pallas"):
-            engine.backend = backend
+            engine.runner.backend = backend
             out = engine.generate(PROMPTS, ["a0", None, "a0", None, "a0"], max_new_tokens=4)
             assert [list(o) for o in out] == ref, backend
     finally:
-        engine.pool.weights, engine.backend = clean, "auto"
+        engine.pool.weights, engine.runner.backend = clean, "auto"
 
 
 def test_pallas_backend_generates_the_same(engine):
     # Under "pallas" the decode steps also run the decode-attention kernel, over the rows the continuous
     # batching hands out (interpret mode on CPU).
     ref = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=4)
-    backend, engine.backend = engine.backend, "pallas"
+    backend, engine.runner.backend = engine.runner.backend, "pallas"
     try:
         out = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=4)
     finally:
-        engine.backend = backend
+        engine.runner.backend = backend
     assert [list(o) for o in out] == [list(r) for r in ref]
 
 
@@ -125,15 +126,15 @@ def test_compilations_bounded_over_1000_decode_steps_with_loads(engine):
 
 
 def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):
-    import jlora.engine as engine_module
+    import jlora.runner as runner_module
 
     seen = []
 
     def recording(step, lora_arg):  # records the LoRA weights each step is given, then runs it
         return lambda *args, **kwargs: seen.append(args[lora_arg]) or step(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "forward", recording(engine_module.forward, 5))
-    monkeypatch.setattr(engine_module, "generate_step", recording(engine_module.generate_step, 8))
+    monkeypatch.setattr(runner_module, "forward", recording(runner_module.forward, 5))
+    monkeypatch.setattr(runner_module, "generate_step", recording(runner_module.generate_step, 8))
     engine.prefill_logits([[1, 2]], [None])
     engine.generate([[1, 2]], [None], max_new_tokens=3)
     assert seen and all(w is None for w in seen)

@@ -23,7 +23,8 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     import numpy as np
 
     from jlora import testing
-    from jlora.engine import Engine, forward, generate_step
+    from jlora.engine import Engine
+    from jlora.runner import forward, generate_step
 
     root = tempfile.mkdtemp()
     cfg = testing.tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=128,
@@ -38,7 +39,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
         engine = Engine.from_pretrained(f"{root}/m", dtype="float32", tensor_parallel=size, backend=backend,
                                         max_loras=2, max_lora_rank=8, progress=False)
         if size > 1:
-            assert engine.tp.vocab_parallel == (vocab % tp == 0 and not tied)
+            assert engine.runner.tp.vocab_parallel == (vocab % tp == 0 and not tied)
         for _ in range(2):  # compiled on the empty slots (twice: a first Pallas trace registers more JAX config)
             testing.compile_prefill(engine, prompts)
         compiled = forward._cache_size()
@@ -91,7 +92,7 @@ def load_peak(root: str) -> None:
     testing.write_model(root, cfg)
     engine = Engine.from_pretrained(root, dtype="bfloat16", tensor_parallel=2, max_loras=1, max_lora_rank=8,
                                     progress=False)
-    model_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))  # global sizes, bf16
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))  # global sizes, bf16
     peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
     assert peak < model_bytes, (peak, model_bytes)
     assert len(engine.generate([[1, 2, 3]], [None], max_new_tokens=4)[0]) == 4

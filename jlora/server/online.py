@@ -15,7 +15,8 @@ import time
 import traceback
 from collections.abc import Callable
 
-from jlora.engine import Engine, bucket
+from jlora.engine import Engine
+from jlora.runner import bucket
 from jlora.scheduler import Batcher, Request
 from jlora.server.metrics import Metrics
 
@@ -36,7 +37,7 @@ class OnlineEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
-        self.batcher = Batcher(engine, bucket(engine.max_batch), bucket(engine.max_seq_len, 16),
+        self.batcher = Batcher(engine.runner, bucket(engine.max_batch), bucket(engine.max_seq_len, 16),
                                admit_delay=admit_delay)
         self._inbox: queue.Queue = queue.Queue()
         self._queued = 0  # submitted, not yet taken in by the loop
@@ -128,7 +129,7 @@ class OnlineEngine:
     def _fail_all(self, message: str) -> None:
         """Ends every waiting and running request with finish "failed" and starts over on a fresh cache."""
         old = self.batcher
-        self.batcher = Batcher(self.engine, old.num_rows, old.max_seq, admit_delay=old.admit_delay)
+        self.batcher = Batcher(self.engine.runner, old.num_rows, old.max_seq, admit_delay=old.admit_delay)
         for r in [*old.waiting, *(r for r in old.running if r is not None)]:
             r.error, r.finish = message, "failed"
             r._notify()

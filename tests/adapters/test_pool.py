@@ -9,7 +9,8 @@ import pytest
 
 from jlora import testing
 from jlora.adapters import AdapterError, PoolFullError
-from jlora.engine import Engine, forward
+from jlora.engine import Engine
+from jlora.runner import forward
 
 CFG = testing.tiny_config("llama")
 

@@ -9,7 +9,8 @@ import pytest
 
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
-from jlora.engine import Engine, forward
+from jlora.engine import Engine
+from jlora.runner import forward
 from jlora.models.llama import KVCache
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
@@ -107,14 +108,14 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, backend):
     # Prefill the first 4 tokens, then feed tokens 4..7 one by one through the cache.
     max_seq, split = 16, 4
     slot = np.array([engine.pool.slot("a"), -1], np.int32)
-    cache = KVCache.zeros(engine.config, 2, max_seq, engine.dtype)
+    cache = KVCache.zeros(engine.config, 2, max_seq, engine.runner.dtype)
     tokens = np.array([p[:split] for p in prompts], np.int32)
     positions = np.broadcast_to(np.arange(split, dtype=np.int32), (2, split))
-    logits, cache = engine.run(tokens, positions, np.repeat(slot, split), cache)
+    logits, cache = engine.runner.run(tokens, positions, np.repeat(slot, split), cache)
     steps = [np.asarray(logits)]
     for pos in range(split, 8):
         tok = np.array([[p[pos]] for p in prompts], np.int32)
-        logits, cache = engine.run(tok, np.full((2, 1), pos, np.int32), slot, cache)
+        logits, cache = engine.runner.run(tok, np.full((2, 1), pos, np.int32), slot, cache)
         steps.append(np.asarray(logits))
     decoded = np.concatenate(steps, axis=1)
     for i in range(2):
@@ -133,7 +134,7 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
     slots = jnp.asarray([0, -1, 0], jnp.int32)
     tokens = jnp.asarray([[3], [5], [7]], jnp.int32)
     positions = jnp.asarray([[2], [4], [0]], jnp.int32)
-    args = (engine.model_def, engine.params, tokens, positions)
+    args = (engine.runner.model_def, engine.runner.params, tokens, positions)
     rest = (engine.pool.weights, slots, jnp.asarray(engine.pool.ranks))
     outs, texts = {}, {}
     for base_first in (False, True):

@@ -38,11 +38,11 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypa
     try:
         want = [list(g) for g in engine.generate([[1, 2, 3], [4, 5]], ["a", None], max_new_tokens=5)]
         assert [run(online, [1, 2, 3], "a", 5).out, run(online, [4, 5], None, 5).out] == want
-        step = engine._step
-        monkeypatch.setattr(engine, "_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+        step = engine.runner.step
+        monkeypatch.setattr(engine.runner, "step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
         failed = run(online, [1, 2, 3], "a", 5)
         assert failed.finish == "failed" and "device lost" in failed.error
-        monkeypatch.setattr(engine, "_step", step)
+        monkeypatch.setattr(engine.runner, "step", step)
         assert run(online, [1, 2, 3], "a", 5).out == want[0]
         assert run(online, [1], "gone", 5).finish == "error"  # an adapter not loaded: refused at intake
         online.call(lambda: engine.unload_adapter("a")).result(timeout=10)  # no hold leaked by the failed request

@@ -1,0 +1,190 @@
+"""`ModelRunner`: the compiled model steps over a KV cache, and what they need on the host.
+
+The model runs as one jitted pure function of (model definition, parameters, batch, cache, adapter weights);
+the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading
+adapters never recompiles. Batch sizes and prompt lengths come in power-of-two buckets (`bucket`), which bound
+the compilations: one step per (rows, tokens per row, cache length), each with and without the LoRA ops (a
+batch of base-model tokens only skips them), and with the top-p sort only when a request asks for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jlora import parallel
+from jlora.adapters import AdapterPool
+from jlora.batch_info import LoRABatchInfo
+from jlora.compile_options import concurrent_graphs, step_jit
+from jlora.models.config import ModelConfig
+from jlora.models.llama import KVCache, Transformer
+from jlora.models.lora_weights import LoRAWeights
+from jlora.parallel import TensorParallel
+from jlora.sampling import request_keys, sample_tokens
+
+__all__ = ["ModelDef", "ModelRunner", "bucket", "forward", "generate_step", "pack_prompts", "row_tile"]
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The power-of-two bucket (>= minimum) that holds n."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def row_tile(num_tokens: int) -> int:
+    """`LoRABatchInfo.block_m` for a step of `num_tokens` tokens: 16 at decode sizes, 64 for prefill
+    (bench/kernels.py --sweep: larger row tiles re-read each adapter's weights less often)."""
+    return 16 if num_tokens <= 256 else 64
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelDef:
+    """The static half of a split model, for the jitted calls: its nnx graph and the tree structure of its
+    parameters.
+
+    The parameters travel as a flat list of arrays and this object is hashed by identity: flattening an
+    `nnx.State` runs Python for every parameter, and hashing a GraphDef walks the whole graph, which more than
+    doubled the host's dispatch time of a decode step (docs/performance.md).
+    """
+
+    graphdef: nnx.GraphDef
+    treedef: jax.tree_util.PyTreeDef
+
+    @staticmethod
+    def split(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[ModelDef, list[jax.Array]]:
+        """(definition, parameter leaves) of a model split by `nnx.split` (or `TensorParallel.shard_model`)."""
+        leaves, treedef = jax.tree.flatten(state)
+        return ModelDef(graphdef, treedef), leaves
+
+    def state(self, params: Sequence) -> nnx.State:
+        """The parameter leaves as the model's nnx.State."""
+        return jax.tree.unflatten(self.treedef, params)
+
+    def merge(self, params: Sequence[jax.Array]) -> Transformer:
+        """The model with these parameter leaves (inside a jitted call: no copies)."""
+        return nnx.merge(self.graphdef, self.state(params))
+
+
+def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
+                valid=None, rows=None, tp: TensorParallel | None = None, base_first: bool | None = None):
+    """The model on one device, or under `shard_map` over the tensor-parallel mesh. `base_first` (None: whether
+    the step runs concurrent CUDA graphs, `concurrent_graphs`): see `Transformer.__call__`."""
+    base_first = concurrent_graphs(tokens.shape[1]) if base_first is None else base_first
+
+    def run(params, tokens, positions, cache, lora, token_slot, ranks, valid, rows):
+        info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
+        return model_def.merge(params)(tokens, positions, cache, lora, info, valid=valid, rows=rows,
+                                       backend=backend, reduce_axis=None if tp is None else parallel.AXIS,
+                                       base_first=base_first)
+
+    args = (params, tokens, positions, cache, lora, token_slot, ranks, valid, rows)
+    if tp is None:
+        return run(*args)
+    rep = P()
+    cache_spec = KVCache(tp.cache_spec, tp.cache_spec)
+    param_specs = jax.tree.leaves(tp.state_specs(model_def.state(params)), is_leaf=lambda x: isinstance(x, P))
+    in_specs = (param_specs, rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
+                None if valid is None else rep, None if rows is None else rep)
+    return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(tp.logits_spec, cache_spec),
+                         check_vma=False)(*args)
+
+
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "base_first"), donate_argnames=("cache",))
+def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int,
+            backend: str, tp: TensorParallel | None = None, base_first: bool | None = None):
+    """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache).
+    `base_first` overrides the scheduling rule of `_model_call` (for benchmarks compiled under other options)."""
+    return _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp,
+                       base_first=base_first)
+
+
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"), donate_argnames=("cache",))
+def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks,
+                  seeds, token_index, temperature, top_p, *, block_m: int, backend: str,
+                  tp: TensorParallel | None = None, nucleus: bool = False):
+    """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
+    (None: row b) and samples each request's next token from its position `last` [B] with its own key,
+    `request_keys(seeds, token_index)` (`nucleus`: see `sample_tokens`).
+
+    Returns (next tokens [B, 1] int32, shaped as the next decode step's `tokens`, and the cache). The key
+    folding and that layout live here so the engine's pipelined loop dispatches nothing else per step.
+    """
+    logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
+                                backend, valid, rows, tp)
+    logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    keys = request_keys(seeds, token_index)
+    return sample_tokens(logits, keys, temperature, top_p, nucleus=nucleus)[:, None], cache
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """Prompts padded into power-of-two buckets: tokens [B, S] int32, positions [B, S] int32, token slots
+    [B, S] int32 (-1 on padding) and valid [B, S] bool (False on padding), B >= len(prompts), S >= 16."""
+    batch, seq = bucket(len(prompts)), bucket(max(len(p) for p in prompts), 16)
+    tokens = np.zeros((batch, seq), np.int32)
+    token_slot = np.full((batch, seq), -1, np.int32)
+    valid = np.zeros((batch, seq), bool)
+    for i, (p, slot) in enumerate(zip(prompts, slots)):
+        tokens[i, : len(p)] = p
+        token_slot[i, : len(p)] = slot
+        valid[i, : len(p)] = True
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+    return tokens, positions, token_slot, valid
+
+
+class ModelRunner:
+    """A model's parameters on the device (split over the tensor-parallel mesh when `tp` is given), its adapter
+    pool, and the compiled steps over a KV cache: `run` (logits) and `step` (sampled next tokens)."""
+
+    def __init__(self, model: Transformer, pool: AdapterPool, *, dtype, backend: str, tp: TensorParallel | None):
+        self.config: ModelConfig = model.config
+        self.dtype = dtype
+        self.backend = backend
+        self.tp = tp
+        graphdef, state = nnx.split(model) if tp is None else tp.shard_model(model)
+        self.model_def, self.params = ModelDef.split(graphdef, state)
+        self.pool = pool
+        self._sharded_zeros = {}  # (rows, max_seq) -> jitted maker of an empty cache split over the mesh
+
+    def new_cache(self, batch: int, max_seq: int) -> KVCache:
+        """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
+        if self.tp is None:
+            return KVCache.zeros(self.config, batch, max_seq, self.dtype)
+        if (batch, max_seq) not in self._sharded_zeros:  # one compiled maker per bucket, not one per call
+            sharding = self.tp.cache_sharding()
+            make = functools.partial(KVCache.zeros, self.tp.layout, batch, max_seq, self.dtype)
+            self._sharded_zeros[batch, max_seq] = jax.jit(make, out_shardings=KVCache(sharding, sharding))
+        return self._sharded_zeros[batch, max_seq]()
+
+    def lora_for(self, token_slot: np.ndarray) -> LoRAWeights | None:
+        """The pool's weights for a call whose host token slots are `token_slot`, or None when no token uses an
+        adapter: a call of base-model tokens only runs without the LoRA ops (a second compiled variant per
+        shape), which with every slot -1 would add nothing at full cost."""
+        return self.pool.weights if (token_slot >= 0).any() else None
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
+        """One jitted model call on padded host arrays [B, S] (token_slot [B·S]); returns (logits [B, S, V] f32,
+        cache)."""
+        return forward(self.model_def, self.params, tokens, positions, cache, self.lora_for(token_slot), token_slot,
+                       self.pool.ranks.copy(), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
+
+    def step(self, tokens, positions, valid, rows, last, cache, token_slot, seeds, token_index, temperature, top_p,
+             nucleus: bool):
+        """Dispatches one `generate_step`; returns (next tokens [B, 1] on the device, cache)."""
+        # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
+        # (a jnp.asarray would land on device 0 first).
+        return generate_step(
+            self.model_def, self.params, tokens, positions, valid, rows, last, cache, self.lora_for(token_slot),
+            token_slot, self.pool.ranks.copy(), seeds, token_index, temperature, top_p,
+            block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp, nucleus=nucleus)
+
+    def like_step_outputs(self, x):
+        """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input
+        on one device would be copied to the others on every step, and host tokens where the previous step's
+        device tokens go would compile the decode step twice); as it is on one device."""
+        return x if self.tp is None else jax.device_put(x, self.tp.replicated())
