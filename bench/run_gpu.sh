@@ -6,9 +6,10 @@
 #                                 # "done"; copy each call's kernels_full.json into bench/results in between
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
 #   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
-#   bash bench/run_gpu.sh limits  # what bounds the prefill expand and the decode down shrink (bench/*_limits.py)
-#   bash bench/run_gpu.sh gather  # forms of the gather backend's expand (bench/gather_forms.py)
-#   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graph scheduling (bench/scheduling.py)
+#   bash bench/run_gpu.sh serve   # jlora serve under Poisson arrivals (bench/serve.py; needs the serving packages)
+#   bash bench/run_gpu.sh limits  # what bounds the prefill expand and the decode down shrink (bench/studies/*_limits.py)
+#   bash bench/run_gpu.sh gather  # forms of the gather backend's expand (bench/studies/gather_forms.py)
+#   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graphs (bench/studies/scheduling.py)
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
@@ -29,11 +30,12 @@ case "${1:-}" in
       && [ -f "$out/kernels_full.md" ] && echo done ;;
   model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
   engine) python3 bench/model.py --engine --out "$out" 2>&1 | grep -E "^#|^engine" ;;
+  serve) python3 bench/serve.py --out "$out" 2>&1 | grep -E "^#|^rate|^\|" ;;
   limits)
-    python3 bench/expand_limits.py 2>&1 | grep -E "^#|µs"
-    python3 bench/shrink_limits.py 2>&1 | grep -E "^#|^[a-z]" ;;
-  gather) python3 bench/gather_forms.py 2>&1 | grep -E "µs|ms" ;;
-  scheduling) python3 bench/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
+    python3 bench/studies/expand_limits.py 2>&1 | grep -E "^#|µs"
+    python3 bench/studies/shrink_limits.py 2>&1 | grep -E "^#|^[a-z]" ;;
+  gather) python3 bench/studies/gather_forms.py 2>&1 | grep -E "µs|ms" ;;
+  scheduling) python3 bench/studies/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast off (KINDS.md)
     for flags in "--xla_gpu_command_buffer_scheduling_mode=LHS" ""; do
@@ -41,5 +43,5 @@ case "${1:-}" in
       XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_graphs}" 2>&1 \
         | grep -E "^#|^TP"
     done ;;
-  *) echo "usage: $0 check|kernels|full|model|engine|limits|gather|scheduling|tp" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|engine|serve|limits|gather|scheduling|tp" >&2; exit 2 ;;
 esac

@@ -16,12 +16,14 @@ barrier block 0 reads its peers' partials, adds them and writes the sum (`exchan
 every block writes its own partial (`alone`). (Mosaic GPU's interpret mode has no `cluster_ref`, so a kernel
 built on this could not be tested on CPU.)
 
-  python bench/shrink_limits.py
+  python bench/studies/shrink_limits.py
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,8 @@ from jax.experimental.pallas import triton as pltriton
 
 import jlora
 from jlora.pallas.common import segment_meta
-from kernels import STACKS, device_time_per_call, make_info, make_inputs
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from kernels import STACKS, device_time_per_call, make_info, make_inputs  # noqa: E402
 
 SPLITS, BLOCK_K, STEPS = 28, 128, 4  # jlora's decode tiles for K = 14336 = 28 x 4 x 128
 VARIANTS = {"study": (True, True, False), "l2": (True, True, True), "no-meta": (False, True, False),

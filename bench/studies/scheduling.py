@@ -6,7 +6,7 @@ under CONCURRENT ones, the LoRA step there also with the gate|up base GEMM sched
 (`base_first`, what the engine compiles), and times them in alternating rounds;
 `jlora.compile_options.step_compiler_options` picks the mode from this table.
 
-  python bench/scheduling.py [--batches 1,2,4,8,16,32,64] [--layers 32] [--out bench/results]
+  python bench/studies/scheduling.py [--batches 1,2,4,8,16,32,64] [--layers 32] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import jax
 
 from jlora.runner import forward
-from model import CONTEXT, llama3_8b, random_model, setup, time_alternating
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from model import CONTEXT, llama3_8b, random_model, setup, time_alternating  # noqa: E402
 
 CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # mode: (compiler options, base_first)

@@ -8,12 +8,14 @@ next to jlora's own kernel and XLA's plain read-add-write of the base:
           decode sizes and, at prefill sizes, for slots below the full rank
   chunks  B read in 16-column chunks up to the rank by a loop, instead of a masked load
 
-  python bench/expand_limits.py
+  python bench/studies/expand_limits.py
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,8 @@ from jax.experimental.pallas import triton as pltriton
 
 import jlora
 from jlora.pallas.common import segment_rows
-from kernels import CALLS, STACKS, device_time_per_call, make_info, make_inputs
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from kernels import CALLS, STACKS, device_time_per_call, make_info, make_inputs  # noqa: E402
 
 BLOCK_M, BLOCK_N = 64, 128
 

@@ -7,7 +7,7 @@ B, NaN there included), to show what the mask costs. Device µs per call of benc
 on the decode rows where they differ, then the batch-32 decode step of bench/model.py (32 r=16 adapters)
 under each form in alternating rounds.
 
-  python bench/gather_forms.py   # bash bench/run_gpu.sh gather
+  python bench/studies/gather_forms.py   # bash bench/run_gpu.sh gather
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 import kernels as kb  # noqa: E402
 import model as mb  # noqa: E402
 import jlora.models.llama as llama  # noqa: E402
