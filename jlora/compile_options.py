@@ -4,20 +4,10 @@ XLA records a GPU step's kernels into CUDA graphs (command buffers). By default 
 another; with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT` it gets only the data dependencies, so
 independent kernels overlap: the LoRA shrink, which reads the same x as the base projection's GEMM, runs
 beside that GEMM instead of after it. With the model's `base_first` (the gate|up base GEMM scheduled before
-its LoRA kernels, so the GEMM keeps the graph's stream) decode gains at every size but one, where it is level.
-Measured on an H200 (bench/scheduling.py: one process compiles the 8B-shaped decode step each way and times
-them in 4 alternating rounds), decode ms per step with one r=16 adapter per request (up to 32 distinct):
-
-| rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
-|---|---|---|---|---|---|---|---|
-| default | 5.49 | 4.95 | 5.08 | 5.24 | 5.64 | 6.62 | 8.42 |
-| concurrent | 5.08 | 4.84 | 5.21 | 5.53 | 5.25 | 6.07 | 8.06 |
-| concurrent, base first | 5.10 | 4.54 | 4.68 | 4.85 | 5.16 | 6.02 | 7.82 |
-
-(bench/results/scheduling.json.) The base model's step is 0.7-1.5 % faster concurrent at every size. So
-decode steps compile CONCURRENT (and the engine traces them with `base_first`, `concurrent_graphs`); prefill
-keeps XLA's default (no gain at 2048 tokens, 16 % more temporary memory, and the barrier cost 0.9 %: 67.4
-against 68.1 ms). An XLA_FLAGS that sets the mode wins over all of this.
+its LoRA kernels, so the GEMM keeps the graph's stream) decode gains at every batch size but one, where it is
+level, so decode steps compile CONCURRENT and prefill keeps XLA's default (no gain there and more temporary
+memory). The per-size table: docs/performance.md (bench/results/scheduling.json). An XLA_FLAGS that sets the
+mode wins over all of this.
 """
 
 from __future__ import annotations

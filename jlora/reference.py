@@ -141,18 +141,12 @@ def expand_gather(
     """`expand_reference` as a batched gather-matvec: row t gets s_i[t] @ B[slot(t), slice_i]ᵀ per slice.
 
     Each slice's delta is rounded to base.dtype before the add, as PEFT adds its LoRA output to the base
-    layer's: in the model XLA fuses the add into the delta's consumer (the gate|up product, the residual add,
-    the cache write) so that the delta overlaps the base GEMM, and the delta then crosses memory in base.dtype
-    instead of f32 (batch-32 decode of the 8B shape with 32 r=16 adapters on one H200: 6.46 against 6.53 ms).
-    A slice's rows are one gather, B[slot, slice_i], and the masks act on s and on each delta's rows, not on
-    the products: slicing B first (B[:, slice_i][slot]) made XLA copy each slice of the stack, and a mask on
-    the products sat inside the reductions, which XLA then merged across independent calls into slow
-    multi-output fusions (bench/gather_forms.py on an H200, device µs per call of bench/kernels.py's 32 calls,
-    before -> after: q|k|v expand T=64 with 8 r=16 adapters 17.5 -> 4.2, T=16 with r=64 22.6 -> 3.8, gate|up
-    `lora_linear` T=32 with 32 adapters 32.1 -> 9.0; the rows it slowed lost up to 0.5, gate|up expand T=16
-    3.5 -> 4.1; the batch-32 model step level, 5.99 -> 6.00 ms over six alternating rounds). The row mask
-    keeps NaN in an unused slot out of slot -1 rows; masking the summed delta at the add instead ran the model
-    step at 5.95 ms but made the benchmark's o and down `lora_linear` 22-24 µs (against 2.2 and 4.0).
+    layer's; in the model XLA fuses the add into the delta's consumer, so the delta crosses memory in
+    base.dtype instead of f32. A slice's rows are one gather, B[slot, slice_i], and the masks act on s and on
+    each delta's rows, not on the products: slicing B first made XLA copy each slice of the stack, and a mask
+    on the products sat inside the reductions, which XLA merged across calls into slow multi-output fusions
+    (docs/kernels.md, "The gather backend's form"). The row mask keeps NaN in an unused slot out of slot -1
+    rows.
     """
     rank = b.shape[2]
     keep = column_scale(info, rank, len(slice_sizes), scaled=False) != 0  # [T, S·R]

@@ -266,19 +266,13 @@ class Transformer(nnx.Module):
           reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
             row-parallel over (`jlora.parallel`); None on one device.
           base_first: put each layer's gate|up base GEMM before its LoRA kernels in XLA's schedule (an
-            optimization barrier on the GEMM's output and x). For CONCURRENT CUDA graphs (which
-            `jlora.step_compiler_options` asks for decode steps; the engine sets this for them): only data
-            dependencies order their kernels, but the schedule is the order the graph's nodes are created
-            in, and the first node after a fork stays on the graph's stream. Left to itself XLA scheduled
-            the gate|up LoRA shrink before its GEMM, which then started on a second stream 3 µs late, after
-            a cross-stream join, in every layer. The barrier orders nothing at run time (the LoRA kernels
-            read x's buffer, written before the GEMM), so they still run beside it. The other projections
-            keep none: their split-K GEMMs end in a reduction XLA fuses into the consumers, which a barrier
-            turns into a kernel of its own (H200, batch 32 with 32 r=16 adapters, one process: barriers on
-            all four projections 6.33 ms, on gate|up alone 6.17, on none 6.46); nor does the lm_head, whose
-            GEMM's blocks, launched first, hold the GPU until their last wave while the LoRA shrink waits.
-            Per decode size see `jlora.compile_options`. Under XLA's default graphs it cost 1-4 % (the
-            barrier changes XLA's fusions), so it is off by default.
+            optimization barrier on the GEMM's output and x). Under CONCURRENT CUDA graphs (which
+            `jlora.step_compiler_options` asks for decode steps; the engine sets this for them) the first
+            node after a fork keeps the graph's stream, and left to itself XLA scheduled the LoRA shrink
+            first, so the GEMM started late on a second stream. The barrier orders nothing at run time: the
+            LoRA kernels still run beside the GEMM. The other projections and the lm_head keep none (their
+            split-K GEMMs end in reductions XLA fuses into the consumers, which a barrier would split off).
+            Off by default: under XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
 
         Returns:
           logits [B, S, V] f32 and the updated cache.

@@ -19,10 +19,8 @@ def segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, num_rows: int, first=
     """[num_rows] token rows of segment `seg` from its row `first` on. Positions past the segment's end
     repeat its last token, so loads stay in bounds and duplicate stores write identical values (vLLM does
     the same); callers skip a part that starts past the end. An unused segment (length 0) gives its first
-    position's token, in bounds too, so the rows may be read before the caller's branch. Wrapping the
-    positions past the end around the segment instead (8 tokens in 16 rows: each loaded twice, not the last
-    one nine times) was slower on an H200 (T=64, 8 adapters, kernel µs per call, one process, two passes: down
-    shrink 4.31-4.35 against 4.24-4.26, shrink 3.19-3.20 against 3.12-3.13, expand 2.70 against 2.65-2.67)."""
+    position's token, in bounds too, so the rows may be read before the caller's branch. (Wrapping the
+    positions past the end around the segment instead was slower: docs/kernels.md.)"""
     pos = seg_start_ref[seg] + jnp.minimum(first + jnp.arange(num_rows), jnp.maximum(seg_len_ref[seg] - 1, 0))
     return idx_ref[pos]
 
@@ -32,9 +30,8 @@ def segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, num_row
 
     The kernels read these before branching on the length: inside the branch, each load waited for the one
     before it (length -> start -> token index -> x or base row, and slot -> rank), and the decode kernels
-    are bound by that latency (H200, T=64 with 8 r=16 adapters, kernel µs per call, the kernel called
-    directly in one process, two rounds: shrink 2.76 / 2.71 against 2.83 / 2.84, down shrink 4.26 / 4.31
-    against 4.38 / 4.41). An unused segment's slot reads as 0, so slot lookups stay in bounds.
+    are bound by that latency (docs/kernels.md). An unused segment's slot reads as 0, so slot lookups stay
+    in bounds.
     """
     rows = segment_rows(idx_ref, seg_start_ref, seg_len_ref, seg, num_rows, first)
     return seg_len_ref[seg], jnp.maximum(seg_slot_ref[seg], 0), rows

@@ -65,27 +65,13 @@ def shrink_config(
 ) -> ShrinkConfig:
     """Shrink tiles for T tokens, input width K, S·R output columns (S = num_slices) and row tile block_m.
 
-    A shrink program streams [block_m, K] of x and [S·R, K] of A and does little arithmetic, so the kernel
-    is bound by the bytes in flight. block_k is the largest power of two <= 128 dividing K (`_block`) whose
-    pipelined tiles (num_stages x (block_m + S·R) x block_k) fit the shared memory.
-    At decode sizes the segments are few (8 with 8 adapters), so K is split over programs until about four
-    programs per SM can run, each walking 4 blocks (at most 32 splits) through 3 pipeline stages with one warp
-    at r=16, and the slices of a fused projection get programs of their own (x is tiny there; more, shorter
-    programs hide latency). H200, T=64 with 8 r=16 adapters, device µs per call, one process: shrink 2.86, down
-    shrink 4.94, q|k|v lora_linear 7.51, against 2.95 / 5.33 / 7.63 with 2 blocks of 128 / 256 columns, 2 stages
-    and 2 warps; 8 blocks per program lost (down shrink 5.24), and 2 warps were level or up to 0.1 µs slower.
-    `bench/kernels.py --sweep shrink,linear --max-tokens 64` over these tiles afterwards: these tiles were the
-    fastest or within 0.2 µs of it on every row it reached (T=64: shrink 2.9, down shrink 5.0, q|k|v linear 7.5;
-    T=32 with 32 adapters: q|k|v 12.4 against 12.2, o 8.7, gate|up 23.3 against 23.1). Those rows have r=16; a
-    program's dot grows with its slice's rank R, so it gets R / 16 warps, up to 4. H200, T=64, device µs per
-    call, with 8 / 32 adapters: r=64 shrink 4.2 / 7.7, q|k|v shrink 7.4 / 16.6, down shrink 8.6 / 19.0 against
-    6.2 / 8.0, 9.2 / 19.1, 9.8 / 21.1 with one warp (`--sweep shrink --rank 64`: the best tiles 4.1 / 7.6, 7.2 /
-    16.1, 8.5 / 18.4); r=32 with 2 warps 3.3 / 5.6, 5.3 / 10.2, 6.5 / 12.3 against 4.2 / 5.8, 5.8 / 10.0, 6.8 /
-    12.0 with one (other tiles as here).
-    At prefill sizes one wave of programs is enough, and the f32 partial sums of a split must stay a
-    small share of the traffic. Measured on an H200 (bench/kernels.py --sweep): T=8192 r=64 shrink 29.3 µs
-    at k_splits=2, q|k|v shrink 44.6 µs at k_splits=1 (66.6 µs at 8 splits), down shrink 77.5 µs at 2
-    (95.7 µs at 7).
+    A shrink program streams [block_m, K] of x and [S·R, K] of A and does little arithmetic, so the kernel is
+    bound by the bytes in flight and, at decode sizes, by the latency of its loads. block_k is the largest
+    power of two <= 128 dividing K (`_block`) whose pipelined tiles fit the shared memory. At decode sizes the
+    segments are few, so K is split over programs until about four per SM can run, each walking 4 blocks
+    through 3 stages; a fused projection's slices get programs of their own, and a program gets R/16 warps
+    (up to 4). At prefill sizes one wave of programs is enough, and the splits' f32 partial sums must stay a
+    small share of the traffic. The sweeps behind these rules: docs/kernels.md, "Tiles and why".
     """
     decode = num_tokens <= 256
     num_stages = 3
@@ -108,33 +94,15 @@ def shrink_config(
 
 
 def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int, rank: int = 16) -> ExpandConfig:
-    """Expand tiles for T tokens in segments of block_m rows and B of (padded) rank R: block_n = 128
-    columns (capped by the slices' common power-of-two divisor).
+    """Expand tiles for T tokens in segments of block_m rows and B of (padded) rank R.
 
     An expand program reads [block_rows, R] of s, [block_n, R] of B and [block_rows, block_n] of base, and
-    writes the same; 128 columns of bf16 give 256-byte rows, enough for full-width loads, and keep the grid
-    large. Slots at the full rank take the fast path (`full_rank_branch`). At decode sizes a program takes
-    one column block of its whole segment, with 2 warps (H200, device time, one process, T=32 with 32
-    r=16 adapters: expand 3.9 µs, q|k|v 5.4, gate|up 16.7, against 4.8 / 6.2 / 21.4 with 4 warps and the
-    mask on every slot; T=64 with 8 adapters: expand 2.8 / 2.9, gate|up 7.6 / 8.4), and with 4 warps at
-    R >= 32 (H200, T=64, `--sweep expand --rank 64`, with 8 / 32 adapters: expand 4.5 / 8.6, q|k|v 5.5 /
-    11.1, gate|up 14.4 / 39.8 against 4.7 / 10.3, 5.7 / 13.0, 15.7 / 44.2 with 2; 4 warps were the
-    fastest or within 0.1 µs of the best block_n and warps on all six rows; r=32: 3.2 / 5.6, 4.0 / 7.2,
-    9.3 / 23.5 against 3.2 / 5.9, 4.0 / 7.7, 9.3 / 23.6 with 2). At prefill sizes it
-    takes 32 rows and loops over up to 8 column blocks (3 pipeline stages) while at least 1024 programs
-    (about 8 per SM) remain. Measured on an H200 at T=8192, r=64, 32 adapters (device time, one process,
-    scratch A/Bs; N=4096 / q|k|v / gate|up): 47.5 / 68.6 / 293.5 µs, against 51.2 / 73.1 / 327.1 with
-    64-row programs over 4 blocks and no identity dot, and 53.7 / 81.1 / 386.1 with one 64 x 128 block per
-    program and the mask on every slot. 32-row programs beat 16 (52.7 / 77.3 / 341.3) and 64 (62.9 / 93.8 /
-    414.3 over 4 blocks); 2 warps, 2 stages lose; a block_m of 32 for the whole batch would slow the prefill
-    shrinks by 15-20 % (A re-read).
-    The base's read-add-write bounds these rows: the same kernel without the LoRA product takes 37.1 µs
-    for N=4096 and 246.6 for gate|up in those A/Bs (3.6 and 3.8 TB/s; bench/expand_limits.py times it).
-    At prefill sizes the grid is launched as one axis with the column groups fastest (`segments_first`):
-    H200, bench/kernels.py --profile, two runs against the two-axis grid in one device session (µs):
-    N=4096 46.4 / 46.3 against 47.1, q|k|v 67.2 / 67.1 against 68.7, gate|up 282.8 / 281.8 against 294.4.
-    At decode sizes it lost (gate|up 8.7 against 7.5 at T=64 with 8 adapters), as it did for the shrink
-    kernel (decode shrink 3.3 against 2.9, T=8192 down shrink 74.4 / 74.7 against 72.7).
+    writes the same. block_n is 128 columns (256-byte bf16 rows: full-width loads and a large grid), capped
+    by the slices' common power-of-two divisor. At decode sizes a program takes one column block of its whole
+    segment with 2 warps (4 at R >= 32). At prefill sizes, where the base's read-add-write bounds the kernel,
+    a program takes 32 rows and loops over up to 8 column blocks through 3 stages while about 8 programs per
+    SM remain, and the grid runs as one axis with the used segments' programs first (`segments_first`).
+    Evidence: docs/kernels.md, "Tiles and why".
     """
     block_n = min(_block(n, 128) for n in slice_sizes)
     if num_tokens <= 256:

@@ -82,15 +82,8 @@ def shrink(
 ) -> jax.Array:
     """[T, S·R] in x.dtype (see `jlora.lora_shrink`); `config` overrides the heuristic tiles.
 
-    With several K splits XLA adds the f32 partials afterwards. Finishing that sum inside the kernel instead
-    (each program stores its partial and bumps its segment's counter with an atomic add; the program that
-    bumps it last adds the segment's partials and writes x.dtype) was built and timed on an H200 (T=64, 8
-    r=16 adapters, K=14336, device time per call, one process): 6.5-7.5 µs over five tile settings, against
-    4.9 for this kernel (4.2) and XLA's sum (0.7: the benchmark's 32 calls' sums fuse into one kernel; a
-    lone sum kernel takes 1.2, a Pallas one 1.5). They fuse because they share the token mask: XLA makes them
-    one multi-output loop fusion (22 µs for the 32 sums of 28 splits). Without the mask, or with 56 or 112
-    splits (kernel up to 0.1 µs faster), each sum is a reduce kernel of its own, 1.4-1.7 µs: 5.5-6.0 µs per
-    call in all (H200, one process)."""
+    With several K splits XLA adds the f32 partials afterwards, masked by the token slots; XLA fuses those
+    sums across a model's calls, which beat finishing them inside the kernel (docs/kernels.md)."""
     _require(info)
     rank = a.shape[1] // num_slices
     x, a = _pad_k(x, _pad_slices(a, 1, num_slices, rank))
@@ -136,22 +129,8 @@ def linear(
     """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly.
     The configs override the heuristic tiles of either kernel.
 
-    Two kernels, also at decode sizes: a fused kernel whose programs each compute their slice's shrink over
-    all of K and then expand their columns (no split-K, so no second launch) was built and timed on an
-    H200 (bf16, r=16, best of 32 tile settings each) and lost everywhere: q|k|v T=64 with 8 adapters 16.9 µs
-    against 10.2; T=32 with 32 adapters q|k|v 22.7 / 15.1, o 21.3 / 10.8, gate|up 62.5 / 30.6, down 46.1 /
-    14.9. One program walking K streams A far slower than split-K programs spread over the GPU. Summing the
-    split-K partials in XLA before the expand (one more small kernel, fewer partial reads) timed the same
-    within 2 % on those rows, so the expand reads the partials itself. "Slot-loop" kernels for small T
-    (each program holds all T tokens in batch order and loops over the batch's used slots, pipelining one
-    weight tile per slot; split-K summed by atomic adds) were built and timed too, best of 24-45 tile settings
-    each: slower on every decode row (T=64 with 8 adapters: shrink 5.0 vs 3.5 µs, expand 5.3 vs 2.9, gate|up
-    expand 10.4 vs 8.7; T=32 with 32 adapters: q|k|v shrink 9.5 vs 8.6, q|k|v expand 21.2 vs 6.3, gate|up
-    expand 29.4 vs 21.9, down shrink 11.8 vs 9.3). Per-token (BGMV) kernels, one program per token and 16 KB
-    weight tile with no sort, segments or `dot`, were built and timed as well (T=64 with 8 adapters: shrink
-    2.9 vs 3.4 µs, expand 4.5 vs 2.9, q|k|v linear 13.0 vs 10.0, gate|up expand 19.1 vs 8.7, down shrink 6.7
-    vs 6.4); in the batch-32 model step with 32 adapters they ran level with the XLA `gather` backend (7.64
-    vs 7.53 ms in one process), so `gather` serves those calls instead."""
+    Two kernels at every size: a fused shrink+expand kernel, slot-loop kernels and per-token kernels were
+    built and were slower (docs/kernels.md, "Kernels built and not adopted")."""
     _require(info)
     rank = b.shape[2]
     x, a = _pad_k(x, _pad_slices(a, 1, len(slice_sizes), rank))

@@ -91,16 +91,10 @@ def _expand_kernel(
         # The masked loads are slower than plain ones, so with `full_rank_branch` slots at the full rank R
         # take a fast path: B read unmasked, and the base added through a `dot` with the identity, which
         # makes Triton stream the base tiles into shared memory ahead of use as it does a dot's operands
-        # (the product is exact: one 1 per row, f32 accumulation). H200, T=8192, r=64, one
-        # process (scratch A/B, µs, N=4096 / gate|up): masked 57.9 / 380.5, unmasked 51.7 / 346.5, unmasked
-        # with the identity dot and 32-row programs 47.7 / 299.0 (64-row programs: 62.9 / 414.3). The identity dot
-        # behind a masked load took 83.8 / 524.4, so slots below the full rank keep the plain add. At decode
-        # sizes the fast path wins too (T=32, 32 adapters, r=16: gate|up 17.1 against 21.4 µs). A loop over
-        # the rank's 16-column chunks instead of the mask was slower still (69.2 and 458.3 µs).
+        # (exact: one 1 per row, f32 accumulation). Slots below the full rank keep the plain add.
         # So a rank that is no multiple of 16 reads its last chunk whole: B's columns there past the rank
-        # multiply zeros of s and must be finite (the pool stores zeros). Selecting them out, in a branch of
-        # its own or through a per-column load mask, made the full-rank path 7 % slower (H200, T=8192, r=64:
-        # 49.6-49.8 against 46.1-46.4 µs; the branch's code alone costs it).
+        # multiply zeros of s and must be finite (the pool stores zeros); selecting them out cost 7 %.
+        # Figures: docs/kernels.md, "The full-rank fast path".
         in_rank = col // 16 * 16 < slot_rank  # [1, R]
         eye = (jnp.arange(block_rows)[:, None] == jnp.arange(block_rows)[None, :]).astype(base_ref.dtype)
 
