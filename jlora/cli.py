@@ -9,6 +9,8 @@ import runpy
 import sys
 import tempfile
 
+import jax
+
 __all__ = ["main"]
 
 BENCH_SCRIPTS = {"kernels": "kernels.py", "model": "model.py"}
@@ -80,6 +82,10 @@ def _bench(args) -> int:
     if not os.path.isfile(script):
         raise FileNotFoundError(f"{script} not found: the benchmarks live in the repository's bench/ "
                                 f"({', '.join(BENCH_SCRIPTS.values())}); run from a source checkout")
+    wants_help = any(a in ("-h", "--help") for a in args.args)
+    if not wants_help and jax.default_backend() != "gpu":
+        raise RuntimeError(f"the benchmarks time CUDA kernels and need an NVIDIA GPU; JAX's backend here is "
+                           f"{jax.default_backend()!r} (install jlora[cuda12] or jlora[cuda13] on a GPU machine)")
     sys.argv = [script, *args.args]
     sys.path.insert(0, bench_dir)  # the scripts import their shared helpers (bench/common.py)
     runpy.run_path(script, run_name="__main__")
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-batch", type=int, default=32)
     gen.add_argument("--max-seq-len", type=int, default=2048)
     gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                     help="split the model over the first N GPUs (Megatron-style; see README)")
+                     help="split the model over the first N GPUs (Megatron-style; see docs/design.md)")
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
     gen.add_argument("--output", help="write results to this file (atomically) instead of stdout")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -99,3 +99,9 @@ def test_console_entry_point_help():
     result = subprocess.run([sys.executable, "-m", "jlora", "--help"], capture_output=True, text=True, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0 and "generate" in result.stdout and "demo" in result.stdout
+
+
+@pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="the CPU refusal")
+def test_bench_without_a_gpu_says_so(capsys):
+    assert cli.main(["bench", "kernels", "--quick"]) == 1
+    assert "need an NVIDIA GPU" in capsys.readouterr().err
