@@ -2,7 +2,9 @@
 
 Semantics shared by every backend: token t with slot s >= 0 gets, per slice i,
 `scalings[s] * (x[t] @ A[s, i*R : i*R + r_s]ᵀ) @ B[s, slice_i, :r_s]ᵀ` added to `base[t, slice_i]`; slot -1
-tokens keep `base[t]`; rows and columns of a slot beyond its rank `r_s` contribute nothing, and a slot's
+tokens keep `base[t]`. `lora_expand` and `lora_linear` take an optional per-slot column affine, `scale` and
+`shift` [L, N]: a token of slot s >= 0 then gets `scale[s] * (base + delta) + shift[s]` (LoRA bias, DoRA).
+Rows and columns of a slot beyond its rank `r_s` contribute nothing, and a slot's
 weights reach only its own tokens, whatever values they hold (NaN and inf included: every backend selects
 rather than multiplies by zero). One exception: the pallas expand reads B in 16-column chunks up to the rank,
 so B's columns past the rank inside its last chunk must be finite (the adapter pool stores zeros there).
@@ -118,6 +120,16 @@ def _check_expand(
     _check_info(info, s.shape[0], b.shape[0], rank, "B")
 
 
+def _check_affine(b: jax.Array, **affine: jax.Array | None) -> None:
+    """scale / shift: None or floating [L, N] matching B [L, N, R]."""
+    for name, arr in affine.items():
+        if arr is None:
+            continue
+        _check_float(name, arr, 2)
+        if arr.shape != b.shape[:2]:
+            raise ValueError(f"{name} {arr.shape} must be [L, N] = {b.shape[:2]} (B {b.shape})")
+
+
 def lora_shrink(
     x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int = 1, backend: Backend = "auto"
 ) -> jax.Array:
@@ -154,6 +166,8 @@ def lora_expand(
     *,
     slice_sizes: tuple[int, ...],
     backend: Backend = "auto",
+    scale: jax.Array | None = None,
+    shift: jax.Array | None = None,
 ) -> jax.Array:
     """The LoRA B side: adds each token's slot's up-projection of `s` to `base`, slice by slice.
 
@@ -165,22 +179,25 @@ def lora_expand(
       base: [T, N] base-layer output.
       slice_sizes: static output widths (n_1, ..., n_S), summing to N; e.g. (4096, 1024, 1024) for q|k|v.
       backend: "auto", "reference", "ragged", "gather" or "pallas".
+      scale, shift: optional [L, N] per-slot column affine (see the module docstring); None costs nothing.
 
     Returns:
-      [T, N] in base.dtype: `base + s_i @ B[slot, slice_i, :rank]ᵀ` per slice; slot -1 rows equal `base`.
-      The pallas backend adds in place into `base`'s buffer when `base` is donated or an intermediate.
+      [T, N] in base.dtype: `base + s_i @ B[slot, slice_i, :rank]ᵀ` per slice (then the affine); slot -1 rows
+      equal `base`. The pallas backend adds in place into `base`'s buffer when `base` is donated or an
+      intermediate.
     """
     slice_sizes = tuple(slice_sizes)
     _check_expand(s, b, info, base, slice_sizes)
-    return _expand(s, b, info, base, slice_sizes=slice_sizes,
+    _check_affine(b, scale=scale, shift=shift)
+    return _expand(s, b, info, base, scale, shift, slice_sizes=slice_sizes,
                    backend=resolve_backend(backend, s.shape[0], b.shape[2]))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
-def _expand(s, b, info, base, *, slice_sizes, backend):
+def _expand(s, b, info, base, scale=None, shift=None, *, slice_sizes, backend):
     if backend == "pallas":
-        return pallas.expand(s, b, info, base, slice_sizes=slice_sizes)
-    return _JNP_EXPAND[backend](s, b, info, base, slice_sizes=slice_sizes)
+        return pallas.expand(s, b, info, base, slice_sizes=slice_sizes, scale=scale, shift=shift)
+    return _JNP_EXPAND[backend](s, b, info, base, slice_sizes=slice_sizes, scale=scale, shift=shift)
 
 
 def lora_linear(
@@ -192,6 +209,8 @@ def lora_linear(
     *,
     slice_sizes: tuple[int, ...],
     backend: Backend = "auto",
+    scale: jax.Array | None = None,
+    shift: jax.Array | None = None,
 ) -> jax.Array:
     """A (fused) linear layer's LoRA: `lora_expand(lora_shrink(x), ...)`, the one call layers make.
 
@@ -202,9 +221,10 @@ def lora_linear(
       info: the batch's `LoRABatchInfo`.
       slice_sizes: static output widths of the fused projections, e.g. (q, k, v) or (gate, up).
       backend: "auto", "reference", "ragged", "gather" or "pallas".
+      scale, shift: optional [L, N] per-slot column affine (see the module docstring).
 
     Returns:
-      [T, N] in base.dtype, base plus each token's adapter delta.
+      [T, N] in base.dtype, base plus each token's adapter delta (then the affine).
     """
     slice_sizes = tuple(slice_sizes)
     _check_shrink(x, a, info, len(slice_sizes))
@@ -213,16 +233,17 @@ def lora_linear(
     _check_expand(jax.ShapeDtypeStruct((x.shape[0], a.shape[1]), x.dtype), b, info, base, slice_sizes)
     if a.shape[1] // len(slice_sizes) != b.shape[2]:
         raise ValueError(f"A {a.shape} and B {b.shape} disagree on the max rank R")
-    return _linear(x, base, a, b, info, slice_sizes=slice_sizes,
+    _check_affine(b, scale=scale, shift=shift)
+    return _linear(x, base, a, b, info, scale, shift, slice_sizes=slice_sizes,
                    backend=resolve_backend(backend, x.shape[0], b.shape[2]))
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
-def _linear(x, base, a, b, info, *, slice_sizes, backend):
+def _linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend):
     if backend == "pallas":
-        return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes)
+        return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes, scale=scale, shift=shift)
     s = _shrink(x, a, info, num_slices=len(slice_sizes), backend=backend)
-    return _expand(s, b, info, base, slice_sizes=slice_sizes, backend=backend)
+    return _expand(s, b, info, base, scale, shift, slice_sizes=slice_sizes, backend=backend)
 
 
 def lora_embedding(

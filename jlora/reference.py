@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jlora.batch_info import LoRABatchInfo
 from jlora.precision import dot_precision
 
-__all__ = ["column_scale", "scale_rows", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged",
+__all__ = ["add_deltas", "column_scale", "scale_rows", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged",
            "shrink_gather", "expand_gather"]
 
 _F32 = jnp.float32
@@ -57,6 +57,21 @@ def scale_rows(y: jax.Array, info: LoRABatchInfo, rank: int, num_slices: int) ->
     return jnp.where(scale != 0, y * scale, 0.0)
 
 
+def add_deltas(base: jax.Array, deltas: list[jax.Array], info: LoRABatchInfo, scale: jax.Array | None = None,
+               shift: jax.Array | None = None) -> jax.Array:
+    """base [T, N] plus the slices' deltas, in f32, then each token's slot's column affine
+    `scale[slot] * (base + delta) + shift[slot]` ([L, N] each, None: 1 / 0); rows of slot -1 keep base."""
+    out = base.astype(_F32) + jnp.concatenate(deltas, axis=1)
+    if scale is None and shift is None:
+        return out.astype(base.dtype)
+    slot = jnp.maximum(info.token_slot, 0)
+    if scale is not None:
+        out = out * scale[slot].astype(_F32)
+    if shift is not None:
+        out = out + shift[slot].astype(_F32)
+    return jnp.where((info.token_slot >= 0)[:, None], out.astype(base.dtype), base)  # slot -1 read slot 0's row
+
+
 def _slice_bounds(slice_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
     """[(start, stop)] of each output slice in the fused N dimension."""
     bounds, start = [], 0
@@ -75,12 +90,14 @@ def shrink_reference(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_sli
 
 
 def expand_reference(
-    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...],
+    scale: jax.Array | None = None, shift: jax.Array | None = None,
 ) -> jax.Array:
-    """base [T, N] + per slice s_i [T, R] @ B[slot, slice_i]ᵀ, through a contraction over slots of s placed in
-    each token's own slot ([T, L, R], zeros elsewhere). That contraction multiplies the zeros by every slot's B,
-    so B's non-finite values and its columns past each rank are read as 0 here: they reach no token (other
-    backends pass a slot's NaN or inf on to its own tokens; the adapter pool refuses such weights)."""
+    """base [T, N] + per slice s_i [T, R] @ B[slot, slice_i]ᵀ (then `add_deltas`' column affine), through a
+    contraction over slots of s placed in each token's own slot ([T, L, R], zeros elsewhere). That contraction
+    multiplies the zeros by every slot's B, so B's non-finite values and its columns past each rank are read as
+    0 here: they reach no token (other backends pass a slot's NaN or inf on to its own tokens; the adapter pool
+    refuses such weights)."""
     rank = b.shape[2]
     s = jnp.where(column_scale(info, rank, len(slice_sizes), scaled=False) != 0, s.astype(_F32), 0.0)
     b = jnp.where(_in_rank(info.ranks, rank)[:, None, :] & jnp.isfinite(b), b, 0)
@@ -90,7 +107,7 @@ def expand_reference(
         s_slot = jnp.where(own, s[:, None, i * rank : (i + 1) * rank], 0.0)  # [T, L, R]
         deltas.append(jnp.einsum("tlr,lnr->tn", s_slot, b[:, start:stop, :], preferred_element_type=_F32,
                                  precision=dot_precision(_F32)))
-    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+    return add_deltas(base, deltas, info, scale, shift)
 
 
 def _ragged(lhs_sorted: jax.Array, rhs: jax.Array, info: LoRABatchInfo) -> jax.Array:
@@ -114,7 +131,8 @@ def shrink_ragged(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices
 
 
 def expand_ragged(
-    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...],
+    scale: jax.Array | None = None, shift: jax.Array | None = None,
 ) -> jax.Array:
     """`expand_reference` through one `jax.lax.ragged_dot` per slice on tokens sorted by slot."""
     rank = b.shape[2]
@@ -125,7 +143,7 @@ def expand_ragged(
         _ragged(s_sorted[:, i * rank : (i + 1) * rank], jnp.swapaxes(b[:, start:stop, :], 1, 2), info)
         for i, (start, stop) in enumerate(_slice_bounds(slice_sizes))
     ]
-    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+    return add_deltas(base, deltas, info, scale, shift)
 
 
 def shrink_gather(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices: int) -> jax.Array:
@@ -136,7 +154,8 @@ def shrink_gather(x: jax.Array, a: jax.Array, info: LoRABatchInfo, *, num_slices
 
 
 def expand_gather(
-    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...]
+    s: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, slice_sizes: tuple[int, ...],
+    scale: jax.Array | None = None, shift: jax.Array | None = None,
 ) -> jax.Array:
     """`expand_reference` as a batched gather-matvec: row t gets s_i[t] @ B[slot(t), slice_i]ᵀ per slice.
 
@@ -158,4 +177,4 @@ def expand_gather(
         b_rows = jnp.where(in_rank, b[slot, start:stop, :].astype(_F32), 0.0)  # [T, n_i, R], fused into the sum
         delta = jnp.sum(s[:, None, i * rank : (i + 1) * rank] * b_rows, axis=-1)
         deltas.append(jnp.where(used, delta, 0.0).astype(base.dtype))  # slot -1 rows read slot 0's B
-    return (base.astype(_F32) + jnp.concatenate(deltas, axis=1)).astype(base.dtype)
+    return add_deltas(base, deltas, info, scale, shift)

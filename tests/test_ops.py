@@ -210,6 +210,47 @@ def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in
     check(out, expand_np(s_emb, b_emb, slots, ranks, base_h, (hidden,)), jnp.float32, info, base_h)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(6))
+def test_column_affine(case, dtype, backend):
+    """`scale` and `shift` (DoRA's column factor, a LoRA bias) per slot, each alone and together, on seeded
+    random cases: decode and prefill sizes (the Pallas expand's two tilings), odd and narrow slices, some
+    slots unused and holding NaN in their rows; slot -1 rows stay exactly base."""
+    rng = np.random.default_rng(100 + case)
+    slice_sizes = [(32,), (48, 16), (17, 33, 16), (5,), (100, 20), (64, 64)][case]
+    t = [29, 300, 40, 13, 270, 64][case]
+    used = rng.permutation(NUM_SLOTS)[: rng.integers(1, NUM_SLOTS)]  # the others hold NaN
+    slots = np.where(rng.random(t) < 0.25, -1, rng.choice(used, t))
+    info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, dtype, slice_sizes)
+    n = sum(slice_sizes)
+    scale = rng.uniform(0.5, 1.5, (NUM_SLOTS, n)).astype(np.float32)
+    shift = rng.standard_normal((NUM_SLOTS, n)).astype(np.float32)
+    poisoned = lambda w: jnp.asarray(np.where(np.isin(np.arange(NUM_SLOTS), used)[:, None], w, np.nan))
+    y = shrink_np(xn, an, slots, RANKS, scal, len(slice_sizes))
+    plain = expand_np(y, bn, slots, RANKS, basen, slice_sizes)
+    own, sl = slots >= 0, np.maximum(slots, 0)
+    for with_scale, with_shift in [(True, False), (False, True), (True, True)]:
+        ref = plain * (scale[sl] if with_scale else 1) + (shift[sl] if with_shift else 0)
+        ref = np.where(own[:, None], ref, basen)
+        kw = dict(scale=poisoned(scale) if with_scale else None, shift=poisoned(shift) if with_shift else None)
+        out = jlora.lora_linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=backend, **kw)
+        check(out, ref, dtype, info, basen)
+        out = jlora.lora_expand(jnp.asarray(y, dtype), b, info, base, slice_sizes=slice_sizes, backend=backend, **kw)
+        check(out, np.where(own[:, None], expand_np(np.asarray(jnp.asarray(y, dtype).astype(jnp.float32)), bn, slots,
+                                                    RANKS, basen, slice_sizes)
+                            * (scale[sl] if with_scale else 1) + (shift[sl] if with_shift else 0), basen),
+              dtype, info, basen)
+
+
+def test_column_affine_errors():
+    x, base, a, b, info = _args()
+    with pytest.raises(ValueError, match=r"scale \(2, 31\) must be \[L, N\]"):
+        jlora.lora_linear(x, base, a, b, info, slice_sizes=(32,), scale=jnp.ones((2, 31)))
+    with pytest.raises(ValueError, match="shift must be a floating array"):
+        jlora.lora_linear(x, base, a, b, info, slice_sizes=(32,), shift=jnp.ones((2, 32), jnp.int32))
+
+
 # Widths that are no multiple of the kernels' tiles: K (the shrink's input) and output slices, down to 1.
 WIDTHS = [((1,), 17), ((15,), 300), ((17,), 15), ((300,), 64), ((17, 33, 16), 1), ((100, 20), 48), ((32001,), 24)]
 

@@ -50,19 +50,25 @@ def _pad_k(x: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(x, ((0, 0), (0, extra))), jnp.pad(a, ((0, 0), (0, 0), (0, extra)))
 
 
-def _pad_narrow_slices(b: jax.Array, base: jax.Array, slice_sizes: tuple[int, ...]):
-    """(B, base, slice sizes) with every slice narrower than 16 zero-padded to 16 columns, and the padded
-    output's columns to keep [N] (None when no slice is narrow: nothing padded)."""
+def _pad_narrow_slices(slice_sizes: tuple[int, ...], b: jax.Array, *columns: jax.Array | None):
+    """(slice sizes, B [L, N, R], *columns [..., N]) with every slice narrower than 16 zero-padded to 16
+    columns, and the padded output's columns to keep [N] (None when no slice is narrow: nothing padded).
+    `columns` are the arrays indexed by output column (base, scale, shift); None stays None."""
     if min(slice_sizes) >= 16:
-        return b, base, slice_sizes, None
+        return slice_sizes, b, *columns, None
     bounds = list(itertools.accumulate(slice_sizes, initial=0))
     padded = tuple(max(16, n) for n in slice_sizes)
-    pad = lambda w, i: jnp.pad(w[..., bounds[i] : bounds[i + 1]], [(0, 0)] * (w.ndim - 1) + [(0, padded[i] - slice_sizes[i])])
-    b = jnp.concatenate([jnp.swapaxes(pad(jnp.swapaxes(b, 1, 2), i), 1, 2) for i in range(len(slice_sizes))], axis=1)
-    base = jnp.concatenate([pad(base, i) for i in range(len(slice_sizes))], axis=1)
+
+    def pad(w):  # w [..., N] -> [..., N'] slice by slice
+        if w is None:
+            return None
+        parts = [jnp.pad(w[..., bounds[i] : bounds[i + 1]], [(0, 0)] * (w.ndim - 1) + [(0, padded[i] - n)])
+                 for i, n in enumerate(slice_sizes)]
+        return jnp.concatenate(parts, axis=-1)
+
     starts = itertools.accumulate(padded, initial=0)
     keep = np.concatenate([np.arange(o, o + n) for o, n in zip(starts, slice_sizes)])
-    return b, base, padded, keep
+    return padded, jnp.swapaxes(pad(jnp.swapaxes(b, 1, 2)), 1, 2), *(pad(c) for c in columns), keep
 
 
 def _pad_slices(w: jax.Array, axis: int, num_slices: int, rank: int) -> jax.Array:
@@ -105,13 +111,16 @@ def expand(
     *,
     slice_sizes: tuple[int, ...],
     config: ExpandConfig | None = None,
+    scale: jax.Array | None = None,
+    shift: jax.Array | None = None,
 ) -> jax.Array:
     """[T, N] (see `jlora.lora_expand`); `config` overrides the heuristic tiles."""
     _require(info)
     rank = b.shape[2]
     s = _pad_slices(s, 1, len(slice_sizes), rank)
-    b, padded_base, padded, keep = _pad_narrow_slices(_pad_slices(b, 2, 1, rank), base, slice_sizes)
-    out = _expand(s[None], b, info, padded_base, slice_sizes=padded, config=config)
+    padded, b, base, scale, shift, keep = _pad_narrow_slices(slice_sizes, _pad_slices(b, 2, 1, rank), base, scale,
+                                                             shift)
+    out = _expand(s[None], b, info, base, slice_sizes=padded, config=config, scale=scale, shift=shift)
     return out if keep is None else out[:, keep]
 
 
@@ -125,6 +134,8 @@ def linear(
     slice_sizes: tuple[int, ...],
     shrink_config: ShrinkConfig | None = None,
     expand_config: ExpandConfig | None = None,
+    scale: jax.Array | None = None,
+    shift: jax.Array | None = None,
 ) -> jax.Array:
     """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly.
     The configs override the heuristic tiles of either kernel.
@@ -134,7 +145,8 @@ def linear(
     _require(info)
     rank = b.shape[2]
     x, a = _pad_k(x, _pad_slices(a, 1, len(slice_sizes), rank))
-    b, padded_base, padded, keep = _pad_narrow_slices(_pad_slices(b, 2, 1, rank), base, slice_sizes)
+    padded, b, base, scale, shift, keep = _pad_narrow_slices(slice_sizes, _pad_slices(b, 2, 1, rank), base, scale,
+                                                             shift)
     partials = shrink_partials(x, a, info, num_slices=len(slice_sizes), config=shrink_config)
-    out = _expand(partials, b, info, padded_base, slice_sizes=padded, config=expand_config)
+    out = _expand(partials, b, info, base, slice_sizes=padded, config=expand_config, scale=scale, shift=shift)
     return out if keep is None else out[:, keep]

@@ -36,8 +36,10 @@ def _expand_kernel(
     ranks_ref,  # [L] int32
     s_ref,  # [P, T, num_slices * R] shrink output as P partial sums (P = 1 for a finished s)
     b_ref,  # [L, N, R]
-    base_ref,  # [T, N], the same buffer as o_ref; with `tail`, read only
-    *refs,  # with `tail`, a copy of base aliased to o_ref; then o_ref [T, N]
+    *refs,  # scale [L, N] with `has_scale`, shift [L, N] with `has_shift`; base [T, N] (the same buffer as
+    #         o_ref; with `tail` read only, and then a copy of base aliased to o_ref); o_ref [T, N]
+    has_scale: bool,
+    has_shift: bool,
     slice_start: tuple[int, ...],  # first column of each slice
     slice_end: tuple[int, ...],  # end column of each slice
     tail: bool,  # some slice's width is no multiple of block_n: its last block ends at the slice's end
@@ -53,7 +55,9 @@ def _expand_kernel(
     precision,
     base_precision,
 ):
-    o_ref = refs[-1]
+    scale_ref = refs[0] if has_scale else None
+    shift_ref = refs[int(has_scale)] if has_shift else None
+    base_ref, o_ref = refs[int(has_scale) + int(has_shift)], refs[-1]
     # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h)
     # and `group` consecutive column blocks of one slice: the rows, s and rank mask are loaded once, and the
     # loop over blocks lets the compiler pipeline loads.
@@ -112,6 +116,10 @@ def _expand_kernel(
                     b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
                     out = base.astype(jnp.float32)
                 out += pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
+                if has_scale:  # the slot's column affine (DoRA's magnitude over the column norm)
+                    out *= scale_ref[slot, cols].astype(jnp.float32)[None, :]
+                if has_shift:  # (a LoRA bias)
+                    out += shift_ref[slot, cols].astype(jnp.float32)[None, :]
                 o_ref[rows, cols] = out.astype(o_ref.dtype)
                 return carry
 
@@ -132,6 +140,8 @@ def expand(
     *,
     slice_sizes: tuple[int, ...],
     config: ExpandConfig | None = None,
+    scale: jax.Array | None = None,
+    shift: jax.Array | None = None,
 ) -> jax.Array:
     """[T, N] `base` plus the expand of `s`, computed in place in base's buffer.
 
@@ -142,6 +152,8 @@ def expand(
       base: [T, N].
       slice_sizes: static widths of the S slices; each >= config.block_n.
       config: tiles; default from `expand_config`.
+      scale, shift: optional [L, N] per-slot column affine: a token's row becomes
+        `scale[slot] * (base + delta) + shift[slot]`. Without them the kernel has no such operand.
     """
     num_tokens, rank = base.shape[0], b.shape[2]
     config = config or expand_config(num_tokens, slice_sizes, info.block_m, rank)
@@ -155,8 +167,11 @@ def expand(
     group = pow2_divisor(math.gcd(*blocks), config.group)  # column blocks per program, within one slice
     bounds = tuple(itertools.accumulate(slice_sizes, initial=0))
     group_start = tuple(itertools.accumulate((n // group for n in blocks), initial=0))
+    affine = tuple(x for x in (scale, shift) if x is not None)
     kernel = functools.partial(
         _expand_kernel,
+        has_scale=scale is not None,
+        has_shift=shift is not None,
         slice_start=bounds[:-1],
         slice_end=bounds[1:],
         tail=tail,
@@ -177,8 +192,9 @@ def expand(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
         grid=(grid[0] * grid[1],) if config.segments_first else grid,
-        input_output_aliases={8 if tail else 7: 0},
+        input_output_aliases={7 + len(affine) + int(tail): 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_expand_{len(slice_sizes)}x{rank}x{base.shape[1]}",  # shapes: readable profiles
-    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, base, *((base,) if tail else ()))
+    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, *affine, base,
+      *((base,) if tail else ()))
