@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -28,17 +30,18 @@ from jlora.models.lora_weights import module_shapes
 __all__ = ["AdapterError", "HostAdapter", "read_adapter"]
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
 _UNSUPPORTED = {  # config key: (value that is fine, what to say)
-    "use_dora": (False, "DoRA (use_dora=True)"),
-    "lora_bias": (False, "LoRA bias (lora_bias=True)"),
-    "modules_to_save": (None, "modules_to_save (fully trained extra modules)"),
-    "bias": ("none", "trained biases (bias != 'none')"),
+    "bias": ("none", "trained biases of the base layers (bias != 'none')"),
     "layer_replication": (None, "layer_replication"),
     "use_qalora": (False, "QALoRA (use_qalora=True)"),
     "target_parameters": (None, "target_parameters (LoRA on raw parameters)"),
 }
-_KEY = re.compile(
-    r"^base_model\.model\.(?P<module>.+?)\.(?:(?P<ab>lora_[AB])(?:\.default)?\.weight|(?P<emb>lora_embedding_[AB])(?:\.default)?)$"
+_KEY = re.compile(  # PEFT's tensor names, the adapter name removed
+    r"^base_model\.model\.(?P<module>.+?)\.(?:"
+    r"(?P<ab>lora_[AB])(?:\.default)?\.weight|(?P<emb>lora_embedding_[AB])(?:\.default)?"
+    r"|(?P<bias>lora_B)(?:\.default)?\.bias|(?P<mag>lora_magnitude_vector)(?:\.default)?(?:\.weight)?"
+    r"|(?P<saved>base_layer\.weight|weight)|token_adapter\.(?P<tokens>trainable_tokens_delta)(?:\.default)?)$"
 )
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>\w+)$")
 
@@ -49,12 +52,34 @@ class AdapterError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class HostAdapter:
-    """One adapter converted for a slot (float32 NumPy, scaling folded into the B side)."""
+    """One adapter converted for a slot (float32 NumPy, scaling folded into the B side).
+
+    Besides A and B per module: `bias` and `magnitude` per (layer, group) key (`(None, "lm_head")` for the
+    lm_head), each [N] over the group's fused columns (magnitude with a mask of the DoRA columns); `embed_rows`
+    and `lm_head_rows`, token id -> the [H] row that replaces the base's, its LoRA included (PEFT's saved
+    embedding layers, `modules_to_save` copies and trainable tokens, rows the adapter adds past the base
+    vocabulary); `rope_factor` for LongLoRA.
+    """
 
     rank: int  # the largest rank over its modules
     layers: tuple[dict[str, tuple[np.ndarray, np.ndarray]], ...]  # group -> (a [S·R, K], b [N, R])
     embed: tuple[np.ndarray, np.ndarray]  # a [R, V], b [H, R]
     lm_head: tuple[np.ndarray, np.ndarray]  # a [R, H], b [V, R]
+    bias: dict[tuple[int | None, str], np.ndarray] = dataclasses.field(default_factory=dict)
+    magnitude: dict[tuple[int | None, str], tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    embed_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    lm_head_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    added: int = 0  # tokens past the base vocabulary (ids V .. V + added - 1)
+    rope_factor: float = 1.0  # LongLoRA: positions divided by this for the adapter's tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseRows:
+    """The base model's embedding and lm_head as host [V, H] float32 arrays, fetched only when an adapter
+    carries embedding layers to compare with them."""
+
+    embedding: Callable[[], np.ndarray]
+    lm_head: Callable[[], np.ndarray]
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -95,47 +120,90 @@ def _read_config(adapter_dir: str) -> dict:
     return cfg
 
 
-def _read_tensors(adapter_dir: str) -> dict[str, np.ndarray]:
+def _read_tensors(adapter_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(float32 tensors, their dtypes as saved) of adapter_model.safetensors."""
     path = os.path.join(adapter_dir, "adapter_model.safetensors")
     if not os.path.isfile(path):
         if os.path.isfile(os.path.join(adapter_dir, "adapter_model.bin")):
             raise AdapterError(f"{adapter_dir}: only adapter_model.bin (a torch pickle); save with safetensors")
         raise AdapterError(f"{adapter_dir}: adapter_model.safetensors not found")
-    tensors = {}
+    tensors, dtypes = {}, {}
     try:
         with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as f:
             for key in f.keys():
                 t = f.get_tensor(key)
                 if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
                     raise AdapterError(f"{path}: tensor {key} has dtype {t.dtype}; LoRA weights must be floating")
-                tensors[key] = np.asarray(t.astype(np.float32))
+                tensors[key], dtypes[key] = np.asarray(t.astype(np.float32)), t.dtype.name
                 if not np.isfinite(tensors[key]).all():  # one inf would make every token of the adapter inf
                     bad = int((~np.isfinite(tensors[key])).sum())
                     raise AdapterError(f"{path}: tensor {key} holds {bad} non-finite values (NaN or inf)")
     except SafetensorError as err:
         raise AdapterError(f"{path}: cannot read safetensors ({err})") from None
-    return tensors
+    return tensors, dtypes
 
 
-def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_rank: int) -> HostAdapter:
+def _same_as_saved(base: np.ndarray, dtype: str) -> np.ndarray:
+    """The base rows rounded to the dtype the adapter saved its copy in, so equal rows compare equal."""
+    return np.asarray(jax.numpy.asarray(base, jax.numpy.float32).astype(dtype).astype(jax.numpy.float32))
+
+
+def _trainable_tokens(adapter_dir: str, cfg: dict) -> dict[str, list[int]]:
+    """`trainable_token_indices` as module -> token ids (a list means the input embedding)."""
+    spec = cfg.get("trainable_token_indices")
+    if not spec:
+        return {}
+    if isinstance(spec, list):
+        return {"model.embed_tokens": [int(t) for t in spec]}
+    out = {}
+    for name, ids in spec.items():
+        module = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}.get(name.rsplit(".", 1)[-1])
+        if module is None:
+            raise AdapterError(f"{adapter_dir}: trainable_token_indices on {name!r}: only embed_tokens and lm_head")
+        out[module] = [int(t) for t in ids]
+    return out
+
+
+def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_rank: int, *,
+                 base: BaseRows | None = None, max_extra_vocab: int = 0,
+                 max_seq_len: int | None = None) -> HostAdapter:
     """Parses and validates a PEFT adapter directory into slot arrays zero-padded to `padded_rank`.
+
+    `base` gives the base model's embedding rows, needed only for adapters that carry embedding layers;
+    `max_extra_vocab` bounds both the tokens an adapter adds and the rows it may change per embedding layer;
+    `max_seq_len` bounds a LongLoRA adapter's context.
 
     Raises:
       AdapterError: missing or corrupt files, unsupported features, unknown modules, ranks above
-        `max_rank`, shapes that do not match the base model, or non-floating tensors.
+        `max_rank`, shapes that do not match the base model, non-floating tensors, or more changed or added
+        rows than `max_extra_vocab`.
     """
     cfg = _read_config(adapter_dir)
-    tensors = _read_tensors(adapter_dir)
+    tensors, dtypes = _read_tensors(adapter_dir)
     layers_to_transform = cfg.get("layers_to_transform")
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]
+    use_dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
+    saved_whole = list(cfg.get("modules_to_save") or [])
+    for name in saved_whole:
+        if name.rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head"):
+            raise AdapterError(f"{adapter_dir}: modules_to_save {name!r} is not supported (only the embedding "
+                               "layers embed_tokens and lm_head may be saved whole)")
+    trainable = _trainable_tokens(adapter_dir, cfg)
 
-    pairs: dict[str, dict[str, np.ndarray]] = {}
+    parts: dict[str, dict[str, np.ndarray]] = {}  # module -> kind (A, B, bias, mag, saved, tokens) -> tensor
+    saved_dtype: dict[str, str] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(f"{adapter_dir}: unexpected tensor {key!r} (not a PEFT LoRA weight)")
-        pairs.setdefault(m["module"], {})[(m["ab"] or m["emb"])[-1]] = value
+        kind = (m["ab"] or m["emb"] or "")[-1:] or ("bias" if m["bias"] else "mag" if m["mag"] else
+                                                  "saved" if m["saved"] else "tokens")
+        if kind in parts.get(m["module"], {}):
+            raise AdapterError(f"{adapter_dir}: {m['module']}: two tensors for its {kind} ({key!r})")
+        parts.setdefault(m["module"], {})[kind] = value
+        if kind == "saved":
+            saved_dtype[m["module"]] = dtypes[key]
 
     groups = module_shapes(config)
     slot_of = {name: (g, i) for g, (_, outs) in groups.items() for i, (name, _) in enumerate(outs)}
@@ -147,11 +215,29 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     ]
     embed = (np.zeros((r_pad, v), np.float32), np.zeros((h, r_pad), np.float32))
     lm_head = (np.zeros((r_pad, h), np.float32), np.zeros((v, r_pad), np.float32))
+    bias: dict[tuple[int | None, str], np.ndarray] = {}
+    magnitude: dict[tuple[int | None, str], tuple[np.ndarray, np.ndarray]] = {}
+    full_lora: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # embedding modules: (A, scaled B) as saved
     rank_used = 0
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{adapter_dir}: module {module} has lora_{'A' if 'A' in ab else 'B'} only")
-        a, b = ab["A"], ab["B"]
+    for module, kinds in sorted(parts.items()):
+        extra = set(kinds) - {"A", "B"}
+        if module in EMBEDDING_MODULES:
+            if extra - {"saved", "tokens", "bias", "mag"}:
+                raise AdapterError(f"{adapter_dir}: {module}: unexpected tensors {sorted(extra)}")
+        elif extra - {"bias", "mag"}:
+            raise AdapterError(f"{adapter_dir}: {module}: {sorted(extra & {'saved', 'tokens'})} of a layer that is "
+                               "not an embedding layer (not supported)")
+        if "bias" in kinds and not lora_bias:
+            raise AdapterError(f"{adapter_dir}: {module}: a lora_B bias but the config says lora_bias=false")
+        if "mag" in kinds and not use_dora:
+            raise AdapterError(f"{adapter_dir}: {module}: a DoRA magnitude but the config says use_dora=false")
+        if not {"A", "B"} & set(kinds):
+            if extra & {"bias", "mag"}:
+                raise AdapterError(f"{adapter_dir}: module {module} has a bias or magnitude but no lora_A / lora_B")
+            continue
+        if not {"A", "B"} <= set(kinds):
+            raise AdapterError(f"{adapter_dir}: module {module} has lora_{'A' if 'A' in kinds else 'B'} only")
+        a, b = kinds["A"], kinds["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise AdapterError(f"{adapter_dir}: {module}: lora_A {a.shape} and lora_B {b.shape} disagree on the rank")
         rank = a.shape[0]
@@ -163,13 +249,28 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
         alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"])
         scale = alpha / np.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
         lm = _LAYER_MODULE.match(module)
-        if module in ("model.embed_tokens", "lm_head"):
-            (dst_a, dst_b), want = (embed, ((rank, v), (h, rank))) if module == "model.embed_tokens" else \
-                (lm_head, ((rank, h), (v, rank)))
-            if (a.shape, b.shape) != want:
+        if use_dora and "mag" not in kinds and module != "model.embed_tokens":
+            raise AdapterError(f"{adapter_dir}: {module}: use_dora=true but no lora_magnitude_vector")
+        if module in EMBEDDING_MODULES:
+            is_embed = module == "model.embed_tokens"
+            if is_embed and ("mag" in kinds or "bias" in kinds):
+                raise AdapterError(f"{adapter_dir}: {module}: {'DoRA' if 'mag' in kinds else 'a LoRA bias'} on the "
+                                   "input embedding is not supported")
+            # A [r, V'] and B [H, r] (embedding), A [r, H] and B [V', r] (lm_head); V' >= V with added tokens.
+            vocab_rows = a.shape[1] if is_embed else b.shape[0]
+            if (b.shape[0] if is_embed else a.shape[1]) != h or vocab_rows < v:
+                want = ((rank, v), (h, rank)) if is_embed else ((rank, h), (v, rank))
                 raise AdapterError(f"{adapter_dir}: {module}: A {a.shape}, B {b.shape}; the base model needs {want}")
-            dst_a[:rank] = a
-            dst_b[:, :rank] = scale * b
+            full_lora[module] = (a, scale * b)
+            if is_embed:
+                embed[0][:rank], embed[1][:, :rank] = a[:, :v], scale * b
+            else:
+                lm_head[0][:rank], lm_head[1][:, :rank] = a, scale * b[:v]
+                if "bias" in kinds:
+                    bias[None, "lm_head"] = _vector(adapter_dir, module, "lora_B bias", kinds["bias"], v, scale)
+                if "mag" in kinds:
+                    magnitude[None, "lm_head"] = (_vector(adapter_dir, module, "magnitude", kinds["mag"], v),
+                                                  np.ones(v, bool))
         elif lm and lm["name"] in slot_of and int(lm["layer"]) < config.num_layers:
             layer = int(lm["layer"])
             if layers_to_transform is not None and layer not in layers_to_transform:
@@ -188,10 +289,132 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
             col = sum(m for _, m in outs[:i])
             ga[i * r_pad : i * r_pad + rank] = a
             gb[col : col + n, :rank] = scale * b
+            width = sum(m for _, m in outs)
+            if "bias" in kinds:
+                bias.setdefault((layer, group), np.zeros(width, np.float32))[col : col + n] = \
+                    _vector(adapter_dir, module, "lora_B bias", kinds["bias"], n, scale)
+            if "mag" in kinds:
+                mag, mask = magnitude.setdefault((layer, group), (np.zeros(width, np.float32), np.zeros(width, bool)))
+                mag[col : col + n] = _vector(adapter_dir, module, "magnitude", kinds["mag"], n)
+                mask[col : col + n] = True
         else:
             raise AdapterError(f"{adapter_dir}: unknown module {module!r} for a {config.model_type} model "
                                f"with {config.num_layers} layers")
         rank_used = max(rank_used, rank)
-    if not pairs:
+    embed_rows, lm_head_rows, added = _row_overrides(adapter_dir, config, parts, saved_dtype, saved_whole, trainable,
+                                                     full_lora, base, max_extra_vocab)
+    if lm_head_rows and ((None, "lm_head") in bias or (None, "lm_head") in magnitude):
+        raise AdapterError(f"{adapter_dir}: lm_head rows that differ from the base model's together with a LoRA bias "
+                           "or DoRA on the lm_head are not supported")
+    if not any(k in ("A", "B", "saved", "tokens") for kinds in parts.values() for k in kinds):
         raise AdapterError(f"{adapter_dir}: adapter_model.safetensors holds no LoRA weights")
-    return HostAdapter(rank=rank_used, layers=tuple(layers), embed=embed, lm_head=lm_head)
+    return HostAdapter(rank=rank_used, layers=tuple(layers), embed=embed, lm_head=lm_head, bias=bias,
+                       magnitude=magnitude, embed_rows=embed_rows, lm_head_rows=lm_head_rows, added=added,
+                       rope_factor=_rope_factor(adapter_dir, cfg, config, max_seq_len))
+
+
+def _vector(adapter_dir: str, module: str, what: str, value: np.ndarray, n: int, scale: float = 1.0) -> np.ndarray:
+    """A per-output-column vector of a module ([n]), checked and scaled."""
+    if value.shape != (n,):
+        raise AdapterError(f"{adapter_dir}: {module}: {what} has shape {value.shape}; the layer has {n} outputs")
+    return scale * value
+
+
+def _row_overrides(adapter_dir, config, parts, saved_dtype, saved_whole, trainable, full_lora, base,
+                   max_extra_vocab) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], int]:
+    """(embedding rows, lm_head rows, added tokens): every row of the adapter's embedding layers that differs
+    from the base model's or lies past its vocabulary, with the layer's LoRA folded in (so the row replaces
+    the whole output for that token), from saved embedding layers, modules_to_save copies and trainable tokens."""
+    v, h = config.vocab_size, config.hidden_size
+    weights: dict[str, np.ndarray] = {}  # module -> its [V', H] weights as the adapter has them
+    for module in EMBEDDING_MODULES:
+        kinds = parts.get(module, {})
+        if "saved" in kinds:
+            w = kinds["saved"]
+            if w.ndim != 2 or w.shape[1] != h or w.shape[0] < v:
+                raise AdapterError(f"{adapter_dir}: {module}: saved weights {w.shape}; the base model has {(v, h)}")
+            if w.shape[0] - v > max_extra_vocab:
+                raise AdapterError(f"{adapter_dir}: {module}: {w.shape[0] - v} tokens past the base vocabulary of {v}; "
+                                   f"the engine allows max_extra_vocab={max_extra_vocab}")
+            if module == "lm_head" and config.tie_word_embeddings:
+                raise AdapterError(f"{adapter_dir}: lm_head weights of its own on a model with tied embeddings")
+            if module == "model.embed_tokens" and config.tie_word_embeddings and "embed_tokens" in saved_whole:
+                raise AdapterError(f"{adapter_dir}: modules_to_save of a tied embedding (embed_tokens) is not supported")
+            weights[module] = w
+        if module in trainable:
+            ids, delta = trainable[module], kinds.get("tokens")
+            if delta is None or delta.shape != (len(ids), h):
+                raise AdapterError(f"{adapter_dir}: {module}: trainable_token_indices {ids} need a "
+                                   f"trainable_tokens_delta of shape {(len(ids), h)}, found "
+                                   f"{None if delta is None else delta.shape}")
+            if module in full_lora:
+                raise AdapterError(f"{adapter_dir}: {module}: trainable tokens on a layer LoRA also targets")
+            if not all(0 <= t < v for t in ids):
+                raise AdapterError(f"{adapter_dir}: trainable_token_indices {ids} outside the vocabulary [0, {v})")
+        elif "tokens" in kinds:
+            raise AdapterError(f"{adapter_dir}: {module}: trainable_tokens_delta but no trainable_token_indices")
+    for module, (a, b) in full_lora.items():  # a LoRA over added tokens needs the layer's rows for them
+        rows_of_lora = a.shape[1] if module == "model.embed_tokens" else b.shape[0]
+        has_rows = module in weights or (module == "lm_head" and config.tie_word_embeddings
+                                         and "model.embed_tokens" in weights)
+        if rows_of_lora > v and not has_rows:
+            raise AdapterError(f"{adapter_dir}: {module}: its LoRA covers {rows_of_lora} tokens but the adapter "
+                               f"saves no {module} weights for those past the base vocabulary of {v}")
+        if has_rows and rows_of_lora != weights.get(module, weights.get("model.embed_tokens")).shape[0]:
+            raise AdapterError(f"{adapter_dir}: {module}: its LoRA covers {rows_of_lora} tokens but its saved "
+                               "weights another number")
+    if not weights and not trainable:
+        return {}, {}, 0
+    if base is None:
+        raise AdapterError(f"{adapter_dir}: carries embedding rows, but the base model's are not at hand")
+    rows: dict[str, dict[int, np.ndarray]] = {}
+    vocab = {}
+    for module in EMBEDDING_MODULES:
+        tied_lm = module == "lm_head" and config.tie_word_embeddings
+        source = "model.embed_tokens" if tied_lm else module
+        if source not in weights and source not in trainable:
+            continue
+        original = base.embedding() if module == "model.embed_tokens" else base.lm_head()
+        w = weights.get(source)
+        changed = set()
+        if w is None:
+            w = original
+        else:
+            same = _same_as_saved(original, saved_dtype[source]) == w[:v]
+            changed = set(np.flatnonzero(~same.all(axis=1)).tolist()) | set(range(v, w.shape[0]))
+        if source in trainable:  # the delta is the rows' new values (PEFT copies it over the weights)
+            w = w.copy()
+            w[trainable[source]] = parts[source]["tokens"]
+            changed |= set(trainable[source])
+        vocab[module] = w.shape[0]
+        out = {}
+        for t in sorted(changed):
+            row = w[t].astype(np.float32)
+            if module in full_lora:  # the layer's LoRA at this token, folded in (the row replaces the output)
+                a, b = full_lora[module]
+                row = row + (b @ a[:, t] if module == "model.embed_tokens" else b[t] @ a)
+            out[t] = row
+        if len(out) > max_extra_vocab:
+            raise AdapterError(f"{adapter_dir}: {module}: {len(out)} rows differ from the base model's; the engine "
+                               f"holds up to max_extra_vocab={max_extra_vocab} per adapter")
+        rows[module] = out
+    if len(set(vocab.values())) > 1:
+        raise AdapterError(f"{adapter_dir}: the embedding and lm_head have different vocabularies {vocab}")
+    added = max(vocab.values(), default=v) - v
+    return rows.get("model.embed_tokens", {}), rows.get("lm_head", {}), added
+
+
+def _rope_factor(adapter_dir: str, cfg: dict, config: ModelConfig, max_seq_len: int | None) -> float:
+    """LongLoRA (vLLM's convention): `context_length` in adapter_config.json runs the adapter's tokens with linear
+    RoPE scaling by ceil(context_length / max_position_embeddings)."""
+    context = cfg.get("context_length")
+    if context is None:
+        return 1.0
+    if not isinstance(context, int) or context < 1:
+        raise AdapterError(f"{adapter_dir}: context_length must be a positive int, got {context!r}")
+    if config.max_position_embeddings is None:
+        raise AdapterError(f"{adapter_dir}: context_length (LongLoRA) needs the base model's max_position_embeddings")
+    if max_seq_len is not None and context > max_seq_len:
+        raise AdapterError(f"{adapter_dir}: context_length {context} exceeds the engine's max_seq_len {max_seq_len}; "
+                           f"start the engine with max_seq_len >= {context} to serve it")
+    return float(math.ceil(context / config.max_position_embeddings))

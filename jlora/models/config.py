@@ -29,6 +29,7 @@ class ModelConfig:
     qkv_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None  # attend to at most this many most recent positions (Mistral v0.1)
+    max_position_embeddings: int | None = None  # the context it was trained for (LongLoRA scales from it)
 
     @property
     def q_size(self) -> int:
@@ -76,4 +77,5 @@ class ModelConfig:
             qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            max_position_embeddings=hf.get("max_position_embeddings"),
         )
