@@ -67,21 +67,21 @@ class Engine:
 
     def __init__(self, model: Transformer, *, max_loras: int, max_lora_rank: int, dtype, backend: str = "auto",
                  evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, max_extra_vocab: int = 256):
         self.config: ModelConfig = model.config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.tokenizer = tokenizer
         tp = TensorParallel.create(self.config, tensor_parallel) if tensor_parallel > 1 else None
         self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
-                                evict=evict, tp=tp)
+                                evict=evict, tp=tp, max_extra_vocab=max_extra_vocab, max_seq_len=max_seq_len)
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=backend, tp=tp)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,
                         dtype: str | None = None, backend: str = "auto", evict: str = "lru",
                         max_batch: int = 32, max_seq_len: int = 2048, tensor_parallel: int = 1,
-                        progress: bool = True) -> Engine:
+                        max_extra_vocab: int = 256, progress: bool = True) -> Engine:
         """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present).
 
         Args:
@@ -93,8 +93,11 @@ class Engine:
             i.e. decode, and pallas above; reference elsewhere).
           evict: when the pool is full, "lru" evicts the least recently used idle adapter; "refuse" raises.
           max_batch: cache rows decoding together in `generate`.
-          max_seq_len: the longest prompt + generation accepted.
+          max_seq_len: the longest prompt + generation accepted (a LongLoRA adapter's context_length at most).
           tensor_parallel: devices to split the model over (Megatron-style, see `jlora.parallel`).
+          max_extra_vocab: per adapter, the embedding and lm_head rows that may differ from the base model's:
+            tokens it adds past the base vocabulary, trainable tokens, rows it changed (vLLM's default, 256).
+            Held on the device only once an adapter has such rows.
           progress: show a progress bar while loading.
         """
         dtype = jnp.dtype(dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
@@ -107,7 +110,7 @@ class Engine:
             tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         return cls(model, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, backend=backend,
                    evict=evict, max_batch=max_batch, max_seq_len=max_seq_len, tokenizer=tokenizer,
-                   tensor_parallel=tensor_parallel)
+                   tensor_parallel=tensor_parallel, max_extra_vocab=max_extra_vocab)
 
     def load_adapter(self, name: str, adapter_dir: str) -> None:
         """Loads a PEFT adapter directory under `name` (see `AdapterPool.load` for the errors)."""
@@ -138,18 +141,26 @@ class Engine:
             ids.append([int(t) for t in p])
         return ids
 
+    def vocab_size(self, adapter: str | None) -> int:
+        """The token ids requests with `adapter` (None: the base model) may hold and sample: the base
+        vocabulary plus the tokens the adapter adds."""
+        return self.pool.vocab_size(-1 if adapter is None else self.pool.slot(adapter))
+
     def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
                        max_new_tokens: int = 0) -> None:
         if len(prompts) != len(adapters):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters; give one per prompt (None: base)")
         if not prompts:
             raise ValueError("no prompts")
+        slots = self._slots(adapters)
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
+            vocab = self.pool.vocab_size(int(slots[i]))
+            bad = [t for t in p if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (its adapter's vocabulary): "
+                                 f"{bad[:5]}")
             if len(p) + max_new_tokens > self.max_seq_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
                                  f"max_seq_len={self.max_seq_len}")
@@ -162,7 +173,7 @@ class Engine:
           adapters: one adapter name or None per prompt.
 
         Returns:
-          One float32 array [len(prompt), vocab] per prompt.
+          One float32 array [len(prompt), vocab_size(adapter)] per prompt.
         """
         prompts = self.encode(prompts)
         self._check_prompts(prompts, adapters)
@@ -170,7 +181,7 @@ class Engine:
         cache = self.runner.new_cache(*tokens.shape)
         logits, _ = self.runner.run(tokens, positions, token_slot.reshape(-1), cache)
         logits = np.asarray(logits)
-        return [logits[i, : len(p)] for i, p in enumerate(prompts)]
+        return [logits[i, : len(p), : self.vocab_size(a)] for i, (p, a) in enumerate(zip(prompts, adapters))]
 
     def generate(
         self,
@@ -222,5 +233,7 @@ class Engine:
                 batcher.step()
         finally:
             self.pool.release(held)
-        decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else (lambda ids: None)
+        vocab = self.config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
+        decode = ((lambda ids: self.tokenizer.decode([t for t in ids if t < vocab])) if self.tokenizer is not None
+                  else (lambda ids: None))
         return [Generation(r.out, decode(r.out), r.finish) for r in requests]

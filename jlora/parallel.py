@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jlora.adapters.peft import HostAdapter
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
-from jlora.models.lora_weights import LayerLoRA, LoRAWeights
+from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 
 __all__ = ["TensorParallel"]
 
@@ -126,24 +126,41 @@ class TensorParallel:
         return nnx.from_flat_state([(path, self.state_spec(path)) for path, _ in nnx.to_flat_state(state)])
 
     # ---- adapters ----------------------------------------------------------------------------------------------
-    def lora_specs(self) -> LoRAWeights:
-        """PartitionSpecs of the stacked adapter weights: B of column-parallel layers (and of a vocab-parallel
-        lm_head) split along N, A of row-parallel layers split along K, the rest replicated."""
+    def lora_specs(self, like: LoRAWeights | None = None) -> LoRAWeights:
+        """PartitionSpecs of the stacked adapter weights (with the optional parts `like` holds): B of
+        column-parallel layers (and of a vocab-parallel lm_head) split along N, and so their column affine; A of
+        row-parallel layers split along K; the rest replicated."""
         columns = P(None, AXIS)  # no trailing None: the spec an adapter write's jit returns, so loads never recompile
-        layer = dict(a={"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)},
-                     b={"qkv": columns, "o": P(), "gate_up": columns, "down": P()})
-        return LoRAWeights(layers=tuple(LayerLoRA(**layer) for _ in range(self.config.num_layers)),
-                           embed_a=P(), embed_b=P(), lm_head_a=P(), lm_head_b=columns if self.vocab_parallel else P())
+        split = {"qkv": columns, "o": P(), "gate_up": columns, "down": P()}
+        layers = []
+        for i in range(self.config.num_layers):
+            layer = None if like is None else like.layers[i]
+            layers.append(LayerLoRA(
+                a={"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)}, b=split,
+                scale=None if layer is None or layer.scale is None else split,
+                shift=None if layer is None or layer.shift is None else split))
+        lm_columns = columns if self.vocab_parallel else P()
+        optional = lambda part, spec: None if like is None or getattr(like, part) is None else spec
+        return LoRAWeights(layers=tuple(layers), embed_a=P(), embed_b=P(), lm_head_a=P(), lm_head_b=lm_columns,
+                           lm_head_scale=optional("lm_head_scale", lm_columns),
+                           lm_head_shift=optional("lm_head_shift", lm_columns),
+                           rows=optional("rows", RowOverrides(P(), P(), P(), P())),
+                           rope_factor=optional("rope_factor", P()))
 
     def shard_lora(self, weights: LoRAWeights) -> LoRAWeights:
-        return jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(self.mesh, s)), weights, self.lora_specs())
+        return jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(self.mesh, s)), weights,
+                            self.lora_specs(weights))
 
     def permute_adapter(self, host: HostAdapter) -> HostAdapter:
-        """Reorders an adapter's B rows of q|k|v and gate|up into the TP layout (KV rows copied if shared)."""
-        layers = tuple({**layer, "qkv": (layer["qkv"][0], layer["qkv"][1][self.qkv_perm]),
-                        "gate_up": (layer["gate_up"][0], layer["gate_up"][1][self.gate_up_perm])}
+        """Reorders an adapter's columns of q|k|v and gate|up (B's rows, bias, DoRA magnitude) into the TP layout
+        (KV columns copied if shared)."""
+        perm = {"qkv": self.qkv_perm, "gate_up": self.gate_up_perm}
+        layers = tuple({g: (a, b[perm[g]]) if g in perm else (a, b) for g, (a, b) in layer.items()}
                        for layer in host.layers)
-        return dataclasses.replace(host, layers=layers)
+        bias = {key: value[perm[key[1]]] if key[1] in perm else value for key, value in host.bias.items()}
+        magnitude = {key: (m[perm[key[1]]], mask[perm[key[1]]]) if key[1] in perm else (m, mask)
+                     for key, (m, mask) in host.magnitude.items()}
+        return dataclasses.replace(host, layers=layers, bias=bias, magnitude=magnitude)
 
     # ---- running -----------------------------------------------------------------------------------------------
     cache_spec = P(None, AXIS, None, None)  # each layer's [B, kv_heads, max_seq, head_dim]

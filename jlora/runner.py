@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jlora import parallel
 from jlora.adapters import AdapterPool
+from jlora.adapters.peft import BaseRows
 from jlora.batch_info import LoRABatchInfo
 from jlora.compile_options import concurrent_graphs, step_jit
 from jlora.models.config import ModelConfig
@@ -89,7 +90,7 @@ def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, tok
     rep = P()
     cache_spec = KVCache(tp.cache_spec, tp.cache_spec)
     param_specs = jax.tree.leaves(tp.state_specs(model_def.state(params)), is_leaf=lambda x: isinstance(x, P))
-    in_specs = (param_specs, rep, rep, cache_spec, None if lora is None else tp.lora_specs(), rep, rep,
+    in_specs = (param_specs, rep, rep, cache_spec, None if lora is None else tp.lora_specs(lora), rep, rep,
                 None if valid is None else rep, None if rows is None else rep)
     return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(tp.logits_spec, cache_spec),
                          check_vma=False)(*args)
@@ -148,8 +149,33 @@ class ModelRunner:
         self.tp = tp
         graphdef, state = nnx.split(model) if tp is None else tp.shard_model(model)
         self.model_def, self.params = ModelDef.split(graphdef, state)
+        self._index = {jax.tree_util.keystr(path, simple=True, separator="."): i
+                       for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0])}
         self.pool = pool
+        pool.base = self  # DoRA's column norms and the embedding rows adapters override come from here
+        self.rows = BaseRows(embedding=lambda: self._host(self._param("embed")),
+                             lm_head=lambda: self._host(self._lm_head().T))
         self._sharded_zeros = {}  # (rows, max_seq) -> jitted maker of an empty cache split over the mesh
+
+    def _param(self, name: str) -> jax.Array | None:
+        i = self._index.get(name + ".value")
+        return None if i is None else self.params[i]
+
+    @staticmethod
+    def _host(x: jax.Array) -> np.ndarray:
+        return np.asarray(x.astype(jnp.float32))
+
+    def _lm_head(self) -> jax.Array:
+        """[H, V]: the lm_head's weight, or the embedding's transposed when tied."""
+        w = self._param("lm_head.weight")
+        return self._param("embed").T if w is None else w
+
+    def linear(self, layer: int | None, group: str) -> tuple[jax.Array, jax.Array | None]:
+        """(weight [K, N], bias [N] or None) of a layer's fused group, or of the lm_head (layer None)."""
+        if group == "lm_head":
+            return self._lm_head(), None
+        path = f"layers.{layer}.{'attn' if group in ('qkv', 'o') else 'mlp'}.{group}"
+        return self._param(path + ".weight"), self._param(path + ".bias")
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
         """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
@@ -165,7 +191,7 @@ class ModelRunner:
         """The pool's weights for a call whose host token slots are `token_slot`, or None when no token uses an
         adapter: a call of base-model tokens only runs without the LoRA ops (a second compiled variant per
         shape), which with every slot -1 would add nothing at full cost."""
-        return self.pool.weights if (token_slot >= 0).any() else None
+        return self.pool.step_weights if (token_slot >= 0).any() else None
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays [B, S] (token_slot [B·S]); returns (logits [B, S, V] f32,

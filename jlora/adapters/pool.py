@@ -9,27 +9,54 @@ running request holds, or refuses (`evict="refuse"`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jlora.adapters.peft import read_adapter
+from jlora.adapters.peft import AdapterError, BaseRows, HostAdapter, read_adapter
 from jlora.models.config import ModelConfig
-from jlora.models.lora_weights import LayerLoRA, LoRAWeights
+from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides, module_shapes
 from jlora.pallas import kernel_rank
+from jlora.precision import dot_precision
 
-__all__ = ["AdapterPool", "PoolFullError"]
+__all__ = ["AdapterPool", "BaseWeights", "PoolFullError"]
+
+_OPTIONAL = ("scale", "shift", "rows", "rope")  # the pool's optional parts, allocated when first needed
 
 
 class PoolFullError(RuntimeError):
     """Every slot holds an adapter in use (or eviction is off)."""
 
 
+class BaseWeights(Protocol):
+    """What the pool reads of the base model: its embedding rows (host) and a linear group's weight and bias
+    (device, in the model's layout) for DoRA's column norms."""
+
+    rows: BaseRows
+
+    def linear(self, layer: int | None, group: str) -> tuple[jax.Array, jax.Array | None]:
+        """(weight [K, N], bias [N] or None) of a layer's fused group; layer None, group "lm_head": [H, V]."""
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(weights: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeights:
     return jax.tree.map(lambda w, n: w.at[slot].set(n.astype(w.dtype)), weights, new)
+
+
+@functools.partial(jax.jit, static_argnames=("slice_sizes",))
+def _dora_factor(w, a, b, magnitude, mask, *, slice_sizes):
+    """[N] f32 of a fused group: magnitude / ‖column of W + (B A)ᵀ‖ where `mask`, else 1 (PEFT's DoRA: the norm
+    of each output's weights over the inputs; W [K, N], A [S·R, K], B [N, R] with the scaling folded in)."""
+    rank, norms, start = a.shape[0] // len(slice_sizes), [], 0
+    for i, n in enumerate(slice_sizes):
+        delta = jnp.dot(b[start : start + n], a[i * rank : (i + 1) * rank], precision=dot_precision(jnp.float32))
+        norms.append(jnp.linalg.norm(w[:, start : start + n].astype(jnp.float32) + delta.T, axis=0))
+        start += n
+    return jnp.where(mask, magnitude / jnp.concatenate(norms), 1.0)
 
 
 class AdapterPool:
@@ -42,24 +69,54 @@ class AdapterPool:
     """
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, dtype,
-                 evict: Literal["lru", "refuse"] = "lru", tp=None):
+                 evict: Literal["lru", "refuse"] = "lru", tp=None, max_extra_vocab: int = 256,
+                 max_seq_len: int | None = None):
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1")
         if evict not in ("lru", "refuse"):
             raise ValueError(f"evict must be 'lru' or 'refuse', got {evict!r}")
+        if max_extra_vocab < 0:
+            raise ValueError(f"max_extra_vocab must be >= 0, got {max_extra_vocab}")
         self.config = config
         self.max_lora_rank = max_lora_rank
         self.rank = kernel_rank(max_lora_rank)  # storage rank: the kernels need a power of two >= 16
         self.evict = evict
+        self.max_extra_vocab = max_extra_vocab
+        self.max_seq_len = max_seq_len
+        self.dtype = dtype
         self.tp = tp  # a jlora.parallel.TensorParallel: weights in its layout, split over its mesh
-        if tp is None:
-            self.weights = LoRAWeights.zeros(config, max_loras, self.rank, dtype)
-        else:
-            self.weights = tp.shard_lora(LoRAWeights.zeros(tp.layout, max_loras, self.rank, dtype))
+        self.layout = config if tp is None else tp.layout
+        self.weights = self._placed(LoRAWeights.zeros(self.layout, max_loras, self.rank, dtype))
+        self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
         self.ranks = np.zeros(max_loras, np.int32)
+        self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
+        self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
         self._paths: dict[str, str] = {}
         self._in_use: collections.Counter[str] = collections.Counter()
+
+    def _placed(self, weights: LoRAWeights) -> LoRAWeights:
+        return weights if self.tp is None else self.tp.shard_lora(weights)
+
+    @property
+    def step_weights(self) -> LoRAWeights:
+        """The weights a step takes: the optional parts that no loaded adapter uses left out (None), so such a
+        step compiles and runs as if they did not exist."""
+        used = set().union(*(self._features[s] for s in self._slots.values()))
+        w = self.weights
+        return dataclasses.replace(
+            w,
+            layers=tuple(dataclasses.replace(layer, scale=layer.scale if "scale" in used else None,
+                                             shift=layer.shift if "shift" in used else None) for layer in w.layers),
+            lm_head_scale=w.lm_head_scale if "scale" in used else None,
+            lm_head_shift=w.lm_head_shift if "shift" in used else None,
+            rows=w.rows if "rows" in used else None,
+            rope_factor=w.rope_factor if "rope" in used else None,
+        )
+
+    def vocab_size(self, slot: int) -> int:
+        """The token ids a request of `slot` (-1: the base model) may hold: the base's plus its adapter's added."""
+        return self.config.vocab_size + (int(self.added[slot]) if slot >= 0 else 0)
 
     @property
     def num_slots(self) -> int:
@@ -98,20 +155,109 @@ class AdapterPool:
         """
         if name in self._slots:
             raise ValueError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
-        host = read_adapter(adapter_dir, self.config, self.max_lora_rank, self.rank)
+        host = read_adapter(adapter_dir, self.config, self.max_lora_rank, self.rank,
+                            base=None if self.base is None else self.base.rows,
+                            max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len)
+        if (host.lm_head_rows or host.added) and self.tp is not None and self.tp.vocab_parallel:
+            raise AdapterError(f"{adapter_dir}: lm_head rows that differ from the base model's (or added tokens) "
+                               "are not supported with a vocab-parallel lm_head (tensor_parallel > 1)")
         if self.tp is not None:
             host = self.tp.permute_adapter(host)
+        scale, shift = self._affine(adapter_dir, host)
+        features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
+                                             ("rows", host.embed_rows or host.lm_head_rows),
+                                             ("rope", host.rope_factor != 1.0)] if on)
         slot = self._free_slot(name)
-        new = LoRAWeights(
-            layers=tuple(LayerLoRA(a={g: a for g, (a, _) in layer.items()}, b={g: b for g, (_, b) in layer.items()})
-                         for layer in host.layers),
-            embed_a=host.embed[0], embed_b=host.embed[1], lm_head_a=host.lm_head[0], lm_head_b=host.lm_head[1],
-        )
-        self.weights = _write_slot(self.weights, np.int32(slot), new)
+        self._allocate(features)
+        self.weights = _write_slot(self.weights, np.int32(slot), self._slot_values(host, scale, shift))
         self.ranks[slot] = host.rank
+        self.added[slot] = host.added
+        self._features[slot] = features
         self._slots[name] = slot
         self._paths[name] = adapter_dir
         return slot
+
+    def _affine(self, adapter_dir: str, host: HostAdapter):
+        """(scale, shift): per (layer, group) key the [N] column factors of DoRA and the columns added after
+        them (LoRA bias; DoRA keeps the base layer's bias out of its rescaling), or None when none."""
+        if not host.magnitude and not host.bias:
+            return None, None
+        if host.magnitude and self.base is None:
+            raise AdapterError(f"{adapter_dir}: DoRA needs the base model's weights, which are not at hand")
+        scale, shift = {}, dict(host.bias)
+        for key, (magnitude, mask) in host.magnitude.items():
+            layer, group = key
+            w, base_bias = self.base.linear(layer, group)
+            if group == "lm_head":
+                a, b, slices = host.lm_head[0], host.lm_head[1], (self.layout.vocab_size,)
+            else:
+                a, b = host.layers[layer][group]
+                slices = tuple(n for _, n in module_shapes(self.layout)[group][1])
+            factor = np.asarray(_dora_factor(w, a, b, magnitude, mask, slice_sizes=slices))
+            scale[key] = factor
+            if base_bias is not None or key in shift:
+                lora_bias = shift.get(key, np.zeros_like(factor))
+                kept = 0.0 if base_bias is None else (1 - factor) * np.asarray(base_bias, np.float32)
+                shift[key] = factor * lora_bias + kept
+        return scale or None, shift or None
+
+    def _allocate(self, features: frozenset[str]) -> None:
+        """Adds the optional parts `features` needs that the pool does not hold yet (one recompilation of the
+        steps that use them, when a first adapter needs them)."""
+        w, num, groups = self.weights, self.num_slots, module_shapes(self.layout)
+        const = lambda value, *shape, dtype=self.dtype: jnp.full(shape, value, dtype)
+        widths = {g: sum(n for _, n in outs) for g, (_, outs) in groups.items()}
+        v, h, e = self.layout.vocab_size, self.layout.hidden_size, self.max_extra_vocab
+        new = {}
+        if "scale" in features and w.lm_head_scale is None:
+            new["scale"] = 1.0
+        if "shift" in features and w.lm_head_shift is None:
+            new["shift"] = 0.0
+        if not new and ("rows" not in features or w.rows is not None) and ("rope" not in features
+                                                                           or w.rope_factor is not None):
+            return
+        layers = tuple(dataclasses.replace(layer, **{f: {g: const(x, num, widths[g], dtype=jnp.float32)
+                                                         for g in groups} for f, x in new.items()})
+                       for layer in w.layers)
+        self.weights = self._placed(dataclasses.replace(
+            w, layers=layers,
+            lm_head_scale=const(1.0, num, v, dtype=jnp.float32) if "scale" in new else w.lm_head_scale,
+            lm_head_shift=const(0.0, num, v, dtype=jnp.float32) if "shift" in new else w.lm_head_shift,
+            rows=(RowOverrides(const(-1, num, e, dtype=jnp.int32), const(0, num, e, h), const(-1, num, e, dtype=jnp.int32),
+                               const(0, num, e, h)) if "rows" in features and w.rows is None else w.rows),
+            rope_factor=const(1.0, num, dtype=jnp.float32) if "rope" in features and w.rope_factor is None
+            else w.rope_factor))
+
+    def _slot_values(self, host: HostAdapter, scale, shift) -> LoRAWeights:
+        """One slot's values of every part the pool holds (neutral values for the parts the adapter lacks)."""
+        w, groups = self.weights, module_shapes(self.layout)
+        widths = {g: sum(n for _, n in outs) for g, (_, outs) in groups.items()}
+        v, h, e = self.layout.vocab_size, self.layout.hidden_size, self.max_extra_vocab
+
+        def column(values, key, width, neutral):
+            return np.full(width, neutral, np.float32) if values is None or key not in values else values[key]
+
+        layers = tuple(
+            LayerLoRA(a={g: a for g, (a, _) in layer.items()}, b={g: b for g, (_, b) in layer.items()},
+                      scale=None if w.layers[i].scale is None else {g: column(scale, (i, g), widths[g], 1.0) for g in groups},
+                      shift=None if w.layers[i].shift is None else {g: column(shift, (i, g), widths[g], 0.0) for g in groups})
+            for i, layer in enumerate(host.layers))
+
+        def overrides(rows: dict[int, np.ndarray]):
+            ids, values = np.full(e, -1, np.int32), np.zeros((e, h), np.float32)
+            for j, (token, row) in enumerate(sorted(rows.items())):
+                ids[j], values[j] = token, row
+            return ids, values
+
+        rows = None
+        if w.rows is not None:
+            rows = RowOverrides(*overrides(host.embed_rows), *overrides(host.lm_head_rows))
+        return LoRAWeights(
+            layers=layers, embed_a=host.embed[0], embed_b=host.embed[1], lm_head_a=host.lm_head[0],
+            lm_head_b=host.lm_head[1],
+            lm_head_scale=None if w.lm_head_scale is None else column(scale, (None, "lm_head"), v, 1.0),
+            lm_head_shift=None if w.lm_head_shift is None else column(shift, (None, "lm_head"), v, 0.0),
+            rows=rows, rope_factor=None if w.rope_factor is None else np.float32(host.rope_factor))
 
     def unload(self, name: str) -> None:
         """Frees the adapter's slot (its weights stay until overwritten; rank 0 masks them meanwhile)."""
@@ -119,7 +265,8 @@ class AdapterPool:
             raise KeyError(f"adapter {name!r} is not loaded (loaded: {self.names})")
         if self._in_use[name]:
             raise RuntimeError(f"adapter {name!r} is used by running requests")
-        self.ranks[self._slots.pop(name)] = 0
+        slot = self._slots.pop(name)
+        self.ranks[slot], self.added[slot], self._features[slot] = 0, 0, frozenset()
         del self._paths[name]
 
     def _free_slot(self, name: str) -> int:

@@ -26,7 +26,7 @@ from flax import nnx
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights
-from jlora.ops import lora_embedding, lora_linear, resolve_backend
+from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
 from jlora.precision import dot_precision
 
@@ -114,9 +114,36 @@ def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: Laye
     if lora is not None:
         if ordered and lora.base_first:
             out, x = jax.lax.optimization_barrier((out, x))
+        scale = None if group.scale is None else group.scale[name]
+        shift = None if group.shift is None else group.shift[name]
+        if shift is not None and reduce_axis is not None:  # the partial outputs are summed: add it on one device
+            shift = jnp.where(jax.lax.axis_index(reduce_axis) == 0, shift, 0)
         out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
-                          backend=lora.backend)
+                          backend=lora.backend, scale=scale, shift=shift)
     return out if reduce_axis is None else jax.lax.psum(out, reduce_axis)
+
+
+def _override_rows(x: jax.Array, tokens: jax.Array, token_slot: jax.Array, ids: jax.Array,
+                   rows: jax.Array) -> jax.Array:
+    """x [T, H] with each token's row replaced where its slot overrides that token (ids [L, E], rows [L, E, H])."""
+    slot = jnp.maximum(token_slot, 0)
+    match = (ids[slot] == tokens[:, None]) & (token_slot >= 0)[:, None]  # [T, E]
+    row = rows[slot, jnp.argmax(match, axis=1)]  # [T, H]
+    return jnp.where(match.any(axis=1)[:, None], row.astype(x.dtype), x)
+
+
+def _override_logits(logits: jax.Array, x: jax.Array, lora: LoRAContext) -> jax.Array:
+    """logits [T, V] f32 widened to [T, V + E]: each token's slot's override rows (their logits through the
+    segmented shrink, the rows as A of rank E) replace the base's columns and fill the added tokens' columns;
+    every other added column is -inf, so a request can sample only the tokens its adapter defines."""
+    rows, info = lora.weights.rows, lora.info
+    e, (t, v) = rows.extra_vocab, logits.shape
+    info = dataclasses.replace(info, ranks=jnp.full_like(info.ranks, e), scalings=jnp.ones_like(info.scalings))
+    values = lora_shrink(x, rows.lm_head_rows, info, backend=lora.backend).astype(jnp.float32)  # [T, E]
+    ids = rows.lm_head_ids[jnp.maximum(info.token_slot, 0)]  # [T, E]
+    column = jnp.where((ids >= 0) & (info.token_slot >= 0)[:, None], ids, v + e)  # out of range: dropped
+    logits = jnp.concatenate([logits, jnp.full((t, e), -jnp.inf, logits.dtype)], axis=1)
+    return logits.at[jnp.arange(t)[:, None], column].set(values, mode="drop")
 
 
 def _kernel_attention(backend: str) -> bool:
@@ -161,9 +188,10 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows, reduce_axis,
-                 attention_kernel):
+    def __call__(self, x, positions, rope_positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows,
+                 reduce_axis, attention_kernel):
         """x [T, H] (T = B·S), positions [B, S], caches [R, kv_heads, max_seq, D] -> ([T, H], caches).
+        `rope_positions` [B, S] are the positions RoPE rotates by (LongLoRA's tokens: divided by their factor).
 
         Request b reads and writes cache row `rows[b]` ([B], made once for all layers; `all_rows`: rows is
         arange(B) and R = B); tokens with `valid` False ([B, S]) leave the cache untouched. With
@@ -174,8 +202,8 @@ class Attention(nnx.Module):
         b, s = positions.shape
         qkv = _with_lora(self.qkv, x, lora, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
-        q = _rope(q.reshape(b, s, c.num_heads, c.head_dim), positions, inv_freq)
-        k = _rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        q = _rope(q.reshape(b, s, c.num_heads, c.head_dim), rope_positions, inv_freq)
+        k = _rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), rope_positions, inv_freq)
         v = v.reshape(k.shape)
         row = rows[:, None]  # [B, 1]
         # [row, :, position] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
@@ -215,10 +243,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows, reduce_axis,
-                 attention_kernel):
-        h, k_cache, v_cache = self.attn(self.input_norm(x), positions, inv_freq, k_cache, v_cache, lora, group,
-                                        valid, rows, all_rows, reduce_axis, attention_kernel)
+    def __call__(self, x, positions, rope_positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows,
+                 reduce_axis, attention_kernel):
+        h, k_cache, v_cache = self.attn(self.input_norm(x), positions, rope_positions, inv_freq, k_cache, v_cache,
+                                        lora, group, valid, rows, all_rows, reduce_axis, attention_kernel)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x), lora, group, reduce_axis), k_cache, v_cache
 
@@ -275,16 +303,24 @@ class Transformer(nnx.Module):
             Off by default: under XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
 
         Returns:
-          logits [B, S, V] f32 and the updated cache.
+          logits [B, S, V] f32 (with the adapters' row overrides [B, S, V + E]: see `_override_logits`) and the
+          updated cache.
         """
         b, s = tokens.shape
         valid = jnp.ones((b, s), bool) if valid is None else valid
         ctx = None if lora is None else LoRAContext(lora, info, backend, base_first)
         flat = tokens.reshape(b * s)
         embed = self.embed[...]
-        x = embed[flat]  # [T, H]
+        ids = jnp.minimum(flat, embed.shape[0] - 1)  # an adapter's added tokens: their override row replaces it
+        x = embed[ids]  # [T, H]
+        rope_positions = positions
         if ctx is not None:
-            x = lora_embedding(flat, lora.embed_a, lora.embed_b, info, x, backend=backend)
+            x = lora_embedding(ids, lora.embed_a, lora.embed_b, info, x, backend=backend)
+            if lora.rows is not None:
+                x = _override_rows(x, flat, info.token_slot, lora.rows.embed_ids, lora.rows.embed_rows)
+            if lora.rope_factor is not None:  # LongLoRA: linear RoPE scaling by each token's adapter's factor
+                factor = jnp.where(info.token_slot >= 0, lora.rope_factor[jnp.maximum(info.token_slot, 0)], 1.0)
+                rope_positions = positions / factor.reshape(b, s)
         inv_freq = rope_frequencies(self.config)
         attention_kernel = (s == 1 and _kernel_attention(backend)
                             and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
@@ -293,8 +329,8 @@ class Transformer(nnx.Module):
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             group = None if ctx is None else lora.layers[i]
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows, all_rows,
-                            reduce_axis, attention_kernel)
+            x, k, v = layer(x, positions, rope_positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows,
+                            all_rows, reduce_axis, attention_kernel)
             ks.append(k)
             vs.append(v)
         x = self.norm(x)
@@ -305,5 +341,9 @@ class Transformer(nnx.Module):
             logits = self.lm_head(x)
         if ctx is not None:  # no barrier (base_first) here: see its docstring
             logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, info,
-                                 slice_sizes=(self.config.vocab_size,), backend=backend)
-        return logits.astype(jnp.float32).reshape(b, s, -1), KVCache(tuple(ks), tuple(vs))
+                                 slice_sizes=(self.config.vocab_size,), backend=backend, scale=lora.lm_head_scale,
+                                 shift=lora.lm_head_shift)
+        logits = logits.astype(jnp.float32)
+        if ctx is not None and lora.rows is not None:
+            logits = _override_logits(logits, x, ctx)
+        return logits.reshape(b, s, -1), KVCache(tuple(ks), tuple(vs))

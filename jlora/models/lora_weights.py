@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jlora.models.config import ModelConfig
 
-__all__ = ["LayerLoRA", "LoRAWeights", "module_shapes"]
+__all__ = ["LayerLoRA", "LoRAWeights", "RowOverrides", "module_shapes"]
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
@@ -30,33 +30,60 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, 
     }
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["a", "b"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["a", "b", "scale", "shift"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LayerLoRA:
-    """One fused group of one layer: `a` [L, S·R, K], `b` [L, N, R] (slices stacked along N)."""
+    """One fused group of one layer: `a` [L, S·R, K], `b` [L, N, R] (slices stacked along N), and the optional
+    per-slot column affine `scale`, `shift` [L, N] (DoRA, LoRA bias; None when no loaded adapter has one)."""
 
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
+    scale: dict[str, jax.Array] | None = None
+    shift: dict[str, jax.Array] | None = None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["embed_ids", "embed_rows", "lm_head_ids",
+                                                                  "lm_head_rows"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RowOverrides:
+    """Per slot, up to E embedding and lm_head rows that replace the base model's (their LoRA folded in):
+    token ids [L, E] int32 (-1: unused) and rows [L, E, H]. Ids from V up are tokens the adapter adds."""
+
+    embed_ids: jax.Array
+    embed_rows: jax.Array
+    lm_head_ids: jax.Array
+    lm_head_rows: jax.Array
+
+    @property
+    def extra_vocab(self) -> int:
+        return self.embed_ids.shape[1]
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["layers", "embed_a", "embed_b", "lm_head_a", "lm_head_b"],
+    data_fields=["layers", "embed_a", "embed_b", "lm_head_a", "lm_head_b", "lm_head_scale", "lm_head_shift", "rows",
+                 "rope_factor"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class LoRAWeights:
-    """All adapter slots' weights. `layers[l].a[group]` etc.; embedding and lm_head apart."""
+    """All adapter slots' weights. `layers[l].a[group]` etc.; embedding and lm_head apart. The optional parts
+    (None when no loaded adapter uses them, so a step without them compiles and costs as before): the lm_head's
+    column affine, row overrides, and the LongLoRA RoPE factor per slot [L] f32."""
 
     layers: tuple[LayerLoRA, ...]
     embed_a: jax.Array  # [L, R, V] lora_embedding_A
     embed_b: jax.Array  # [L, H, R] lora_embedding_B (scaled)
     lm_head_a: jax.Array  # [L, R, H]
     lm_head_b: jax.Array  # [L, V, R] (scaled)
+    lm_head_scale: jax.Array | None = None  # [L, V]
+    lm_head_shift: jax.Array | None = None  # [L, V]
+    rows: RowOverrides | None = None
+    rope_factor: jax.Array | None = None  # [L]
 
     @staticmethod
     def zeros(config: ModelConfig, num_slots: int, rank: int, dtype) -> LoRAWeights:
-        """Empty slots: every weight zero."""
+        """Empty slots: every weight zero, no optional part."""
         z = lambda *shape: jnp.zeros(shape, dtype)
         groups = module_shapes(config)
         layer = lambda: LayerLoRA(

@@ -64,6 +64,18 @@ def _edit_config(path, **changes):
         json.dump(cfg, f)
 
 
+_Q = "base_model.model.model.layers.0.self_attn.q_proj"
+_V = "base_model.model.model.layers.0.self_attn.v_proj"
+
+
+def _add(path, drop=False, **new):
+    """Adds tensors to the adapter file (`drop`: replaces its tensors)."""
+    from safetensors.numpy import load_file, save_file
+
+    file = os.path.join(path, "adapter_model.safetensors")
+    save_file(({} if drop else load_file(file)) | new, file)
+
+
 BAD = {
     "missing dir": (lambda p: None, "adapter_config.json not found"),
     "missing weights": (lambda p: os.remove(os.path.join(p, "adapter_model.safetensors")), "adapter_model.safetensors not found"),
@@ -84,9 +96,29 @@ BAD = {
                       r"v_proj.lora_B.weight holds 1 non-finite values \(NaN or inf\)"),
     "NaN weights": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: _set(t[k], (slice(None), 0), np.nan)}),
                     "non-finite values"),
-    "dora": (lambda p: _edit_config(p, use_dora=True), "DoRA"),
-    "modules_to_save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]), "modules_to_save"),
-    "lora_bias": (lambda p: _edit_config(p, lora_bias=True), "LoRA bias"),
+    "dora without magnitudes": (lambda p: _edit_config(p, use_dora=True), "use_dora=true but no lora_magnitude_vector"),
+    "dora magnitude of a wrong length": (lambda p: (_edit_config(p, use_dora=True), _add(p, **{
+        f"{_Q}.lora_magnitude_vector": np.ones(64, np.float32), f"{_V}.lora_magnitude_vector": np.ones(5, np.float32)})),
+        r"v_proj: magnitude has shape \(5,\); the layer has 32 outputs"),
+    "dora on the embedding": (lambda p: (_edit_config(p, use_dora=True, target_modules=["embed_tokens"]), _add(p, **{
+        "base_model.model.model.embed_tokens.lora_embedding_A": np.ones((4, 96), np.float32),
+        "base_model.model.model.embed_tokens.lora_embedding_B": np.ones((64, 4), np.float32),
+        "base_model.model.model.embed_tokens.lora_magnitude_vector": np.ones(64, np.float32)}, drop=True)),
+        "DoRA on the input embedding is not supported"),
+    "modules_to_save of another layer": (lambda p: _edit_config(p, modules_to_save=["model.norm"]),
+                                         "modules_to_save 'model.norm' is not supported"),
+    "a bias without lora_bias": (lambda p: _add(p, **{f"{_Q}.lora_B.bias": np.ones(64, np.float32)}),
+                                 "a lora_B bias but the config says lora_bias=false"),
+    "more added tokens than max_extra_vocab": (lambda p: (_edit_config(p, modules_to_save=["embed_tokens"]), _add(p, **{
+        "base_model.model.model.embed_tokens.weight": np.ones((96 + 257, 64), np.float32)})),
+        "257 tokens past the base vocabulary of 96; the engine allows max_extra_vocab=256"),
+    "trainable tokens outside the vocabulary": (lambda p: (_edit_config(p, trainable_token_indices=[3, 96]), _add(p, **{
+        "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta": np.ones((2, 64), np.float32)})),
+        r"trainable_token_indices \[3, 96\] outside the vocabulary \[0, 96\)"),
+    "trainable tokens without their rows": (lambda p: _edit_config(p, trainable_token_indices=[3]),
+                                            "need a trainable_tokens_delta of shape"),
+    "a LongLoRA context past max_seq_len": (lambda p: _edit_config(p, context_length=4096),
+                                            "context_length 4096 exceeds the engine's max_seq_len 2048"),
     "rank disagrees with config": (lambda p: _edit_config(p, r=6), "rank 4 but the config says r=6"),
 }
 
