@@ -151,16 +151,27 @@ class TensorParallel:
         return jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(self.mesh, s)), weights,
                             self.lora_specs(weights))
 
+    def _perm(self, group: str) -> np.ndarray | None:
+        return {"qkv": self.qkv_perm, "gate_up": self.gate_up_perm}.get(group)
+
     def permute_adapter(self, host: HostAdapter) -> HostAdapter:
-        """Reorders an adapter's columns of q|k|v and gate|up (B's rows, bias, DoRA magnitude) into the TP layout
-        (KV columns copied if shared)."""
-        perm = {"qkv": self.qkv_perm, "gate_up": self.gate_up_perm}
-        layers = tuple({g: (a, b[perm[g]]) if g in perm else (a, b) for g, (a, b) in layer.items()}
+        """Reorders an adapter's B rows of q|k|v and gate|up into the TP layout (KV rows copied if shared)."""
+        layers = tuple({g: (a, b if self._perm(g) is None else b[self._perm(g)]) for g, (a, b) in layer.items()}
                        for layer in host.layers)
-        bias = {key: value[perm[key[1]]] if key[1] in perm else value for key, value in host.bias.items()}
-        magnitude = {key: (m[perm[key[1]]], mask[perm[key[1]]]) if key[1] in perm else (m, mask)
-                     for key, (m, mask) in host.magnitude.items()}
-        return dataclasses.replace(host, layers=layers, bias=bias, magnitude=magnitude)
+        return dataclasses.replace(host, layers=layers)
+
+    def permute_columns(self, values: dict[tuple[int | None, str], np.ndarray]) -> dict:
+        """Per (layer, group) [N] column values (a column affine) reordered into the TP layout."""
+        return {key: v if self._perm(key[1]) is None else v[self._perm(key[1])] for key, v in values.items()}
+
+    def checkpoint_columns(self, group: str) -> np.ndarray | None:
+        """For a group in the TP layout, the index of each checkpoint column (None: the same order)."""
+        perm = self._perm(group)
+        if perm is None:
+            return None
+        index = np.empty(int(perm.max()) + 1, np.int64)
+        index[perm] = np.arange(len(perm))  # a KV column copied to several devices: any copy
+        return index
 
     # ---- running -----------------------------------------------------------------------------------------------
     cache_spec = P(None, AXIS, None, None)  # each layer's [B, kv_heads, max_seq, head_dim]

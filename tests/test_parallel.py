@@ -76,6 +76,42 @@ def test_tensor_parallel_matches_single_device(tp, kv_heads, backend, vocab, tie
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
+def peft_features(base: str, tp: int, backend: str) -> None:
+    """Runs in the subprocess: every adapter of the PEFT fixtures (LoRA bias, DoRA, row overrides, added tokens,
+    LongLoRA) under TP=tp against PEFT's own logits and greedy tokens, all in one mixed batch. DoRA's norms are
+    over the whole weight; a LoRA bias of a row-parallel layer is added once."""
+    import numpy as np
+
+    from jlora.engine import Engine
+    from tests.models.test_peft_fixtures import FIXTURES, expected
+    from tests.oracle import rel_err
+
+    cases, arrays = expected(base)
+    engine = Engine.from_pretrained(f"{FIXTURES}/{base}/model", dtype="float32", tensor_parallel=tp, backend=backend,
+                                    max_loras=len(cases), max_lora_rank=16, max_seq_len=64, max_extra_vocab=8,
+                                    progress=False)
+    assert not engine.runner.tp.vocab_parallel  # vocab 83 is odd and qwen2_tied is tied: row overrides allowed
+    names = [n for n in cases if n != "base"]
+    for name in names:
+        engine.load_adapter(name, f"{FIXTURES}/{base}/{name}")
+    requests = [(p, None if n == "base" else n, n, i) for n in cases for i, p in enumerate(cases[n]["prompts"])]
+    got = engine.prefill_logits([r[0] for r in requests], [r[1] for r in requests])
+    for (_, _, name, i), logits in zip(requests, got):
+        assert rel_err(logits, arrays[f"{name}/{i}"]) < 1e-4, (name, i)
+    out = engine.generate([r[0] for r in requests], [r[1] for r in requests], max_new_tokens=6)
+    assert [list(t) for t in out] == [cases[n]["greedy"][i] for _, _, n, i in requests]
+    print("ok")
+
+
+@pytest.mark.parametrize("base, tp, backend", [("llama", 2, "reference"), ("qwen2_tied", 4, "gather")])
+def test_tensor_parallel_peft_features(base, tp, backend):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=ROOT,
+               JAX_PLATFORMS="cpu")
+    code = f"from tests.test_parallel import peft_features; peft_features({base!r}, {tp}, {backend!r})"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 def load_peak(root: str) -> None:
     """Runs in the subprocess (GPU): loads a checkpoint split over 2 GPUs; the first GPU's peak memory must stay
     below the whole model's bytes, as the checkpoint is converted in host memory. It holds half of every layer

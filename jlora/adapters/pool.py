@@ -161,9 +161,10 @@ class AdapterPool:
         if (host.lm_head_rows or host.added) and self.tp is not None and self.tp.vocab_parallel:
             raise AdapterError(f"{adapter_dir}: lm_head rows that differ from the base model's (or added tokens) "
                                "are not supported with a vocab-parallel lm_head (tensor_parallel > 1)")
+        scale, shift = self._affine(adapter_dir, host)  # in the checkpoint's column order
         if self.tp is not None:
             host = self.tp.permute_adapter(host)
-        scale, shift = self._affine(adapter_dir, host)
+            scale, shift = (None if x is None else self.tp.permute_columns(x) for x in (scale, shift))
         features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
                                              ("rows", host.embed_rows or host.lm_head_rows),
                                              ("rope", host.rope_factor != 1.0)] if on)
@@ -188,11 +189,14 @@ class AdapterPool:
         for key, (magnitude, mask) in host.magnitude.items():
             layer, group = key
             w, base_bias = self.base.linear(layer, group)
+            index = None if self.tp is None else self.tp.checkpoint_columns(group)
+            if index is not None:  # the base's columns back in the checkpoint's order, as the host adapter's
+                w, base_bias = w[:, index], None if base_bias is None else base_bias[index]
             if group == "lm_head":
-                a, b, slices = host.lm_head[0], host.lm_head[1], (self.layout.vocab_size,)
+                a, b, slices = host.lm_head[0], host.lm_head[1], (self.config.vocab_size,)
             else:
                 a, b = host.layers[layer][group]
-                slices = tuple(n for _, n in module_shapes(self.layout)[group][1])
+                slices = tuple(n for _, n in module_shapes(self.config)[group][1])
             factor = np.asarray(_dora_factor(w, a, b, magnitude, mask, slice_sizes=slices))
             scale[key] = factor
             if base_bias is not None or key in shift:
