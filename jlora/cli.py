@@ -52,7 +52,7 @@ def _generate(args) -> int:
     requests = _read_requests(args)
     engine = Engine.from_pretrained(args.model, max_loras=max(1, len(args.lora)), max_lora_rank=args.max_lora_rank,
                                     dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                    tensor_parallel=args.tensor_parallel)
+                                    tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab)
     for name, path in args.lora:
         engine.load_adapter(name, path)
     with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
@@ -101,7 +101,8 @@ def _serve(args) -> int:
           api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora, max_waiting=args.max_waiting,
           admit_delay=args.admit_delay_ms / 1e3,
           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_batch=args.max_batch,
-          max_seq_len=args.max_seq_len, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+          max_seq_len=args.max_seq_len, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
+          max_extra_vocab=args.max_extra_vocab)
     return 0
 
 
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-lora-rank", type=int, default=64)
     gen.add_argument("--max-batch", type=int, default=32)
     gen.add_argument("--max-seq-len", type=int, default=2048)
+    gen.add_argument("--max-extra-vocab", type=int, default=256, metavar="E",
+                     help="per adapter, embedding and lm_head rows that may differ from the base model's "
+                          "(added tokens, trainable tokens)")
     gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                      help="split the model over the first N GPUs (Megatron-style; see docs/design.md)")
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
@@ -152,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-lora-rank", type=int, default=64)
     srv.add_argument("--max-batch", type=int, default=32, help="requests decoding together")
     srv.add_argument("--max-seq-len", type=int, default=2048, help="the longest prompt + completion")
+    srv.add_argument("--max-extra-vocab", type=int, default=256, metavar="E",
+                     help="per adapter, embedding and lm_head rows that may differ from the base model's "
+                          "(added tokens, trainable tokens)")
     srv.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N")
 

@@ -125,7 +125,7 @@ class _Api:
             raise ApiError(400, "stop strings need a tokenizer; the model directory has no tokenizer.json", "stop")
         return dict(max_new=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=ids, strings=strings)
 
-    def encode_prompt(self, prompt) -> list[int]:
+    def encode_prompt(self, prompt, adapter: str | None) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
@@ -139,7 +139,10 @@ class _Api:
             raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
-        vocab = self.engine.config.vocab_size
+        try:
+            vocab = self.engine.vocab_size(adapter)  # the base vocabulary and the adapter's added tokens
+        except KeyError:
+            raise ApiError(404, f"the model {adapter!r} does not exist", "model", "model_not_found") from None
         if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"the prompt has token ids outside [0, {vocab})", "prompt")
         return list(ids)
@@ -242,7 +245,8 @@ class _Text:
         if self.tokenizer is None:
             self.done = done
             return False
-        self.text = self.tokenizer.decode(tokens)
+        known = self.tokenizer.get_vocab_size()  # an adapter's added tokens have no text in the base tokenizer
+        self.text = self.tokenizer.decode([t for t in tokens if t < known])
         self.done = done
         for s in self.stops:
             at = self.text.find(s)
@@ -325,7 +329,7 @@ def build_app(online: OnlineEngine, *, served_model_name: str, chat: ChatTemplat
         adapter = api.adapter_of(body)
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", "prompt")
-        prompt = api.encode_prompt(body["prompt"])
+        prompt = api.encode_prompt(body["prompt"], adapter)
         return await api.run(request, prompt, adapter, api.sampling(body, prompt), False, bool(body.get("stream")))
 
     async def chat_completions(request: HTTPRequest) -> Response:

@@ -81,3 +81,19 @@ def test_every_feature_is_in_the_fixtures():
     assert cases["added"]["added"] == 3 and any(t >= 83 for p in cases["added"]["prompts"] for t in p)
     with open(os.path.join(FIXTURES, "llama", "long", "adapter_config.json")) as f:
         assert json.load(f)["context_length"] == 64
+
+
+def test_added_tokens_belong_to_their_adapter(loaded):
+    """Token ids past the base vocabulary are valid only for the adapter that adds them: in prompts, and in
+    what requests can sample (the other requests' logits there are -inf)."""
+    engine, _, cases, _ = loaded
+    if "added" not in cases:
+        pytest.skip("no adapter adds tokens here")
+    v, added = engine.config.vocab_size, cases["added"]["added"]
+    assert engine.vocab_size(None) == v and engine.vocab_size("added") == v + added
+    with pytest.raises(ValueError, match=rf"outside \[0, {v}\)"):
+        engine.generate([[1, v]], [None], max_new_tokens=1)
+    with pytest.raises(ValueError, match=rf"outside \[0, {v + added}\)"):
+        engine.generate([[1, v + added]], ["added"], max_new_tokens=1)
+    logits = engine.prefill_logits([[1, v], [1, 2]], ["added", "plain"])
+    assert logits[0].shape[1] == v + added and logits[1].shape[1] == v
