@@ -9,11 +9,13 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
   python bench/model.py --profile [--tp 2]  # batch-32 decode step: device time by kernel vs wall time
   python bench/model.py --engine [--tp 1,2]  # Engine.generate end to end: ms per decode step vs the bare step
+  python bench/model.py --features      # batch-32 decode and a 2048-token prefill with 32 DoRA / bias adapters
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +34,7 @@ from jlora.engine import Engine
 from jlora.runner import ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import KVCache, Transformer
-from jlora.models.lora_weights import LoRAWeights
+from jlora.models.lora_weights import LoRAWeights, RowOverrides, module_shapes
 from jlora.parallel import TensorParallel
 from jlora.testing import tiny_config, write_adapter
 
@@ -133,6 +135,8 @@ def main() -> None:
     parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
     parser.add_argument("--profile", action="store_true", help="where a batch-32 decode step spends its time")
     parser.add_argument("--engine", action="store_true", help="Engine.generate end to end against the bare step")
+    parser.add_argument("--features", action="store_true",
+                        help="32 DoRA, LoRA-bias and added-token adapters against 32 plain ones")
     parser.add_argument("--backend", default="auto", help="LoRA backend (auto: gather for decode, pallas above)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -147,6 +151,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if args.profile:
         return profile(config, model_def, params, int(args.tp or 1))
+    if args.features:
+        return features(config, model_def, params, device, args.out)
     if args.engine:
         for degree in (args.tp or "1").split(","):
             engine_throughput(config, model_def, params, bandwidth, device, args.out, int(degree))
@@ -219,6 +225,55 @@ def main() -> None:
             prefill(total)
     for batch in [b for b in batches if b != 32]:
         decode(batch)
+
+
+def with_features(config: ModelConfig, lora: LoRAWeights, kind: str) -> LoRAWeights:
+    """`lora` with every slot using a feature: "dora" (a column scale on every projection and the lm_head),
+    "bias" (a column shift there) or "rows" (256 embedding and lm_head rows, as added tokens)."""
+    keys = iter(jax.random.split(jax.random.key(2), 4096))
+    widths = {g: sum(n for _, n in outs) for g, (_, outs) in module_shapes(config).items()}
+    near_one = lambda n: 1 + 0.1 * jax.random.normal(next(keys), (SLOTS, n), jnp.float32)
+    small = lambda n: 0.01 * jax.random.normal(next(keys), (SLOTS, n), jnp.float32)
+    if kind == "rows":
+        e, h, v = 256, config.hidden_size, config.vocab_size
+        ids = jnp.broadcast_to(jnp.arange(v, v + e, dtype=jnp.int32), (SLOTS, e))
+        rows = (0.02 * jax.random.normal(next(keys), (SLOTS, e, h), jnp.float32)).astype(jnp.bfloat16)
+        return dataclasses.replace(lora, rows=RowOverrides(ids, rows, ids, rows))
+    make, field = (near_one, "scale") if kind == "dora" else (small, "shift")
+    layers = tuple(dataclasses.replace(layer, **{field: {g: make(n) for g, n in widths.items()}})
+                   for layer in lora.layers)
+    return dataclasses.replace(lora, layers=layers, **{f"lm_head_{field}": make(config.vocab_size)})
+
+
+def features(config, model_def, params, device, out_dir, batch: int = 32, prefill_tokens: int = 2048) -> None:
+    """Batch-32 decode and a 2048-token prefill with 32 r=16 adapters, each adapter plain LoRA, DoRA, LoRA bias
+    or with added-token rows, timed in alternating rounds in one process; rows to model_features.json."""
+    rng = np.random.default_rng(0)
+    lora = random_lora(config, 16)
+    variants = {"lora": lora, **{kind: with_features(config, lora, kind) for kind in ("dora", "bias", "rows")}}
+    ranks = jnp.full(SLOTS, 16, jnp.int32)
+    rows = []
+    for kind, seq, n in (("decode", 1, batch), ("prefill", 512, prefill_tokens // 512)):
+        cache = KVCache.zeros(config, n, max(2 * CONTEXT, seq), jnp.bfloat16)
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (n, seq)), jnp.int32)
+        positions = (jnp.full((n, 1), CONTEXT, jnp.int32) if seq == 1
+                     else jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (n, seq)))
+        slots = jnp.repeat(jnp.asarray(rng.permutation(np.arange(n) % SLOTS), jnp.int32), seq)
+        runs = {"base": model_step(model_def, params, tokens, positions, None, jnp.full(n * seq, -1, jnp.int32),
+                                   jnp.zeros(SLOTS, jnp.int32), 16 if seq == 1 else 64)}
+        runs |= {name: model_step(model_def, params, tokens, positions, w, slots, ranks, 16 if seq == 1 else 64)
+                 for name, w in variants.items()}
+        times, cache = time_alternating(runs, cache)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        for name, value in ms.items():
+            rows.append(dict(kind=kind, batch=n, tokens=n * seq, adapters=SLOTS, variant=name, ms=value,
+                             vs_lora=value / ms["lora"], vs_base=value / ms["base"]))
+            print(f"{kind:7s} B={n:3d} T={n * seq:5d} {name:5s} {value:8.3f} ms  x{value / ms['lora']:5.3f} of plain "
+                  f"LoRA  x{value / ms['base']:5.2f} of base", flush=True)
+        del cache
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "model_features.json"), "w") as f:
+        json.dump({"device": device, "layers": config.num_layers, "rows": rows}, f, indent=1)
 
 
 def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 32):
