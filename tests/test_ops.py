@@ -212,14 +212,14 @@ def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(3))
 def test_column_affine(case, dtype, backend):
     """`scale` and `shift` (DoRA's column factor, a LoRA bias) per slot, each alone and together, on seeded
     random cases: decode and prefill sizes (the Pallas expand's two tilings), odd and narrow slices, some
     slots unused and holding NaN in their rows; slot -1 rows stay exactly base."""
     rng = np.random.default_rng(100 + case)
-    slice_sizes = [(32,), (48, 16), (17, 33, 16), (5,), (100, 20), (64, 64)][case]
-    t = [29, 300, 40, 13, 270, 64][case]
+    slice_sizes = [(48, 16), (17, 33, 16), (5,)][case]
+    t = [29, 300, 13][case]
     used = rng.permutation(NUM_SLOTS)[: rng.integers(1, NUM_SLOTS)]  # the others hold NaN
     slots = np.where(rng.random(t) < 0.25, -1, rng.choice(used, t))
     info, (x, a, b, base), (xn, an, bn, basen), scal = make_case(rng, slots, dtype, slice_sizes)

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-pytest.importorskip("prometheus_client")  # the server's metrics (absent on the GPU machine)
+pytest.importorskip("prometheus_client")  # the server's packages (absent on the GPU machine)
+pytest.importorskip("starlette")
 
 from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
