@@ -7,8 +7,10 @@ bad adapter never touches the pool.
 
 Supported: `r`, `lora_alpha`, `use_rslora`, `target_modules` (list of names, a regex string or
 "all-linear"), `rank_pattern`, `alpha_pattern`, `layers_to_transform`, `fan_in_fan_out` (for Llama's
-nn.Linear layers PEFT itself resets it to False, and so do we). Anything that would change the math and
-is not implemented (`use_dora`, `lora_bias`, `modules_to_save`, `bias` != "none", ...) raises.
+nn.Linear layers PEFT itself resets it to False, and so do we), `lora_bias`, `use_dora`, embedding layers saved
+whole (`base_layer.weight`, `modules_to_save` of embed_tokens / lm_head, a resized vocabulary),
+`trainable_token_indices` and LongLoRA's `context_length` (docs/adapters.md says how each computes). Anything
+else that would change the math raises, naming the feature or module.
 """
 
 from __future__ import annotations
