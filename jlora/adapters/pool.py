@@ -88,6 +88,7 @@ class AdapterPool:
         self.layout = config if tp is None else tp.layout
         self.weights = self._placed(LoRAWeights.zeros(self.layout, max_loras, self.rank, dtype))
         self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
+        self._step_cache = None  # (weights, features in use, step_weights)
         self.ranks = np.zeros(max_loras, np.int32)
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
@@ -101,9 +102,15 @@ class AdapterPool:
     @property
     def step_weights(self) -> LoRAWeights:
         """The weights a step takes: the optional parts that no loaded adapter uses left out (None), so such a
-        step compiles and runs as if they did not exist."""
-        used = set().union(*(self._features[s] for s in self._slots.values()))
-        w = self.weights
+        step compiles and runs as if they did not exist. Built once per change of the weights or the loaded
+        adapters' features, not on every step."""
+        used = frozenset().union(*(self._features[s] for s in self._slots.values()))
+        if self._step_cache is None or self._step_cache[0] is not self.weights or self._step_cache[1] != used:
+            self._step_cache = (self.weights, used, self._without_unused(self.weights, used))
+        return self._step_cache[2]
+
+    @staticmethod
+    def _without_unused(w: LoRAWeights, used: frozenset[str]) -> LoRAWeights:
         return dataclasses.replace(
             w,
             layers=tuple(dataclasses.replace(layer, scale=layer.scale if "scale" in used else None,
@@ -208,9 +215,8 @@ class AdapterPool:
     def _allocate(self, features: frozenset[str]) -> None:
         """Adds the optional parts `features` needs that the pool does not hold yet (one recompilation of the
         steps that use them, when a first adapter needs them)."""
-        w, num, groups = self.weights, self.num_slots, module_shapes(self.layout)
+        w, num, widths = self.weights, self.num_slots, self._widths()
         const = lambda value, *shape, dtype=self.dtype: jnp.full(shape, value, dtype)
-        widths = {g: sum(n for _, n in outs) for g, (_, outs) in groups.items()}
         v, h, e = self.layout.vocab_size, self.layout.hidden_size, self.max_extra_vocab
         new = {}
         if "scale" in features and w.lm_head_scale is None:
@@ -220,8 +226,8 @@ class AdapterPool:
         if not new and ("rows" not in features or w.rows is not None) and ("rope" not in features
                                                                            or w.rope_factor is not None):
             return
-        layers = tuple(dataclasses.replace(layer, **{f: {g: const(x, num, widths[g], dtype=jnp.float32)
-                                                         for g in groups} for f, x in new.items()})
+        layers = tuple(dataclasses.replace(layer, **{f: {g: const(x, num, n, dtype=jnp.float32)
+                                                         for g, n in widths.items()} for f, x in new.items()})
                        for layer in w.layers)
         self.weights = self._placed(dataclasses.replace(
             w, layers=layers,
@@ -232,10 +238,13 @@ class AdapterPool:
             rope_factor=const(1.0, num, dtype=jnp.float32) if "rope" in features and w.rope_factor is None
             else w.rope_factor))
 
+    def _widths(self) -> dict[str, int]:
+        """Each fused group's output columns N, in the pool's layout."""
+        return {g: sum(n for _, n in outs) for g, (_, outs) in module_shapes(self.layout).items()}
+
     def _slot_values(self, host: HostAdapter, scale, shift) -> LoRAWeights:
         """One slot's values of every part the pool holds (neutral values for the parts the adapter lacks)."""
-        w, groups = self.weights, module_shapes(self.layout)
-        widths = {g: sum(n for _, n in outs) for g, (_, outs) in groups.items()}
+        w, widths = self.weights, self._widths()
         v, h, e = self.layout.vocab_size, self.layout.hidden_size, self.max_extra_vocab
 
         def column(values, key, width, neutral):
@@ -243,8 +252,10 @@ class AdapterPool:
 
         layers = tuple(
             LayerLoRA(a={g: a for g, (a, _) in layer.items()}, b={g: b for g, (_, b) in layer.items()},
-                      scale=None if w.layers[i].scale is None else {g: column(scale, (i, g), widths[g], 1.0) for g in groups},
-                      shift=None if w.layers[i].shift is None else {g: column(shift, (i, g), widths[g], 0.0) for g in groups})
+                      scale=None if w.layers[i].scale is None else {g: column(scale, (i, g), n, 1.0)
+                                                                    for g, n in widths.items()},
+                      shift=None if w.layers[i].shift is None else {g: column(shift, (i, g), n, 0.0)
+                                                                    for g, n in widths.items()})
             for i, layer in enumerate(host.layers))
 
         def overrides(rows: dict[int, np.ndarray]):
