@@ -52,7 +52,8 @@ def _generate(args) -> int:
     requests = _read_requests(args)
     engine = Engine.from_pretrained(args.model, max_loras=max(1, len(args.lora)), max_lora_rank=args.max_lora_rank,
                                     dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                    tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab)
+                                    tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab,
+                                    prefill_chunk=args.prefill_chunk)
     for name, path in args.lora:
         engine.load_adapter(name, path)
     with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
@@ -99,10 +100,9 @@ def _serve(args) -> int:
         raise ValueError(f"{len(args.lora)} --lora adapters but --max-loras {args.max_loras}")
     serve(args.model, loras=args.lora, served_model_name=args.served_model_name, host=args.host, port=args.port,
           api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora, max_waiting=args.max_waiting,
-          admit_delay=args.admit_delay_ms / 1e3,
           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_batch=args.max_batch,
           max_seq_len=args.max_seq_len, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
-          max_extra_vocab=args.max_extra_vocab)
+          max_extra_vocab=args.max_extra_vocab, prefill_chunk=args.prefill_chunk)
     return 0
 
 
@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-extra-vocab", type=int, default=256, metavar="E",
                      help="per adapter, embedding and lm_head rows that may differ from the base model's "
                           "(added tokens, trainable tokens)")
+    gen.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                     help="prompt tokens prefilled per step at most, beside the decoding rows; longer prompts go in pieces")
     gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                      help="split the model over the first N GPUs (Megatron-style; see docs/design.md)")
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
@@ -150,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--allow-runtime-lora", action="store_true",
                      help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     srv.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond which new ones get 503")
-    srv.add_argument("--admit-delay-ms", type=float, default=0.0,
-                     help="batch admissions: while few rows are free, prefill once the oldest request waited this long")
     srv.add_argument("--max-loras", type=int, default=8, help="adapter slots on the device")
     srv.add_argument("--max-lora-rank", type=int, default=64)
     srv.add_argument("--max-batch", type=int, default=32, help="requests decoding together")
@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-extra-vocab", type=int, default=256, metavar="E",
                      help="per adapter, embedding and lm_head rows that may differ from the base model's "
                           "(added tokens, trainable tokens)")
+    srv.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                     help="prompt tokens prefilled per step at most, beside the decoding rows; longer prompts go in pieces")
     srv.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Callable
 
 import jax
 
@@ -47,10 +48,11 @@ def step_compiler_options(seq_len: int) -> dict[str, str]:
     return {_SCHEDULING: "CONCURRENT"}
 
 
-def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...] = ()):
+def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...] = (),
+             seq_len: Callable[[jax.Array, dict], int] = lambda tokens, kwargs: tokens.shape[1]):
     """`jax.jit` for a model step `fn(model_def, params, tokens [B, S], ...)` that compiles each shape with
-    `step_compiler_options(S)`. `with_options(options)` is the step's `jax.jit` under given options, and
-    `_cache_size()` counts the compilations under all of them."""
+    `step_compiler_options(seq_len(tokens, keyword arguments))` (default S). `with_options(options)` is the
+    step's `jax.jit` under given options, and `_cache_size()` counts the compilations under all of them."""
 
     def wrap(fn):
         jits = {}
@@ -64,7 +66,7 @@ def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ..
 
         @functools.wraps(fn)
         def step(model_def, params, tokens, *args, **kwargs):
-            return with_options(step_compiler_options(tokens.shape[1]))(model_def, params, tokens, *args, **kwargs)
+            return with_options(step_compiler_options(seq_len(tokens, kwargs)))(model_def, params, tokens, *args, **kwargs)
 
         step.with_options = with_options
         step._cache_size = lambda: sum(j._cache_size() for j in jits.values())

@@ -67,8 +67,11 @@ class Engine:
 
     def __init__(self, model: Transformer, *, max_loras: int, max_lora_rank: int, dtype, backend: str = "auto",
                  evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None,
-                 tensor_parallel: int = 1, max_extra_vocab: int = 256):
+                 tensor_parallel: int = 1, max_extra_vocab: int = 256, prefill_chunk: int = 512):
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
         self.config: ModelConfig = model.config
+        self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.tokenizer = tokenizer
@@ -81,7 +84,7 @@ class Engine:
     def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,
                         dtype: str | None = None, backend: str = "auto", evict: str = "lru",
                         max_batch: int = 32, max_seq_len: int = 2048, tensor_parallel: int = 1,
-                        max_extra_vocab: int = 256, progress: bool = True) -> Engine:
+                        max_extra_vocab: int = 256, prefill_chunk: int = 512, progress: bool = True) -> Engine:
         """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present).
 
         Args:
@@ -98,6 +101,9 @@ class Engine:
           max_extra_vocab: per adapter, the embedding and lm_head rows that may differ from the base model's:
             tokens it adds past the base vocabulary, trainable tokens, rows it changed (vLLM's default, 256).
             Held on the device only once an adapter has such rows.
+          prefill_chunk: prompt tokens prefilled per step at most (a power of two >= 16), in the same model
+            call as the rows that decode; a longer prompt is prefilled in pieces over several steps. Larger:
+            fewer steps per prompt; smaller: a step that takes a prompt delays the decoding rows less.
           progress: show a progress bar while loading.
         """
         dtype = jnp.dtype(dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
@@ -110,7 +116,7 @@ class Engine:
             tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         return cls(model, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, backend=backend,
                    evict=evict, max_batch=max_batch, max_seq_len=max_seq_len, tokenizer=tokenizer,
-                   tensor_parallel=tensor_parallel, max_extra_vocab=max_extra_vocab)
+                   tensor_parallel=tensor_parallel, max_extra_vocab=max_extra_vocab, prefill_chunk=prefill_chunk)
 
     def load_adapter(self, name: str, adapter_dir: str) -> None:
         """Loads a PEFT adapter directory under `name` (see `AdapterPool.load` for the errors)."""
@@ -223,7 +229,7 @@ class Engine:
         requests = [Request(p, int(s), max_new_tokens, temperature, top_p, sd, stop)
                     for p, s, sd in zip(prompts, slots, seeds)]
         batcher = Batcher(self.runner, bucket(min(len(requests), self.max_batch)),
-                          bucket(max(len(p) for p in prompts) + max_new_tokens, 16), progress)
+                          bucket(max(len(p) for p in prompts) + max_new_tokens, 16), progress, self.prefill_chunk)
         for r in requests:
             batcher.add(r)
         held = [a for a in adapters if a is not None]

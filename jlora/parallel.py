@@ -57,10 +57,9 @@ class TensorParallel:
     gate_up_perm: np.ndarray  # [2 · intermediate] columns of gate|up, device by device
     vocab_parallel: bool  # the lm_head (and its LoRA B) split along the vocabulary
 
-    @property
-    def logits_spec(self) -> P:
-        """PartitionSpec of the model's logits [B, S, V] as they leave `shard_map`."""
-        return P(None, None, AXIS) if self.vocab_parallel else P()
+    def logits_spec(self, rank: int = 3) -> P:
+        """PartitionSpec of the model's logits ([B, S, V], or [N, V] at rank 2) as they leave `shard_map`."""
+        return P(*[None] * (rank - 1), AXIS) if self.vocab_parallel else P()
 
     @classmethod
     def create(cls, config: ModelConfig, size: int, devices=None) -> TensorParallel:

@@ -25,7 +25,7 @@ from jlora.adapters.peft import BaseRows
 from jlora.batch_info import LoRABatchInfo
 from jlora.compile_options import concurrent_graphs, step_jit
 from jlora.models.config import ModelConfig
-from jlora.models.llama import KVCache, Transformer
+from jlora.models.llama import Group, KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
 from jlora.sampling import request_keys, sample_tokens
@@ -72,27 +72,38 @@ class ModelDef:
         return nnx.merge(self.graphdef, self.state(params))
 
 
+def _seq_len(tokens, then: Group | None) -> int:
+    """Tokens per request of a step's widest group: what its compile options and `base_first` go by."""
+    return max(tokens.shape[1], 0 if then is None else then.tokens.shape[1])
+
+
 def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
-                valid=None, rows=None, tp: TensorParallel | None = None, base_first: bool | None = None):
+                valid=None, rows=None, tp: TensorParallel | None = None, base_first: bool | None = None,
+                then: Group | None = None, logits_at=None):
     """The model on one device, or under `shard_map` over the tensor-parallel mesh. `base_first` (None: whether
     the step runs concurrent CUDA graphs, `concurrent_graphs`): see `Transformer.__call__`."""
-    base_first = concurrent_graphs(tokens.shape[1]) if base_first is None else base_first
+    base_first = concurrent_graphs(_seq_len(tokens, then)) if base_first is None else base_first
 
-    def run(params, tokens, positions, cache, lora, token_slot, ranks, valid, rows):
-        info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(ranks.shape, jnp.float32), block_m=block_m)
-        return model_def.merge(params)(tokens, positions, cache, lora, info, valid=valid, rows=rows,
-                                       backend=backend, reduce_axis=None if tp is None else parallel.AXIS,
-                                       base_first=base_first)
+    def run(params, tokens, positions, cache, lora, token_slot, ranks, valid, rows, then, logits_at):
+        scalings = jnp.ones(ranks.shape, jnp.float32)
+        info = LoRABatchInfo.build(token_slot, ranks, scalings, block_m=block_m)
+        head_info = None if logits_at is None else LoRABatchInfo.build(
+            token_slot[logits_at], ranks, scalings, block_m=row_tile(logits_at.shape[0]))
+        return model_def.merge(params)(tokens, positions, cache, lora, info, valid=valid, rows=rows, then=then,
+                                       logits_at=logits_at, head_info=head_info, backend=backend,
+                                       reduce_axis=None if tp is None else parallel.AXIS, base_first=base_first)
 
-    args = (params, tokens, positions, cache, lora, token_slot, ranks, valid, rows)
+    args = (params, tokens, positions, cache, lora, token_slot, ranks, valid, rows, then, logits_at)
     if tp is None:
         return run(*args)
     rep = P()
     cache_spec = KVCache(tp.cache_spec, tp.cache_spec)
     param_specs = jax.tree.leaves(tp.state_specs(model_def.state(params)), is_leaf=lambda x: isinstance(x, P))
+    optional = lambda x: None if x is None else rep
     in_specs = (param_specs, rep, rep, cache_spec, None if lora is None else tp.lora_specs(lora), rep, rep,
-                None if valid is None else rep, None if rows is None else rep)
-    return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(tp.logits_spec, cache_spec),
+                optional(valid), optional(rows), optional(then), optional(logits_at))
+    logits_rank = 2 if logits_at is not None else 3
+    return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(tp.logits_spec(logits_rank), cache_spec),
                          check_vma=False)(*args)
 
 
@@ -105,36 +116,55 @@ def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_s
                        base_first=base_first)
 
 
-@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"), donate_argnames=("cache",))
-def generate_step(model_def: ModelDef, params, tokens, positions, valid, rows, last, cache, lora, token_slot, ranks,
-                  seeds, token_index, temperature, top_p, *, block_m: int, backend: str,
-                  tp: TensorParallel | None = None, nucleus: bool = False):
-    """Runs B requests of S tokens (prefill: S = prompt bucket; decode: S = 1) into cache rows `rows` [B]
-    (None: row b) and samples each request's next token from its position `last` [B] with its own key,
-    `request_keys(seeds, token_index)` (`nucleus`: see `sample_tokens`).
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"), donate_argnames=("cache",),
+          seq_len=lambda tokens, kwargs: _seq_len(tokens, kwargs.get("prefill")))
+def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, lora, token_slot, ranks, seeds,
+                  token_index, temperature, top_p, *, prefill: Group | None = None, prefill_last=None, block_m: int,
+                  backend: str, tp: TensorParallel | None = None, nucleus: bool = False):
+    """One step of the engine over its R cache rows: every row's decode token (tokens, positions, valid
+    [R, 1]; rows that do not decode are not valid), and, when given, the `prefill` group: prompt pieces
+    written into other rows, `prefill_last` [Bp] the index in its piece of the token whose logits give that
+    row its first token (-1: none, the prompt goes on in a later step, or a padding request). token_slot
+    [R + Bp·Sp]: the decode tokens' slots, then the pieces'.
 
-    Returns (next tokens [B, 1] int32, shaped as the next decode step's `tokens`, and the cache). The key
-    folding and that layout live here so the engine's pipelined loop dispatches nothing else per step.
+    Row r samples its next token with its own key, `request_keys(seeds, token_index)` ([R] each; `nucleus`:
+    see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's `tokens`, and the
+    cache). The key folding and that layout live here so the engine's pipelined loop dispatches nothing else
+    per step.
     """
-    logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
-                                backend, valid, rows, tp)
-    logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    r = tokens.shape[0]
+    if prefill is None:
+        logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
+                                    backend, valid, None, tp)
+        logits = logits[:, 0]  # [R, V]
+    else:
+        bp, sp = prefill.tokens.shape
+        # Logits of the R decode tokens, then of each piece's last token; a piece's row takes its logits.
+        at = jnp.concatenate([jnp.arange(r), r + jnp.arange(bp) * sp + jnp.maximum(prefill_last, 0)])
+        logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
+                                    backend, valid, None, tp, then=prefill, logits_at=at)
+        target = jnp.where(prefill_last >= 0, prefill.rows, r)  # r: out of range, dropped
+        logits = logits[:r].at[target].set(logits[r:], mode="drop")
     keys = request_keys(seeds, token_index)
     return sample_tokens(logits, keys, temperature, top_p, nucleus=nucleus)[:, None], cache
 
 
-def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> tuple[np.ndarray, ...]:
-    """Prompts padded into power-of-two buckets: tokens [B, S] int32, positions [B, S] int32, token slots
-    [B, S] int32 (-1 on padding) and valid [B, S] bool (False on padding), B >= len(prompts), S >= 16."""
+def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int] | None = None
+                 ) -> tuple[np.ndarray, ...]:
+    """Prompts (or pieces of prompts starting at positions `starts`, default 0) padded into power-of-two
+    buckets: tokens [B, S] int32, positions [B, S] int32, token slots [B, S] int32 (-1 on padding) and valid
+    [B, S] bool (False on padding), B >= len(prompts), S >= 16."""
     batch, seq = bucket(len(prompts)), bucket(max(len(p) for p in prompts), 16)
     tokens = np.zeros((batch, seq), np.int32)
     token_slot = np.full((batch, seq), -1, np.int32)
     valid = np.zeros((batch, seq), bool)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
     for i, (p, slot) in enumerate(zip(prompts, slots)):
         tokens[i, : len(p)] = p
         token_slot[i, : len(p)] = slot
         valid[i, : len(p)] = True
-    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+        if starts is not None:
+            positions[i] += starts[i]
     return tokens, positions, token_slot, valid
 
 
@@ -199,15 +229,19 @@ class ModelRunner:
         return forward(self.model_def, self.params, tokens, positions, cache, self.lora_for(token_slot), token_slot,
                        self.pool.ranks.copy(), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
 
-    def step(self, tokens, positions, valid, rows, last, cache, token_slot, seeds, token_index, temperature, top_p,
-             nucleus: bool):
-        """Dispatches one `generate_step`; returns (next tokens [B, 1] on the device, cache)."""
+    def step(self, tokens, positions, valid, cache, token_slot, seeds, token_index, temperature, top_p,
+             nucleus: bool, prefill: Group | None = None, prefill_slots: np.ndarray | None = None,
+             prefill_last: np.ndarray | None = None):
+        """Dispatches one `generate_step` (token_slot [R]: the decode tokens' slots; prefill_slots [Bp, Sp]: the
+        pieces'); returns (next tokens [R, 1] on the device, cache)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first).
+        if prefill is not None:
+            token_slot = np.concatenate([token_slot, prefill_slots.reshape(-1)])
         return generate_step(
-            self.model_def, self.params, tokens, positions, valid, rows, last, cache, self.lora_for(token_slot),
-            token_slot, self.pool.ranks.copy(), seeds, token_index, temperature, top_p,
-            block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp, nucleus=nucleus)
+            self.model_def, self.params, tokens, positions, valid, cache, self.lora_for(token_slot), token_slot,
+            self.pool.ranks.copy(), seeds, token_index, temperature, top_p, prefill=prefill, prefill_last=prefill_last,
+            block_m=row_tile(token_slot.size), backend=self.backend, tp=self.tp, nucleus=nucleus)
 
     def like_step_outputs(self, x):
         """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input

@@ -1,18 +1,22 @@
 """Continuous batching over a fixed set of cache rows: `Request` and the `Batcher` that runs them.
 
-A `Batcher` owns `num_rows` cache rows of `max_seq` positions. Each `step()` either prefills waiting
-requests into free rows (every admission in one bucketed call) or decodes every running row one token. A
-finished or cancelled request frees its row at once, and requests may be added between any two steps, so
-the same loop serves `Engine.generate` (all requests up front) and the server (requests arriving over time).
+A `Batcher` owns `num_rows` cache rows of `max_seq` positions. Every `step()` decodes each running row one
+token and, in the same model call, prefills prompts of waiting requests into free rows: a prompt never stalls
+the rows that decode, which read the weights once with it. A step takes at most `prefill_chunk` prompt tokens
+(padded), so a long prompt is prefilled in pieces over several steps (chunked prefill) and a step costs
+little more than a decode step. A finished or cancelled request frees its row at once, and requests may be
+added between any two steps, so the same loop serves `Engine.generate` (all requests up front) and the
+server (requests arriving over time).
 
-Decode steps are pipelined: step n+1 is dispatched, its input tokens being step n's output still on the
-device, before the host reads step n's tokens, so the host's work (dispatch, bookkeeping, the device-to-host
-copy) overlaps the device's. A request that ends at step n (a stop token) was already given to step n+1;
-that token is dropped and its cache write is never read. Admissions wait for the step in flight, since
-they need every row's state.
+Steps are pipelined: step n+1 is dispatched, its input tokens being step n's output still on the device,
+before the host reads step n's tokens, so the host's work (dispatch, bookkeeping, the device-to-host copy)
+overlaps the device's. A request that ends at step n (a stop token) was already given to step n+1; that
+token is dropped and its cache write is never read. A row freed so is only refilled by a later step, whose
+prompt overwrites it; tokens are recorded only for the request that was in the row when its step went out.
 
-Rows outside a step (free, or finishing with the step in flight) and a prefill bucket's padding requests
-run with slot -1, no cache write and greedy sampling; nothing they compute reaches a request.
+Rows that do not decode in a step (free, being prefilled, or finishing with the step in flight) and a
+prefill bucket's padding run with slot -1, no cache write and greedy sampling; nothing they compute reaches a
+request.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import time
 from collections.abc import Callable
 import numpy as np
 
-from jlora.runner import ModelRunner, pack_prompts
+from jlora.models.llama import Group
+from jlora.runner import ModelRunner, bucket, pack_prompts
 
 __all__ = ["Batcher", "Request"]
 
@@ -57,25 +62,24 @@ class Request:
 
 class Batcher:
     """Runs requests on `runner` in `num_rows` cache rows of `max_seq` positions (each request's prompt plus
-    max_new must fit). Not thread-safe: one thread adds, cancels and steps.
-
-    `admit_delay` (seconds) batches admissions: while rows decode and fewer than a quarter of them are free,
-    waiting requests are prefilled only once the oldest has waited that long, so that one prefill (which
-    stalls every decoding row) takes in several requests. 0: admit at once.
-    """
+    max_new must fit), prefilling at most `prefill_chunk` prompt tokens per step (a power of two >= 16). Not
+    thread-safe: one thread adds, cancels and steps."""
 
     def __init__(self, runner: ModelRunner, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None,
-                 admit_delay: float = 0.0):
+                 prefill_chunk: int = 512):
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
         self.runner = runner
         self.num_rows, self.max_seq = num_rows, max_seq
-        self.admit_delay = admit_delay
+        self.prefill_chunk = prefill_chunk
         self.progress = progress
         self.cache = runner.new_cache(num_rows, max_seq)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request | None] = [None] * num_rows
-        self.position = np.zeros(num_rows, np.int32)  # next cache index of each row
+        self.running: list[Request | None] = [None] * num_rows  # a row's request, from its first prompt piece
+        self.cached = np.zeros(num_rows, np.int32)  # prompt tokens in each row's cache so far
+        self.position = np.zeros(num_rows, np.int32)  # next cache index of each decoding row
         self.last_token = np.zeros(num_rows, np.int32)
-        self.in_flight = None  # a decode step not yet read: (tokens [B, 1] on the device, its rows)
+        self.in_flight = None  # a step not yet read: (tokens [R, 1] on the device, [(row, request)] it samples for)
 
     def add(self, request: Request) -> None:
         if len(request.prompt) + request.max_new > self.max_seq:
@@ -124,37 +128,45 @@ class Batcher:
             self.last_token[row] = token
             r._notify()
 
-    def _hold_admission(self, free: int) -> bool:
-        """Whether to decode once more before admitting (see `admit_delay`)."""
-        return (self.admit_delay > 0 and free < self.num_rows // 4 and free < len(self.waiting)
-                and self.num_running > 0 and time.monotonic() - self.waiting[0].arrival < self.admit_delay)
-
     def _collect(self) -> None:
-        """Reads the step in flight and records its tokens."""
-        tokens, rows = np.asarray(self.in_flight[0])[:, 0], self.in_flight[1]
+        """Reads the step in flight and records its tokens for the requests still in their rows."""
+        tokens, sampled = np.asarray(self.in_flight[0])[:, 0], self.in_flight[1]
         self.in_flight = None
-        live = [row for row in rows if self.running[row] is not None]  # not ended by the step before
+        live = [row for row, r in sampled if self.running[row] is r]  # not ended since
         for row in live:
             self._record(row, int(tokens[row]))
         if self.progress:
             self.progress(len(live))
 
+    def _pieces(self) -> list[tuple[int, Request, int, int]]:
+        """The prompt pieces of the next step, (row, request, start, length): first the prompts already under
+        way, then waiting requests, each taking a free row, while the pieces padded to [bucket(n), bucket(longest)]
+        hold at most `prefill_chunk` tokens; a prompt that does not fit whole is cut to what does."""
+        free = [row for row, r in enumerate(self.running) if r is None]
+        under_way = [(row, r) for row, r in enumerate(self.running)
+                     if r is not None and self.cached[row] < len(r.prompt)]
+        pieces, longest = [], 0
+        for row, r in under_way + list(zip(free, self.waiting)):
+            width = self.prefill_chunk // bucket(len(pieces) + 1)  # the longest piece n + 1 pieces may have
+            if width < 16 or longest > width:
+                break
+            start = int(self.cached[row]) if self.running[row] is r else 0
+            length = min(len(r.prompt) - start, width)
+            pieces.append((row, r, start, length))
+            longest = max(longest, length)
+        for row, r, start, _ in pieces:
+            if start == 0 and self.running[row] is not r:  # admitted: takes its row before the step, so that a
+                self.waiting.popleft()                      # step that raises leaves it findable
+                self.running[row], self.cached[row] = r, 0
+        return pieces
+
     def step(self) -> None:
-        """One step: admit waiting requests into free rows (a prefill), else decode the running rows."""
-        free = [row for row in range(self.num_rows) if self.running[row] is None]
-        if self.waiting and free and not self._hold_admission(len(free)):
-            if self.in_flight is not None:
-                self._collect()
-                return
-            admitted = [(row, self.waiting.popleft()) for row in free[: len(self.waiting)]]
-            self._prefill(admitted)
-            if self.progress:
-                self.progress(len(admitted))
-            return
-        pending = set() if self.in_flight is None else set(self.in_flight[1].tolist())
-        rows = np.array([row for row, r in enumerate(self.running)
-                         if r is not None and len(r.out) + (row in pending) < r.max_new], np.int64)
-        if rows.size == 0:  # every running request completes with the step in flight
+        """One step: decodes the running rows and prefills the next prompt pieces, in one model call."""
+        sampled = set() if self.in_flight is None else {row for row, _ in self.in_flight[1]}
+        decode = [row for row, r in enumerate(self.running)  # rows whose prompt is in and that need more tokens
+                  if r is not None and self.cached[row] == len(r.prompt) and len(r.out) + (row in sampled) < r.max_new]
+        pieces = self._pieces()
+        if not decode and not pieces:  # every running request completes with the step in flight
             if self.in_flight is not None:
                 self._collect()
             return
@@ -163,39 +175,38 @@ class Batcher:
         temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
         token_index = np.zeros(n, np.int32)
         active = np.zeros(n, bool)
-        for row in rows:
-            r = self.running[row]
+        for row in decode:
             active[row] = True
-            slots[row], seeds[row], temps[row], top_ps[row] = r.slot, r.seed, r.temperature, r.top_p
-            token_index[row] = len(r.out) + (row in pending)
-        # [B, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
+            slots[row] = self.running[row].slot
+            token_index[row] = len(self.running[row].out) + (row in sampled)
+        firsts = [(row, r) for row, r, start, length in pieces if start + length == len(r.prompt)]
+        sampling = [(row, self.running[row]) for row in decode] + firsts  # the requests this step samples for
+        for row, r in sampling:
+            seeds[row], temps[row], top_ps[row] = r.seed, r.temperature, r.top_p
+        prefill = prefill_slots = prefill_last = None
+        if pieces:
+            tokens, positions, prefill_slots, valid = pack_prompts(
+                [r.prompt[start: start + length] for _, r, start, length in pieces], [r.slot for _, r, _, _ in pieces],
+                [start for _, _, start, _ in pieces])
+            # Padding requests: slot -1, no valid token (pack_prompts), so no cache write; row 0, no token.
+            rows, prefill_last = np.zeros(len(tokens), np.int32), np.full(len(tokens), -1, np.int32)
+            for i, (row, r, start, length) in enumerate(pieces):
+                rows[i] = row
+                prefill_last[i] = length - 1 if start + length == len(r.prompt) else -1
+            prefill = Group(tokens, positions, valid, rows)
+        # [R, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
         last = (self.runner.like_step_outputs(self.last_token[:, None]) if self.in_flight is None
                 else self.in_flight[0])
         tokens, self.cache = self.runner.step(
-            last, np.where(active, self.position, 0)[:, None], active[:, None], None, np.zeros(n, np.int32),
-            self.cache, slots, seeds, token_index, temps, top_ps, _nucleus(temps, top_ps))
-        self.position[rows] += 1
+            last, np.where(active, self.position, 0)[:, None], active[:, None], self.cache, slots, seeds, token_index,
+            temps, top_ps, _nucleus(temps, top_ps), prefill, prefill_slots, prefill_last)
+        self.position[decode] += 1
+        for row, r, start, length in pieces:
+            self.cached[row] = start + length
+            self.position[row] = start + length
         if self.in_flight is not None:
             self._collect()  # while the step just dispatched runs
-        self.in_flight = (tokens, rows)
-
-    def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
-        """Prefills admitted requests into their cache rows and records each one's first token."""
-        tokens, positions, slots, valid = pack_prompts([r.prompt for _, r in admitted], [r.slot for _, r in admitted])
-        n = tokens.shape[0]
-        # Padding requests: slot -1 and no valid token (pack_prompts), so no cache write; row 0, greedy.
-        rows, last, seeds = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.uint32)
-        temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
-        for i, (row, r) in enumerate(admitted):
-            rows[i], last[i], seeds[i], temps[i], top_ps[i] = row, len(r.prompt) - 1, r.seed, r.temperature, r.top_p
-            self.running[row] = r  # before the step: a step that raises leaves its requests findable
-            self.position[row] = len(r.prompt)
-        next_tokens, self.cache = self.runner.step(tokens, positions, valid, rows, last, self.cache,
-                                                    slots.reshape(-1), seeds, np.zeros(n, np.int32), temps, top_ps,
-                                                    _nucleus(temps, top_ps))
-        next_tokens = np.asarray(next_tokens)[:, 0]
-        for i, (row, _) in enumerate(admitted):
-            self._record(row, int(next_tokens[i]))
+        self.in_flight = (tokens, sampling)
 
 
 def _nucleus(temps: np.ndarray, top_ps: np.ndarray) -> bool:

@@ -3,8 +3,9 @@
 A seeded generator draws rounds of `generate` calls on one engine: `max_batch` in {1, 2, 3, 4, 8}, 1 to
 max_batch + 3 requests (so batches are full, partly filled and refilled), prompt lengths from 1 to what
 max_seq_len allows, any mix of adapters (several requests per adapter) and base-model requests, stop tokens,
-greedy and sampled requests, adapters unloaded and loaded between rounds (so they change slots). Each
-request must equal the same request run alone on the same engine, token for token (float32): greedy ones
+greedy and sampled requests, adapters unloaded and loaded between rounds (so they change slots), prompts
+prefilled in pieces of 16 to 64 tokens or whole, beside rows that decode. Each request must equal the same
+request run alone on the same engine, its prompt prefilled whole, token for token (float32): greedy ones
 exactly, sampled ones too, since a request's key depends on its seed and token index only.
 """
 
@@ -55,12 +56,14 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
         stop = rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 4))).tolist()
         sampling = dict(temperature=0.9, top_p=float(rng.choice([1.0, 0.8]))) if rng.random() < 0.4 else {}
         seeds = rng.integers(0, 2**32, n).tolist()
+        engine.prefill_chunk = chunk = int(rng.choice([16, 32, 64, 512]))
         batched = engine.generate(prompts, adapters, max_new_tokens=max_new, stop_token_ids=stop, seed=seeds,
                                   **sampling)
+        engine.prefill_chunk = 512
         for i in range(n):
             (alone,) = engine.generate([prompts[i]], [adapters[i]], max_new_tokens=max_new, stop_token_ids=stop,
                                        seed=[seeds[i]], **sampling)
-            context = (f"request {i} of {n} (max_batch {engine.max_batch}, adapter {adapters[i]}, "
+            context = (f"request {i} of {n} (max_batch {engine.max_batch}, chunk {chunk}, adapter {adapters[i]}, "
                        f"{len(prompts[i])} prompt tokens, {sampling or 'greedy'})")
             assert list(batched[i]) == list(alone), context
             assert batched[i].finish_reason == alone.finish_reason, context

@@ -134,7 +134,7 @@ def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):
         return lambda *args, **kwargs: seen.append(args[lora_arg]) or step(*args, **kwargs)
 
     monkeypatch.setattr(runner_module, "forward", recording(runner_module.forward, 5))
-    monkeypatch.setattr(runner_module, "generate_step", recording(runner_module.generate_step, 8))
+    monkeypatch.setattr(runner_module, "generate_step", recording(runner_module.generate_step, 6))
     engine.prefill_logits([[1, 2]], [None])
     engine.generate([[1, 2]], [None], max_new_tokens=3)
     assert seen and all(w is None for w in seen)

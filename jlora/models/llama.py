@@ -30,7 +30,7 @@ from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
 from jlora.precision import dot_precision
 
-__all__ = ["KVCache", "Transformer", "rope_frequencies"]
+__all__ = ["Group", "KVCache", "Transformer", "rope_frequencies"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -47,6 +47,35 @@ class KVCache:
         shape = (batch, config.num_kv_heads, max_seq, config.head_dim)
         layers = range(config.num_layers)
         return KVCache(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tokens", "positions", "valid", "rows"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """B requests of S tokens each, run in one call beside the call's first group (`Transformer.__call__`'s
+    `then`): tokens, positions and valid [B, S] (valid None: all), cache rows [B] (None: row b)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array | None = None
+    rows: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One group as the attention layers see it: its shape, positions, the positions RoPE rotates by, which
+    tokens write the cache, its rows (`all_rows`: row b of every cache row) and whether decode attention runs
+    in the Pallas kernel."""
+
+    b: int
+    s: int
+    positions: jax.Array
+    rope_positions: jax.Array
+    valid: jax.Array
+    rows: jax.Array
+    all_rows: bool
+    kernel: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,39 +217,47 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope_positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows,
-                 reduce_axis, attention_kernel):
-        """x [T, H] (T = B·S), positions [B, S], caches [R, kv_heads, max_seq, D] -> ([T, H], caches).
-        `rope_positions` [B, S] are the positions RoPE rotates by (LongLoRA's tokens: divided by their factor).
+    def __call__(self, x, parts, inv_freq, k_cache, v_cache, lora, group, reduce_axis):
+        """x [T, H] (the parts' tokens one after another, each part's B·S in row-major order), caches
+        [R, kv_heads, max_seq, D] -> ([T, H], caches).
 
-        Request b reads and writes cache row `rows[b]` ([B], made once for all layers; `all_rows`: rows is
-        arange(B) and R = B); tokens with `valid` False ([B, S]) leave the cache untouched. With
-        `attention_kernel` (decode, S = 1) attention runs in the Pallas decode-attention kernel, which reads
-        only the positions each request can see.
+        Each part's request b reads and writes cache row `rows[b]`; tokens with `valid` False leave the cache
+        untouched. A part with `kernel` (decode, S = 1) runs attention in the Pallas decode-attention kernel,
+        which reads only the positions each request can see. Parts run one after another on the cache, so
+        the rows one part writes must be rows the other parts neither write nor read.
         """
         c = self.config
-        b, s = positions.shape
         qkv = _with_lora(self.qkv, x, lora, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
+        outs, start = [], 0
+        for p in parts:
+            part = qkv[start: start + p.b * p.s]
+            start += p.b * p.s
+            out, k_cache, v_cache = self._attend(part, p, inv_freq, k_cache, v_cache)
+            outs.append(out.reshape(p.b * p.s, c.q_size).astype(x.dtype))
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+        return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
+
+    def _attend(self, qkv, p: _Part, inv_freq, k_cache, v_cache):
+        """One part's q|k|v [B·S, ·]: rotated, its k and v written to the cache, attention -> [B, S, KV, G, D]."""
+        c = self.config
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
-        q = _rope(q.reshape(b, s, c.num_heads, c.head_dim), rope_positions, inv_freq)
-        k = _rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), rope_positions, inv_freq)
+        q = _rope(q.reshape(p.b, p.s, c.num_heads, c.head_dim), p.rope_positions, inv_freq)
+        k = _rope(k.reshape(p.b, p.s, c.num_kv_heads, c.head_dim), p.rope_positions, inv_freq)
         v = v.reshape(k.shape)
-        row = rows[:, None]  # [B, 1]
+        row = p.rows[:, None]  # [B, 1]
         # [row, :, position] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
         # Invalid tokens (padding) get an out-of-range position, so the scatter drops them: padding requests
         # share a real request's row, and a scatter with duplicate indices keeps an arbitrary one of them.
-        at = (row, slice(None), jnp.where(valid, positions, k_cache.shape[2]))
+        at = (row, slice(None), jnp.where(p.valid, p.positions, k_cache.shape[2]))
         k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
-        groups = c.num_heads // c.num_kv_heads
-        q = q.reshape(b, s, c.num_kv_heads, groups, c.head_dim)
-        if attention_kernel:
-            out = decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], row[:, 0], window=c.sliding_window)
+        q = q.reshape(p.b, p.s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        if p.kernel:
+            out = decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], row[:, 0], window=c.sliding_window)
         else:
-            keys, values = (k_cache, v_cache) if all_rows else (k_cache[rows], v_cache[rows])
-            out = _masked_attention(q, keys, values, positions, c.sliding_window)
-        out = out.reshape(b * s, c.q_size).astype(x.dtype)
-        return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
+            keys, values = (k_cache, v_cache) if p.all_rows else (k_cache[p.rows], v_cache[p.rows])
+            out = _masked_attention(q, keys, values, p.positions, c.sliding_window)
+        return out, k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -243,10 +280,9 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope_positions, inv_freq, k_cache, v_cache, lora, group, valid, rows, all_rows,
-                 reduce_axis, attention_kernel):
-        h, k_cache, v_cache = self.attn(self.input_norm(x), positions, rope_positions, inv_freq, k_cache, v_cache,
-                                        lora, group, valid, rows, all_rows, reduce_axis, attention_kernel)
+    def __call__(self, x, parts, inv_freq, k_cache, v_cache, lora, group, reduce_axis):
+        h, k_cache, v_cache = self.attn(self.input_norm(x), parts, inv_freq, k_cache, v_cache, lora, group,
+                                        reduce_axis)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x), lora, group, reduce_axis), k_cache, v_cache
 
@@ -275,11 +311,14 @@ class Transformer(nnx.Module):
         *,
         valid: jax.Array | None = None,
         rows: jax.Array | None = None,
+        then: Group | None = None,
+        logits_at: jax.Array | None = None,
+        head_info: LoRABatchInfo | None = None,
         backend: str = "auto",
         reduce_axis: str | None = None,
         base_first: bool = False,
     ) -> tuple[jax.Array, KVCache]:
-        """Runs B requests of S tokens each.
+        """Runs B requests of S tokens each (and the requests of `then` in the same call).
 
         Args:
           tokens: [B, S] int token ids.
@@ -289,6 +328,12 @@ class Transformer(nnx.Module):
           info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
           valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.
           rows: [B] int cache row of each request (default: row b, with R = B).
+          then: a second group of requests in the same call, so that the projections read their weights once
+            for both (the engine's mixed steps: every row's decode token, then prompts being prefilled into
+            other rows); its tokens follow the first group's in `info`'s token order. Needs `logits_at`.
+          logits_at: [N] int indices into the call's tokens (both groups, flat) whose logits are computed: the
+            final norm and the lm_head run on those N tokens only.
+          head_info: with `lora` and `logits_at`, the `LoRABatchInfo` of those N tokens.
           backend: the LoRA ops' backend; on GPU (and under an explicit "pallas") decode calls (S = 1)
             also run attention in the Pallas decode-attention kernel.
           reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
@@ -303,36 +348,43 @@ class Transformer(nnx.Module):
             Off by default: under XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
 
         Returns:
-          logits [B, S, V] f32 (with the adapters' row overrides [B, S, V + E]: see `_override_logits`) and the
-          updated cache.
+          logits [B, S, V] f32, or [N, V] at `logits_at` (with the adapters' row overrides V + E columns: see
+          `_override_logits`), and the updated cache.
         """
-        b, s = tokens.shape
-        valid = jnp.ones((b, s), bool) if valid is None else valid
+        if then is not None and logits_at is None:
+            raise ValueError("a call with a second group (then) needs logits_at")
+        groups = [Group(tokens, positions, valid, rows)] + ([] if then is None else [then])
         ctx = None if lora is None else LoRAContext(lora, info, backend, base_first)
-        flat = tokens.reshape(b * s)
+        flat = jnp.concatenate([g.tokens.reshape(-1) for g in groups]) if then is not None else tokens.reshape(-1)
         embed = self.embed[...]
         ids = jnp.minimum(flat, embed.shape[0] - 1)  # an adapter's added tokens: their override row replaces it
         x = embed[ids]  # [T, H]
-        rope_positions = positions
+        factor = None
         if ctx is not None:
             x = lora_embedding(ids, lora.embed_a, lora.embed_b, info, x, backend=backend)
             if lora.rows is not None:
                 x = _override_rows(x, flat, info.token_slot, lora.rows.embed_ids, lora.rows.embed_rows)
             if lora.rope_factor is not None:  # LongLoRA: linear RoPE scaling by each token's adapter's factor
                 factor = jnp.where(info.token_slot >= 0, lora.rope_factor[jnp.maximum(info.token_slot, 0)], 1.0)
-                rope_positions = positions / factor.reshape(b, s)
+        parts, start = [], 0
+        for g in groups:
+            b, s = g.tokens.shape
+            rope_positions = g.positions if factor is None else g.positions / factor[start: start + b * s].reshape(b, s)
+            kernel = (s == 1 and _kernel_attention(backend)
+                      and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
+            parts.append(_Part(b, s, g.positions, rope_positions, jnp.ones((b, s), bool) if g.valid is None else g.valid,
+                               jnp.arange(b) if g.rows is None else g.rows, g.rows is None, kernel))
+            start += b * s
         inv_freq = rope_frequencies(self.config)
-        attention_kernel = (s == 1 and _kernel_attention(backend)
-                            and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
-        all_rows = rows is None
-        rows = jnp.arange(b) if all_rows else rows  # once: one iota per layer was a kernel per layer
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             group = None if ctx is None else lora.layers[i]
-            x, k, v = layer(x, positions, rope_positions, inv_freq, cache.k[i], cache.v[i], ctx, group, valid, rows,
-                            all_rows, reduce_axis, attention_kernel)
+            x, k, v = layer(x, parts, inv_freq, cache.k[i], cache.v[i], ctx, group, reduce_axis)
             ks.append(k)
             vs.append(v)
+        if logits_at is not None:
+            x = x[logits_at]
+            ctx = None if ctx is None else dataclasses.replace(ctx, info=head_info)
         x = self.norm(x)
         if self.lm_head is None:
             logits = jnp.einsum("TH,VH->TV", x, embed, preferred_element_type=jnp.float32,
@@ -340,10 +392,11 @@ class Transformer(nnx.Module):
         else:
             logits = self.lm_head(x)
         if ctx is not None:  # no barrier (base_first) here: see its docstring
-            logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, info,
+            logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, ctx.info,
                                  slice_sizes=(self.config.vocab_size,), backend=backend, scale=lora.lm_head_scale,
                                  shift=lora.lm_head_shift)
         logits = logits.astype(jnp.float32)
         if ctx is not None and lora.rows is not None:
             logits = _override_logits(logits, x, ctx)
-        return logits.reshape(b, s, -1), KVCache(tuple(ks), tuple(vs))
+        cache = KVCache(tuple(ks), tuple(vs))
+        return (logits if logits_at is not None else logits.reshape(*tokens.shape, -1)), cache

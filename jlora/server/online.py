@@ -29,16 +29,15 @@ class QueueFull(RuntimeError):
 
 class OnlineEngine:
     """`engine` served online: requests join between steps, rows `bucket(engine.max_batch)` of
-    `engine.max_seq_len` positions (`admit_delay`: see `Batcher`). `start()` runs the loop thread; `stop()`
+    `engine.max_seq_len` positions, prefilling `engine.prefill_chunk` prompt tokens per step at most. `start()` runs the loop thread; `stop()`
     ends it."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256, admit_delay: float = 0.0,
-                 metrics: Metrics | None = None):
+    def __init__(self, engine: Engine, *, max_waiting: int = 256, metrics: Metrics | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
         self.batcher = Batcher(engine.runner, bucket(engine.max_batch), bucket(engine.max_seq_len, 16),
-                               admit_delay=admit_delay)
+                               prefill_chunk=engine.prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._queued = 0  # submitted, not yet taken in by the loop
         self._lock = threading.Lock()
@@ -129,7 +128,7 @@ class OnlineEngine:
     def _fail_all(self, message: str) -> None:
         """Ends every waiting and running request with finish "failed" and starts over on a fresh cache."""
         old = self.batcher
-        self.batcher = Batcher(self.engine.runner, old.num_rows, old.max_seq, admit_delay=old.admit_delay)
+        self.batcher = Batcher(self.engine.runner, old.num_rows, old.max_seq, prefill_chunk=old.prefill_chunk)
         for r in [*old.waiting, *(r for r in old.running if r is not None)]:
             r.error, r.finish = message, "failed"
             r._notify()

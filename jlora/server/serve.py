@@ -23,7 +23,7 @@ def eos_token_ids(model_dir: str) -> frozenset[int]:
 
 def serve(model_dir: str, *, loras: list[tuple[str, str]] = (), served_model_name: str | None = None,
           host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, allow_runtime_lora: bool = False,
-          max_waiting: int = 256, admit_delay: float = 0.0, **engine_options) -> None:
+          max_waiting: int = 256, **engine_options) -> None:
     """Loads the model and adapters and serves them until interrupted (`jlora serve`).
 
     Args:
@@ -34,8 +34,7 @@ def serve(model_dir: str, *, loras: list[tuple[str, str]] = (), served_model_nam
       api_key: when given, every route but /health needs `Authorization: Bearer <api_key>`.
       allow_runtime_lora: enable /v1/load_lora_adapter and /v1/unload_lora_adapter.
       max_waiting: requests waiting for a row beyond which new ones get 503.
-      admit_delay: seconds a request may wait so that admissions batch (`jlora.scheduler.Batcher`).
-      engine_options: `Engine.from_pretrained`'s options (max_loras, max_lora_rank, max_batch, ...).
+      engine_options: `Engine.from_pretrained`'s options (max_loras, max_lora_rank, max_batch, prefill_chunk, ...).
     """
     import uvicorn
 
@@ -48,7 +47,7 @@ def serve(model_dir: str, *, loras: list[tuple[str, str]] = (), served_model_nam
     for name, path in loras:
         engine.load_adapter(name, path)
     name = served_model_name or os.path.basename(os.path.normpath(model_dir))
-    online = OnlineEngine(engine, max_waiting=max_waiting, admit_delay=admit_delay)
+    online = OnlineEngine(engine, max_waiting=max_waiting)
     app = build_app(online, served_model_name=name, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir),
                     api_key=api_key, allow_runtime_lora=allow_runtime_lora, adapter_paths=dict(loras))
     print(f"jlora: serving {name!r} and adapters {engine.adapters} on http://{host}:{port}/v1", file=sys.stderr,

@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import pytest
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
-from jlora.runner import forward
-from jlora.models.llama import KVCache
+from jlora.runner import forward, pack_prompts
+from jlora.batch_info import LoRABatchInfo
+from jlora.models.llama import Group, KVCache
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
 
@@ -145,3 +147,54 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
     assert texts[False].count("optimization_barrier") == 0
     assert texts[True].count("optimization_barrier") == config.num_layers
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["auto", "pallas"])  # pallas: the decode group in the decode-attention kernel
+def test_a_mixed_call_decodes_and_prefills_pieces_as_full_forwards_do(tmp_path, backend):
+    """One call with two groups: every cache row's decode token (two rows valid) and prompt pieces into two
+    other rows (one prompt whole, one's first piece, its rest in a later call), logits at chosen tokens; each
+    token's logits equal a full forward of its request's sequence."""
+    model_dir = _model(tmp_path, "mistral")
+    testing.write_adapter(str(tmp_path / "a"), MODELS["mistral"], seed=5, r=8, alpha=16, target_modules=LINEAR_MODULES)
+    engine = Engine.from_pretrained(model_dir, max_loras=2, max_lora_rank=8, dtype="float32", progress=False,
+                                    backend=backend)
+    engine.load_adapter("a", str(tmp_path / "a"))
+    a = engine.pool.slot("a")
+    seqs = {1: ([3, 1, 4, 1, 5, 9, 2], a), 3: ([2, 7, 1, 8, 2, 8, 1], -1),  # row: (sequence, slot)
+            0: ([5, 3, 5, 8, 9, 7, 9], a), 2: ([6, 2, 6, 4, 3, 3, 8, 3, 2], -1)}
+    full = dict(zip(seqs, engine.prefill_logits([s for s, _ in seqs.values()], ["a" if t == a else None
+                                                                              for _, t in seqs.values()])))
+    model = engine.runner.model_def.merge(engine.runner.params)
+    ranks, ones = engine.pool.ranks, np.ones(engine.pool.ranks.shape, np.float32)
+    cache = KVCache.zeros(engine.config, 4, 16, jnp.float32)
+
+    @jax.jit
+    def run(cache, first, then, slots, logits_at):
+        info = LoRABatchInfo.build(slots, ranks, ones)
+        head_info = None if logits_at is None else LoRABatchInfo.build(slots[logits_at], ranks, ones)
+        return model(first.tokens, first.positions, cache, engine.pool.step_weights, info, valid=first.valid,
+                     rows=first.rows, then=then, logits_at=logits_at, head_info=head_info, backend=backend)
+
+    def call(groups, logits_at):  # groups: (tokens, positions, valid, rows, slots)
+        slots = np.concatenate([g[4].reshape(-1) for g in groups])
+        first, *then = [Group(*g[:4]) for g in groups]
+        return run(cache, first, then[0] if then else None, slots, logits_at)
+
+    def piece(rows, start, length):  # [B, length] pieces of rows' sequences from `start`
+        tokens = np.array([seqs[r][0][start: start + length] for r in rows], np.int32)
+        slots = np.array([[seqs[r][1]] * length for r in rows], np.int32)
+        positions = np.broadcast_to(np.arange(start, start + length, dtype=np.int32), tokens.shape)
+        return tokens, positions, np.ones(tokens.shape, bool), np.array(rows, np.int32), slots
+
+    _, cache = call([piece([1, 3], 0, 5)], np.arange(2))
+    tokens, positions, _, _, slots = piece([0, 1, 2, 3], 5, 1)  # every row's token at position 5
+    decoding = np.array([[False], [True], [False], [True]])  # rows 0 and 2 do not decode yet
+    decode = (tokens, positions, decoding, None, np.where(decoding, slots, -1))
+    tokens, positions, slots, valid = pack_prompts([seqs[0][0], seqs[2][0][:4]], [a, -1])  # [2, 16]
+    pieces = (tokens, positions, valid, np.array([0, 2], np.int32), slots)
+    at = np.array([1, 3, 4 + 4, 4 + 6, 4 + 16 + 3])  # decode rows 1, 3; prompt tokens 4, 6; first piece's last
+    logits, cache = call([decode, pieces], at)
+    want = [full[1][5], full[3][5], full[0][4], full[0][6], full[2][3]]
+    np.testing.assert_allclose(np.asarray(logits), np.stack(want), rtol=1e-4, atol=1e-4)
+    rest, cache = call([piece([2], 4, 5)], None)  # the rest of row 2's prompt reads its first piece's cache
+    np.testing.assert_allclose(np.asarray(rest)[0], full[2][4:], rtol=1e-4, atol=1e-4)
