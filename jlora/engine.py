@@ -49,6 +49,11 @@ def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     return seeds
 
 
+def _check_prefill_chunk(n: int) -> None:
+    if n < 16 or n & (n - 1):
+        raise ValueError(f"prefill_chunk must be a power of two >= 16, got {n}")
+
+
 class Generation(list):
     """A request's generated token ids (a `list[int]`), with `text` (None without a tokenizer) and
     `finish_reason` ("stop": a stop token, not included; "length": max_new_tokens reached)."""
@@ -68,8 +73,7 @@ class Engine:
     def __init__(self, model: Transformer, *, max_loras: int, max_lora_rank: int, dtype, backend: str = "auto",
                  evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None,
                  tensor_parallel: int = 1, max_extra_vocab: int = 256, prefill_chunk: int = 512):
-        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
-            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+        _check_prefill_chunk(prefill_chunk)
         self.config: ModelConfig = model.config
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
@@ -106,6 +110,7 @@ class Engine:
             fewer steps per prompt; smaller: a step that takes a prompt delays the decoding rows less.
           progress: show a progress bar while loading.
         """
+        _check_prefill_chunk(prefill_chunk)  # before the minutes a large checkpoint takes to load
         dtype = jnp.dtype(dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
         with _host_staging(tensor_parallel):
             model = load_model(model_dir, dtype, progress=progress)

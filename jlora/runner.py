@@ -2,9 +2,10 @@
 
 The model runs as one jitted pure function of (model definition, parameters, batch, cache, adapter weights);
 the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading
-adapters never recompiles. Batch sizes and prompt lengths come in power-of-two buckets (`bucket`), which bound
-the compilations: one step per (rows, tokens per row, cache length), each with and without the LoRA ops (a
-batch of base-model tokens only skips them), and with the top-p sort only when a request asks for it.
+adapters never recompiles. Prompt pieces come in power-of-two buckets (`bucket`), which bound the
+compilations: per (rows, cache length) one decode step and one mixed step per prompt bucket, each with and
+without the LoRA ops (a step of base-model tokens only skips them), and with the top-p sort only when a
+request asks for it.
 """
 
 from __future__ import annotations

@@ -67,8 +67,6 @@ class Batcher:
 
     def __init__(self, runner: ModelRunner, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None,
                  prefill_chunk: int = 512):
-        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
-            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
         self.runner = runner
         self.num_rows, self.max_seq = num_rows, max_seq
         self.prefill_chunk = prefill_chunk
@@ -162,7 +160,7 @@ class Batcher:
 
     def step(self) -> None:
         """One step: decodes the running rows and prefills the next prompt pieces, in one model call."""
-        sampled = set() if self.in_flight is None else {row for row, _ in self.in_flight[1]}
+        sampled = set() if self.in_flight is None else {row for row, r in self.in_flight[1] if self.running[row] is r}
         decode = [row for row, r in enumerate(self.running)  # rows whose prompt is in and that need more tokens
                   if r is not None and self.cached[row] == len(r.prompt) and len(r.out) + (row in sampled) < r.max_new]
         pieces = self._pieces()

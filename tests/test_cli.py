@@ -42,6 +42,7 @@ def test_generate_json_output_file(dirs, tmp_path):
         (["--model", "/nonexistent", "--prompt", "x"], "model directory '/nonexistent' does not exist"),
         (["--prompt", "the fox", "--adapter", "nope"], "unknown adapter(s) ['nope']"),
         (["--prompt", "the " * 40, "--max-seq-len", "32"], "exceeds max_seq_len=32"),
+        (["--prompt", "x", "--prefill-chunk", "100"], "prefill_chunk must be a power of two >= 16, got 100"),
     ],
 )
 def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, args, message):

@@ -97,6 +97,25 @@ def test_stop_tokens_with_continuous_batching(engine):
     assert out[0].finish_reason == out[1].finish_reason == "stop"
 
 
+def test_a_request_cancelled_while_its_prompt_goes_in_pieces_frees_its_row(engine):
+    from jlora.scheduler import Batcher, Request
+
+    batcher = Batcher(engine.runner, 2, 64, prefill_chunk=16)  # 16 prompt tokens per step: one piece at a time
+    long = Request(list(range(1, 40)), engine.pool.slot("a1"), 4)
+    others = [Request(PROMPTS[0], engine.pool.slot("a0"), 4), Request(PROMPTS[3], -1, 4)]
+    for r in [long, *others]:
+        batcher.add(r)
+    batcher.step()
+    batcher.step()
+    assert batcher.running[0] is long and batcher.cached[0] == 32 and not long.out
+    batcher.cancel(long)
+    assert long.finish == "cancelled" and batcher.running[0] is None
+    while batcher.busy:
+        batcher.step()
+    alone = engine.generate([PROMPTS[0], PROMPTS[3]], ["a0", None], max_new_tokens=4)
+    assert [r.out for r in others] == [list(a) for a in alone] and not long.out
+
+
 def test_sampling_is_seeded(engine):
     kw = dict(max_new_tokens=8, temperature=1.5, top_p=0.95)
     a = engine.generate(PROMPTS, ADAPTERS, seed=1, **kw)
@@ -153,6 +172,8 @@ def test_generation_errors(engine):
         engine.generate(["hello"], [None], max_new_tokens=2)
     with pytest.raises(ValueError, match="2 prompts but 1 adapters"):
         engine.generate([[1], [2]], [None], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prefill_chunk must be a power of two >= 16, got 8"):
+        Engine.from_pretrained(str(engine.root / "m"), prefill_chunk=8, progress=False)
 
 
 def test_text_in_and_out_with_a_tokenizer(tmp_path):
