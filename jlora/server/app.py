@@ -28,6 +28,7 @@ from jlora.adapters import AdapterError, PoolFullError
 from jlora.scheduler import Request
 from jlora.server.chat import ChatTemplate, ChatTemplateError
 from jlora.server.online import OnlineEngine, QueueFull
+from jlora.server.text import StreamText
 
 __all__ = ["ApiError", "build_app"]
 
@@ -170,7 +171,7 @@ class _Api:
         except QueueFull as err:
             raise ApiError(503, f"the server is busy: {err}; retry later", kind="server_error",
                            headers={"Retry-After": "1"}) from None
-        text = _Text(self.engine.tokenizer, strings)
+        text = StreamText(self.engine.tokenizer, strings)
         meta = dict(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, created=int(time.time()),
                     model=adapter or self.name)
         if stream:
@@ -194,7 +195,7 @@ class _Api:
                   "token_ids": list(request.out)}
         return JSONResponse({**meta, "object": "text_completion", "choices": [choice], "usage": usage})
 
-    async def _stream(self, http, request: Request, updates, text: "_Text", meta: dict, chat: bool
+    async def _stream(self, http, request: Request, updates, text: StreamText, meta: dict, chat: bool
                       ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -232,39 +233,7 @@ class _Api:
                 self.online.cancel(request)  # the client disconnected mid-stream: its row frees at once
 
 
-class _Text:
-    """The generated text so far, with stop strings: `take()` gives the new text that can no longer become a
-    stop string's start; once a stop string appears, the text ends before it (`finish` = "stop")."""
-
-    def __init__(self, tokenizer, stop_strings: list[str]):
-        self.tokenizer, self.stops = tokenizer, stop_strings
-        self.text, self.sent, self.finish, self.done = "", 0, None, False
-
-    def update(self, tokens: list[int], done: bool) -> bool:
-        """Updates from the request's tokens; True when a stop string ended the text."""
-        if self.tokenizer is None:
-            self.done = done
-            return False
-        known = self.tokenizer.get_vocab_size()  # an adapter's added tokens have no text in the base tokenizer
-        self.text = self.tokenizer.decode([t for t in tokens if t < known])
-        self.done = done
-        for s in self.stops:
-            at = self.text.find(s)
-            if at >= 0:
-                self.text, self.finish, self.done = self.text[:at], "stop", True
-        return self.finish == "stop"
-
-    def take(self) -> str:
-        hold = 0 if self.done else max((len(s) - 1 for s in self.stops), default=0)
-        end = max(self.sent, len(self.text) - hold)
-        piece, self.sent = self.text[self.sent:end], end
-        return piece
-
-    def final(self) -> str:
-        return self.text
-
-
-async def _finished(http: HTTPRequest, request: Request, updates: asyncio.Queue, text: _Text) -> bool:
+async def _finished(http: HTTPRequest, request: Request, updates: asyncio.Queue, text: StreamText) -> bool:
     """Waits for the request's next update (or the client's disconnect); True once it has ended, for a stop
     string too (then the request is cancelled: no more tokens are needed)."""
     while True:
@@ -277,7 +246,7 @@ async def _finished(http: HTTPRequest, request: Request, updates: asyncio.Queue,
     while not updates.empty():
         updates.get_nowait()
     done = request.finish is not None
-    return text.update(list(request.out), done) or done  # the caller cancels a request a stop string ended
+    return text.update(request.out, done) or done  # the caller cancels a request a stop string ended
 
 
 def _request_error(request: Request) -> ApiError:

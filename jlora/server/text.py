@@ -1,0 +1,57 @@
+"""`StreamText`: a request's generated text as its tokens arrive, decoded incrementally, with stop strings."""
+
+from __future__ import annotations
+
+__all__ = ["StreamText"]
+
+
+class StreamText:
+    """The generated text so far. Each `update` decodes only the tokens that arrived since the last complete
+    character, together with the tokens of the piece before them, and keeps what that adds to the piece alone:
+    decoders that space or strip a sequence's first token (SentencePiece's "▁", WordPiece's "##") then give
+    what a decode of the whole sequence gives, and a character split over byte tokens waits for its last byte.
+    The cost per token stays constant, where a whole decode per update grew with the output.
+
+    Stop strings: `take()` gives the new text that can no longer become a stop string's start; once a stop
+    string appears, the text ends before it (`finish` = "stop"). Without a tokenizer the text stays empty.
+    """
+
+    def __init__(self, tokenizer, stop_strings: list[str]):
+        self.tokenizer, self.stops = tokenizer, stop_strings
+        # An adapter's added tokens (ids past the base vocabulary) have no text in the base tokenizer.
+        self.known = 0 if tokenizer is None else tokenizer.get_vocab_size()
+        self.text, self.sent, self.finish, self.done = "", 0, None, False
+        self.ids: list[int] = []  # the tokens with text, so far
+        self.seen = 0  # the request's tokens looked at
+        self.prefix = self.read = 0  # ids[prefix:read]: the piece decoded last; ids[read:]: not in the text yet
+        self.searched = 0  # text[:searched] was searched for stop strings
+
+    def update(self, tokens: list[int], done: bool) -> bool:
+        """Updates from the request's tokens so far (its growing `out` list, read, not kept); True when a stop
+        string ended the text."""
+        self.done = done
+        if self.tokenizer is None or self.finish == "stop":
+            return self.finish == "stop"
+        new = tokens[self.seen:]  # the engine's thread may append meanwhile: count what was read
+        self.seen += len(new)
+        self.ids += [t for t in new if t < self.known]
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(after) > len(before) and (done or not after.endswith("\ufffd")):  # U+FFFD: a character's bytes so far
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        start = max(0, self.searched - max((len(s) for s in self.stops), default=0) + 1)
+        hits = [at for s in self.stops if (at := self.text.find(s, start)) >= 0]
+        self.searched = len(self.text)
+        if hits:
+            self.text, self.finish, self.done = self.text[:min(hits)], "stop", True
+        return self.finish == "stop"
+
+    def take(self) -> str:
+        hold = 0 if self.done else max((len(s) - 1 for s in self.stops), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
+
+    def final(self) -> str:
+        return self.text

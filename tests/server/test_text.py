@@ -1,0 +1,82 @@
+"""`StreamText` against whole decodes: fed a request's tokens in random increments, its streamed pieces join
+to what the tokenizer decodes from all of them, for a word-level tokenizer (WordPiece's spacing) and a
+byte-level one (characters split over tokens, outputs cut inside a character); no piece holds a half
+character; stop strings cut the text where the whole decode first holds one."""
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from jlora import testing
+from jlora.server.text import StreamText
+
+CHARS = list("abc xyz,.!") + ["é", "ö", "ß", "世", "界", "🎉", "\n"]
+
+
+def byte_level() -> Tokenizer:
+    """One token per byte: every character past ASCII spans several tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def word_level(tmp_path) -> Tokenizer:
+    testing.write_tokenizer(str(tmp_path), 40, chat_template=None)
+    return Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+
+
+def outputs(kind: str, tok: Tokenizer, rng) -> list[int]:
+    """A random output: bytes of random text (sometimes cut inside its last character), or random word ids
+    with some past the vocabulary (an adapter's added tokens: no text)."""
+    if kind == "bytes":
+        ids = tok.encode("".join(rng.choice(CHARS, int(rng.integers(1, 30))))).ids
+        return ids[:-1] if len(ids) > 1 and rng.random() < 0.3 else ids
+    return rng.integers(0, tok.get_vocab_size() + 3, int(rng.integers(1, 30))).tolist()
+
+
+def stream(tok, ids: list[int], stops: list[str], rng) -> tuple[StreamText, str]:
+    """Feeds ids in increments of 1-3 tokens, as the engine's updates arrive; the text and the pieces joined."""
+    text, pieces, n, out = StreamText(tok, stops), [], 0, []
+    while n < len(ids) and not text.finish:
+        n = min(len(ids), n + int(rng.integers(1, 4)))
+        out += ids[len(out): n]  # the request's growing token list
+        text.update(out, n == len(ids))
+        pieces.append(text.take())
+    return text, "".join(pieces)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "words"])
+def test_streamed_pieces_join_to_the_whole_decode(kind, tmp_path):
+    rng = np.random.default_rng(0)
+    tok = byte_level() if kind == "bytes" else word_level(tmp_path)
+    for _ in range(200):
+        ids = outputs(kind, tok, rng)
+        whole = tok.decode([t for t in ids if t < tok.get_vocab_size()])
+        text, streamed = stream(tok, ids, [], rng)
+        assert streamed == text.final() == whole, ids
+        if not whole.endswith("\ufffd"):  # a complete output: no piece held half a character
+            assert "\ufffd" not in streamed
+
+
+@pytest.mark.parametrize("kind", ["bytes", "words"])
+def test_stop_strings_cut_where_the_whole_decode_first_holds_one(kind, tmp_path):
+    rng = np.random.default_rng(1)
+    tok = byte_level() if kind == "bytes" else word_level(tmp_path)
+    checked = 0
+    while checked < 100:
+        ids = outputs(kind, tok, rng)
+        whole = tok.decode([t for t in ids if t < tok.get_vocab_size()]).rstrip("\ufffd")
+        if len(whole) < 2:
+            continue
+        at = int(rng.integers(0, len(whole) - 1))
+        stop = whole[at: at + int(rng.integers(1, 5))]
+        text, streamed = stream(tok, ids, ["<never>", stop], rng)
+        assert text.finish == "stop" and streamed == text.final() == whole[: whole.index(stop)], (ids, stop)
+        checked += 1
+
+
+def test_without_a_tokenizer_the_text_stays_empty():
+    text = StreamText(None, ["x"])
+    assert not text.update([1, 2, 3], True) and text.take() == "" and text.final() == "" and text.done
