@@ -6,7 +6,7 @@ skewed as in S-LoRA's experiments (adapter i drawn with weight 1 / (i + 1), the 
 top adapter). Prompts of 65-128 random tokens, outputs of 16-256 tokens (ignore_eos). Requests stream
 through uvicorn on localhost from an asyncio client in another process (its Python never competes with
 the server's for the interpreter lock). Per arrival rate: throughput, time to first token and inter-token
-latency (p50 / p99). The reference: `Engine.generate`'s decode step at batch
+latency (p50 / p99), as a table (serve.md), JSON and a plot (serve.png). The reference: `Engine.generate`'s decode step at batch
 `--max-batch` with the same adapters (the bare engine loop), its tokens per second and its step time.
 
   python bench/serve.py [--rates 4,16,64,inf] [--requests 96] [--max-batch 32] [--prefill-chunk 512]
@@ -199,9 +199,11 @@ def main() -> None:
         server.should_exit = True
     os.makedirs(args.out, exist_ok=True)
     name = "serve_tiny" if args.tiny else "serve"
+    result = {"device": device, "max_batch": args.max_batch, "adapters": ADAPTERS, "rank": RANK, "bare": bare,
+              "prefill_chunk": args.prefill_chunk, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump({"device": device, "max_batch": args.max_batch, "adapters": ADAPTERS, "rank": RANK, "bare": bare,
-                   "prefill_chunk": args.prefill_chunk, "rows": rows}, f, indent=1)
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, f"{name}.png"))
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(f"Device: {device}; batch {args.max_batch}; {ADAPTERS} r={RANK} adapters + base, skewed; prefill chunk "
                 f"{args.prefill_chunk} tokens; bare engine loop {bare['step_ms']:.2f} ms per decode step, "
@@ -214,6 +216,39 @@ def main() -> None:
             f.write(f"| {r['rate']:g} | {r['tokens_per_s']:.0f} | {r['vs_bare_throughput']:.0%} | {steady} | {r['ttft_p50_ms']:.0f} | "
                     f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
                     f"{r['itl_p50_vs_bare_step']:.2f} |\n")
+
+
+def plot(result: dict, path: str) -> None:
+    """Throughput, time to first token and inter-token latency against the arrival rate, the bare loop marked."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    rows, bare = result["rows"], result["bare"]
+    x, labels = range(len(rows)), [f"{r['rate']:g}" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    panels = [("tokens/s", [("whole run", "tokens_per_s"), ("all rows busy", "steady_tokens_per_s")],
+               bare["tokens_per_s"], "bare loop"),
+              ("time to first token, ms", [("p50", "ttft_p50_ms"), ("p99", "ttft_p99_ms")], None, None),
+              ("inter-token latency, ms", [("p50", "itl_p50_ms"), ("p99", "itl_p99_ms")], bare["step_ms"], "bare step")]
+    for ax, (ylabel, series, line, line_label) in zip(axes, panels):
+        for label, key in series:
+            ax.plot(x, [r[key] if r[key] is not None else float("nan") for r in rows], marker="o", label=label)
+        if line is not None:
+            ax.axhline(line, color="gray", linestyle="--", label=line_label)
+        ax.set_xticks(list(x), labels)
+        ax.set_xlabel("arrival rate, requests/s")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    fig.suptitle(f"jlora serve on {result['device']}: batch {result['max_batch']}, {result['adapters']} r={result['rank']} "
+                 "adapters + base, Poisson arrivals", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
