@@ -223,41 +223,44 @@ class Attention(nnx.Module):
 
         Each part's request b reads and writes cache row `rows[b]`; tokens with `valid` False leave the cache
         untouched. A part with `kernel` (decode, S = 1) runs attention in the Pallas decode-attention kernel,
-        which reads only the positions each request can see. Parts run one after another on the cache, so
-        the rows one part writes must be rows the other parts neither write nor read.
+        which reads only the positions each request can see. Every part writes the cache before any reads
+        it (the rows one part writes are rows no other part reads), so no write waits on a read and XLA
+        updates the donated cache in place.
         """
         c = self.config
         qkv = _with_lora(self.qkv, x, lora, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
-        outs, start = [], 0
+        queries, start = [], 0
         for p in parts:
-            part = qkv[start: start + p.b * p.s]
+            q, k_cache, v_cache = self._write(qkv[start: start + p.b * p.s], p, inv_freq, k_cache, v_cache)
+            queries.append(q)
             start += p.b * p.s
-            out, k_cache, v_cache = self._attend(part, p, inv_freq, k_cache, v_cache)
-            outs.append(out.reshape(p.b * p.s, c.q_size).astype(x.dtype))
+        outs = [self._attend(q, p, k_cache, v_cache).reshape(p.b * p.s, c.q_size).astype(x.dtype)
+                for q, p in zip(queries, parts)]
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
 
-    def _attend(self, qkv, p: _Part, inv_freq, k_cache, v_cache):
-        """One part's q|k|v [B·S, ·]: rotated, its k and v written to the cache, attention -> [B, S, KV, G, D]."""
+    def _write(self, qkv, p: _Part, inv_freq, k_cache, v_cache):
+        """One part's q|k|v [B·S, ·]: k and v rotated and written to the cache; q rotated [B, S, KV, G, D]."""
         c = self.config
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
         q = _rope(q.reshape(p.b, p.s, c.num_heads, c.head_dim), p.rope_positions, inv_freq)
         k = _rope(k.reshape(p.b, p.s, c.num_kv_heads, c.head_dim), p.rope_positions, inv_freq)
         v = v.reshape(k.shape)
-        row = p.rows[:, None]  # [B, 1]
         # [row, :, position] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
         # Invalid tokens (padding) get an out-of-range position, so the scatter drops them: padding requests
         # share a real request's row, and a scatter with duplicate indices keeps an arbitrary one of them.
-        at = (row, slice(None), jnp.where(p.valid, p.positions, k_cache.shape[2]))
+        at = (p.rows[:, None], slice(None), jnp.where(p.valid, p.positions, k_cache.shape[2]))
         k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
-        q = q.reshape(p.b, p.s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        return q.reshape(p.b, p.s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim), k_cache, v_cache
+
+    def _attend(self, q, p: _Part, k_cache, v_cache):
+        """One part's attention over its rows of the cache: q [B, S, KV, G, D] -> [B, S, KV, G, D]."""
         if p.kernel:
-            out = decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], row[:, 0], window=c.sliding_window)
-        else:
-            keys, values = (k_cache, v_cache) if p.all_rows else (k_cache[p.rows], v_cache[p.rows])
-            out = _masked_attention(q, keys, values, p.positions, c.sliding_window)
-        return out, k_cache, v_cache
+            return decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.rows,
+                                    window=self.config.sliding_window)
+        keys, values = (k_cache, v_cache) if p.all_rows else (k_cache[p.rows], v_cache[p.rows])
+        return _masked_attention(q, keys, values, p.positions, self.config.sliding_window)
 
 
 class MLP(nnx.Module):
