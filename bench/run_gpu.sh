@@ -11,6 +11,7 @@
 #   bash bench/run_gpu.sh limits  # what bounds the prefill expand and the decode down shrink (bench/studies/*_limits.py)
 #   bash bench/run_gpu.sh gather  # forms of the gather backend's expand (bench/studies/gather_forms.py)
 #   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graphs (bench/studies/scheduling.py)
+#   bash bench/run_gpu.sh chunk   # prompt throughput and decode stalls per prefill_chunk (bench/studies/prefill_chunk.py)
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
@@ -38,6 +39,7 @@ case "${1:-}" in
     python3 bench/studies/shrink_limits.py 2>&1 | grep -E "^#|^[a-z]" ;;
   gather) python3 bench/studies/gather_forms.py 2>&1 | grep -E "µs|ms" ;;
   scheduling) python3 bench/studies/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
+  chunk) python3 bench/studies/prefill_chunk.py --out "$out" 2>&1 | grep -E "^#|^chunk" ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast off (KINDS.md)
     for flags in "--xla_gpu_command_buffer_scheduling_mode=LHS" ""; do
@@ -45,5 +47,5 @@ case "${1:-}" in
       XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_graphs}" 2>&1 \
         | grep -E "^#|^TP"
     done ;;
-  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|tp" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp" >&2; exit 2 ;;
 esac
