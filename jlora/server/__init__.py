@@ -1,7 +1,16 @@
-"""`jlora serve`: an OpenAI-compatible multi-LoRA server on an online engine."""
+"""`jlora serve`: an OpenAI-compatible multi-LoRA server on an online engine.
 
-from jlora.server.app import ApiError, build_app
-from jlora.server.online import OnlineEngine, QueueFull
-from jlora.server.serve import serve
+The names below load their module on first use, so a module that needs none of the serving packages
+(`jlora.server.text`) imports without them.
+"""
+
+import importlib
 
 __all__ = ["ApiError", "OnlineEngine", "QueueFull", "build_app", "serve"]
+_MODULES = {"ApiError": "app", "build_app": "app", "OnlineEngine": "online", "QueueFull": "online", "serve": "serve"}
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'jlora.server' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jlora.server.{_MODULES[name]}"), name)
