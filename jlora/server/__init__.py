@@ -1,13 +1,15 @@
 """`jlora serve`: an OpenAI-compatible multi-LoRA server on an online engine.
 
-The names below load their module on first use, so a module that needs none of the serving packages
-(`jlora.server.text`) imports without them.
+`build_app`, `ApiError`, `OnlineEngine` and `QueueFull` load their module on first use, so a module that
+needs none of the serving packages (`jlora.server.text`) imports without them.
 """
 
 import importlib
 
+from jlora.server.serve import serve  # imports uvicorn only when called
+
 __all__ = ["ApiError", "OnlineEngine", "QueueFull", "build_app", "serve"]
-_MODULES = {"ApiError": "app", "build_app": "app", "OnlineEngine": "online", "QueueFull": "online", "serve": "serve"}
+_MODULES = {"ApiError": "app", "build_app": "app", "OnlineEngine": "online", "QueueFull": "online"}
 
 
 def __getattr__(name: str):

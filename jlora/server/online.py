@@ -118,6 +118,7 @@ class OnlineEngine:
                 if adapter is not None:
                     pool.release([adapter])
                 self.metrics.finished(r, adapter, arrival)
+                self._set_gauges()  # before its client hears of the end, so the metrics it reads agree
             if user_update is not None:
                 user_update(r)
 
@@ -149,5 +150,8 @@ class OnlineEngine:
                     traceback.print_exc()
                     self._fail_all(f"the engine step failed: {type(err).__name__}: {err}")
                 self.metrics.step_seconds.observe(time.monotonic() - start)
-            self.metrics.running.set(self.batcher.num_running)
-            self.metrics.waiting.set(self.num_waiting)
+            self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        self.metrics.running.set(self.batcher.num_running)
+        self.metrics.waiting.set(self.num_waiting)
