@@ -26,7 +26,7 @@ from jlora.engine import Engine
 
 CFG = testing.tiny_config("llama", vocab_size=120)
 KEY = "sk-test"
-MAX_SEQ = 64
+MAX_SEQ = 256  # long enough that a request outlives its client's disconnect on a loaded machine
 ADAPTERS = {"a0": dict(r=4, target_modules=["q_proj", "v_proj"]), "a1": dict(r=8, target_modules=LINEAR_MODULES),
             "a2": dict(r=2, target_modules=["o_proj", "down_proj"]), "a3": dict(r=8, target_modules=["gate_proj"])}
 
@@ -160,7 +160,8 @@ def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
 def test_a_client_that_disconnects_frees_its_row(server):
     cancelled = metric(server, 'jlora_requests_total{adapter="a1",outcome="cancelled"}')
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": "a1", "prompt": "the dog", "max_tokens": 60, "stream": True, "temperature": 0}
+    body = {"model": "a1", "prompt": "the dog", "max_tokens": MAX_SEQ - 8, "stream": True, "temperature": 0,
+            "ignore_eos": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers) as response:
         assert response.status_code == 200
         next(response.iter_lines())  # the first chunk, then hang up
@@ -208,8 +209,8 @@ def test_runtime_load_and_unload(server, root, engine):
     (b"{not json", 400, "not valid JSON"),
     ({"model": "nope", "prompt": "the"}, 404, "does not exist"),
     ({"prompt": "the"}, 400, "'model' is required"),
-    ({"model": "tiny", "prompt": "the " * 70}, 400, "maximum context"),
-    ({"model": "tiny", "prompt": "the", "max_tokens": 64}, 400, "exceeds the maximum context"),
+    ({"model": "tiny", "prompt": "the " * (MAX_SEQ + 6)}, 400, "maximum context"),
+    ({"model": "tiny", "prompt": "the", "max_tokens": MAX_SEQ}, 400, "exceeds the maximum context"),
     ({"model": "tiny", "prompt": "the", "temperature": -1}, 400, "'temperature' must be"),
     ({"model": "tiny", "prompt": "the", "top_p": 2}, 400, "'top_p' must be"),
     ({"model": "tiny", "prompt": "the", "n": 2}, 400, "'n' must be 1"),
