@@ -244,8 +244,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
     axes[1].set_yscale("log")
-    fig.suptitle(f"jlora serve on {result['device']}: batch {result['max_batch']}, {result['adapters']} r={result['rank']} "
-                 "adapters + base, Poisson arrivals", fontsize=9)
+    fig.suptitle(f"jlora serve on {result['device']}: batch {result['max_batch']}, {result['adapters']} "
+                 f"r={result['rank']} adapters + base, Poisson arrivals", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

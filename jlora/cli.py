@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="per adapter, embedding and lm_head rows that may differ from the base model's "
                           "(added tokens, trainable tokens)")
     gen.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
-                     help="prompt tokens prefilled per step at most, beside the decoding rows; longer prompts go in pieces")
+                     help="prompt tokens prefilled per step at most, beside the decoding rows; "
+                          "longer prompts go in pieces")
     gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                      help="split the model over the first N GPUs (Megatron-style; see docs/design.md)")
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="per adapter, embedding and lm_head rows that may differ from the base model's "
                           "(added tokens, trainable tokens)")
     srv.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
-                     help="prompt tokens prefilled per step at most, beside the decoding rows; longer prompts go in pieces")
+                     help="prompt tokens prefilled per step at most, beside the decoding rows; "
+                          "longer prompts go in pieces")
     srv.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N")
 

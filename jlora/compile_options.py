@@ -66,7 +66,8 @@ def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ..
 
         @functools.wraps(fn)
         def step(model_def, params, tokens, *args, **kwargs):
-            return with_options(step_compiler_options(seq_len(tokens, kwargs)))(model_def, params, tokens, *args, **kwargs)
+            options = step_compiler_options(seq_len(tokens, kwargs))
+            return with_options(options)(model_def, params, tokens, *args, **kwargs)
 
         step.with_options = with_options
         step._cache_size = lambda: sum(j._cache_size() for j in jits.values())

@@ -52,7 +52,6 @@ class Request:
     finish: str | None = None
     cancelled: bool = False
     error: str | None = None
-    arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() of its first token
 
     def _notify(self) -> None:
@@ -80,6 +79,8 @@ class Batcher:
         self.in_flight = None  # a step not yet read: (tokens [R, 1] on the device, [(row, request)] it samples for)
 
     def add(self, request: Request) -> None:
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
         if len(request.prompt) + request.max_new > self.max_seq:
             raise ValueError(f"{len(request.prompt)} prompt tokens + max_new {request.max_new} exceed the "
                              f"batcher's {self.max_seq} positions")

@@ -9,9 +9,11 @@ The KV cache has static shapes, per layer [rows, kv_heads, max_seq, head_dim] (h
 layout the attention contractions read, so XLA never transposes the cache); a token at position p is stored
 at index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position
 p attends to cache indices <= p. A call may address any subset of cache rows (`rows`), which is how the
-engine prefills a new request into a free row while others are mid-generation. Decode calls (S = 1) on GPU
-(or under an explicit "pallas" backend) run attention in `jlora.pallas.decode_attention`, which reads each
-request's cache row only up to its position; everything else uses XLA's masked contractions.
+engine prefills a new request into a free row while others are mid-generation, and may carry a second group
+of requests (`Group`, e.g. prompt pieces beside every row's decode token) whose tokens follow the first's
+through the projections. Decode groups (S = 1) on GPU (or under an explicit "pallas" backend) run attention
+in `jlora.pallas.decode_attention`, which reads each request's cache row only up to its position; everything
+else uses XLA's masked contractions.
 """
 
 from __future__ import annotations
@@ -372,11 +374,12 @@ class Transformer(nnx.Module):
         parts, start = [], 0
         for g in groups:
             b, s = g.tokens.shape
-            rope_positions = g.positions if factor is None else g.positions / factor[start: start + b * s].reshape(b, s)
+            rope_positions = g.positions if factor is None else g.positions / factor[start:start + b * s].reshape(b, s)
             kernel = (s == 1 and _kernel_attention(backend)
                       and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
-            parts.append(_Part(b, s, g.positions, rope_positions, jnp.ones((b, s), bool) if g.valid is None else g.valid,
-                               jnp.arange(b) if g.rows is None else g.rows, g.rows is None, kernel))
+            writes = jnp.ones((b, s), bool) if g.valid is None else g.valid
+            at_rows = jnp.arange(b) if g.rows is None else g.rows  # once for all layers: an iota per layer is a kernel
+            parts.append(_Part(b, s, g.positions, rope_positions, writes, at_rows, g.rows is None, kernel))
             start += b * s
         inv_freq = rope_frequencies(self.config)
         ks, vs = [], []

@@ -29,8 +29,8 @@ class QueueFull(RuntimeError):
 
 class OnlineEngine:
     """`engine` served online: requests join between steps, rows `bucket(engine.max_batch)` of
-    `engine.max_seq_len` positions, prefilling `engine.prefill_chunk` prompt tokens per step at most. `start()` runs the loop thread; `stop()`
-    ends it."""
+    `engine.max_seq_len` positions, prefilling `engine.prefill_chunk` prompt tokens per step at most.
+    `start()` runs the loop thread; `stop()` ends it."""
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256, metrics: Metrics | None = None):
         self.engine = engine
