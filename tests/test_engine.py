@@ -55,7 +55,7 @@ def test_copies_of_one_request_generate_what_it_generates_alone(engine):
 
 def test_garbage_in_a_free_slot_changes_nothing(engine):
     # NaN and inf in every weight of a slot that no request uses (and past the ranks of the used ones) reach no
-    # request: the backends select rather than multiply by zero.
+    # request: the backends select rather than multiply by zero (the Pallas kernels: tests/test_ops.py's poison).
     import jax
     import jax.numpy as jnp
 
@@ -65,7 +65,7 @@ def test_garbage_in_a_free_slot_changes_nothing(engine):
         lambda w: w.at[slot].set(jnp.where(jnp.arange(w.shape[1]) % 2 == 0, jnp.nan, jnp.inf)[:, *([None] * (w.ndim - 2))]),
         clean)
     try:
-        for backend in ("reference", "ragged", "gather", "pallas"):
+        for backend in ("reference", "ragged", "gather"):
             engine.runner.backend = backend
             out = engine.generate(PROMPTS, ["a0", None, "a0", None, "a0"], max_new_tokens=4)
             assert [list(o) for o in out] == ref, backend

@@ -149,7 +149,7 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["auto", "pallas"])  # pallas: the decode group in the decode-attention kernel
+@pytest.mark.parametrize("backend", ["pallas"])  # decode group in the kernel; the engine's tests run the others
 def test_a_mixed_call_decodes_and_prefills_pieces_as_full_forwards_do(tmp_path, backend):
     """One call with two groups: every cache row's decode token (two rows valid) and prompt pieces into two
     other rows (one prompt whole, one's first piece, its rest in a later call), logits at chosen tokens; each

@@ -187,8 +187,8 @@ def test_runtime_load_and_unload(server, root, engine):
     # Unloading an adapter while a request uses it fails (409) and the request completes unchanged.
     # 8 long base-model requests fill the rows first, so the adapter's request waits (holding its adapter from
     # its intake) and cannot finish before the unload arrives.
-    filler = {"model": "tiny", "prompt": "dog", "max_tokens": MAX_SEQ - 1, "stream": True, "ignore_eos": True}
-    body = {"model": "late", "prompt": "fox", "max_tokens": MAX_SEQ - 1, "stream": True, "temperature": 0}
+    filler = {"model": "tiny", "prompt": "dog", "max_tokens": 63, "stream": True, "ignore_eos": True}
+    body = {"model": "late", "prompt": "fox", "max_tokens": 63, "stream": True, "temperature": 0}
     with contextlib.ExitStack() as stack:
         fillers = [stack.enter_context(httpx.stream("POST", server + "/v1/completions", json=filler, headers=headers))
                    for _ in range(8)]
@@ -198,7 +198,7 @@ def test_runtime_load_and_unload(server, root, engine):
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
         assert all(f.status_code == 200 for f in fillers)
     text = "".join(c["choices"][0]["text"] for c in chunks)
-    assert text == engine.generate(["fox"], ["a3"], max_new_tokens=MAX_SEQ - 1)[0].text
+    assert text == engine.generate(["fox"], ["a3"], max_new_tokens=63)[0].text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
     assert "late" not in models()
