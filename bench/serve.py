@@ -6,8 +6,9 @@ skewed as in S-LoRA's experiments (adapter i drawn with weight 1 / (i + 1), the 
 top adapter). Prompts of 65-128 random tokens, outputs of 16-256 tokens (ignore_eos). Requests stream
 through uvicorn on localhost from an asyncio client in another process (its Python never competes with
 the server's for the interpreter lock). Per arrival rate: throughput, time to first token and inter-token
-latency (p50 / p99), as a table (serve.md), JSON and a plot (serve.png). The reference: `Engine.generate`'s decode step at batch
-`--max-batch` with the same adapters (the bare engine loop), its tokens per second and its step time.
+latency (p50 / p99), as a table (serve.md), JSON and a plot (serve.png). The reference: `Engine.generate`'s
+decode step at batch `--max-batch` on distinct adapters (the bare engine loop), its tokens per second and its
+step time.
 
   python bench/serve.py [--rates 4,16,64,inf] [--requests 96] [--max-batch 32] [--prefill-chunk 512]
                         [--out bench/results] [--tiny]
