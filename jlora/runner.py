@@ -134,16 +134,14 @@ def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, 
     per step.
     """
     r = tokens.shape[0]
-    if prefill is None:
-        logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
-                                    backend, valid, None, tp)
-        logits = logits[:, 0]  # [R, V]
-    else:
+    at = None  # decode alone: every token's logits
+    if prefill is not None:  # the R decode tokens' logits, then each piece's last token's
         bp, sp = prefill.tokens.shape
-        # Logits of the R decode tokens, then of each piece's last token; a piece's row takes its logits.
         at = jnp.concatenate([jnp.arange(r), r + jnp.arange(bp) * sp + jnp.maximum(prefill_last, 0)])
-        logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
-                                    backend, valid, None, tp, then=prefill, logits_at=at)
+    logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
+                                backend, valid, None, tp, then=prefill, logits_at=at)
+    logits = logits.reshape(-1, logits.shape[-1])  # [R (+ Bp), V]
+    if prefill is not None:  # a finished piece's row takes its logits
         target = jnp.where(prefill_last >= 0, prefill.rows, r)  # r: out of range, dropped
         logits = logits[:r].at[target].set(logits[r:], mode="drop")
     keys = request_keys(seeds, token_index)

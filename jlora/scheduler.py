@@ -73,8 +73,8 @@ class Batcher:
         self.cache = runner.new_cache(num_rows, max_seq)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * num_rows  # a row's request, from its first prompt piece
-        self.cached = np.zeros(num_rows, np.int32)  # prompt tokens in each row's cache so far
-        self.position = np.zeros(num_rows, np.int32)  # next cache index of each decoding row
+        # Each row's next cache index: while its prompt goes in, the prompt tokens in the cache so far.
+        self.position = np.zeros(num_rows, np.int32)
         self.last_token = np.zeros(num_rows, np.int32)
         self.in_flight = None  # a step not yet read: (tokens [R, 1] on the device, [(row, request)] it samples for)
 
@@ -143,27 +143,27 @@ class Batcher:
         hold at most `prefill_chunk` tokens; a prompt that does not fit whole is cut to what does."""
         free = [row for row, r in enumerate(self.running) if r is None]
         under_way = [(row, r) for row, r in enumerate(self.running)
-                     if r is not None and self.cached[row] < len(r.prompt)]
+                     if r is not None and self.position[row] < len(r.prompt)]
         pieces, longest = [], 0
         for row, r in under_way + list(zip(free, self.waiting)):
             width = self.prefill_chunk // bucket(len(pieces) + 1)  # the longest piece n + 1 pieces may have
             if width < 16 or longest > width:
                 break
-            start = int(self.cached[row]) if self.running[row] is r else 0
+            start = int(self.position[row]) if self.running[row] is r else 0
             length = min(len(r.prompt) - start, width)
             pieces.append((row, r, start, length))
             longest = max(longest, length)
         for row, r, start, _ in pieces:
             if start == 0 and self.running[row] is not r:  # admitted: takes its row before the step, so that a
                 self.waiting.popleft()                      # step that raises leaves it findable
-                self.running[row], self.cached[row] = r, 0
+                self.running[row], self.position[row] = r, 0
         return pieces
 
     def step(self) -> None:
         """One step: decodes the running rows and prefills the next prompt pieces, in one model call."""
         sampled = set() if self.in_flight is None else {row for row, r in self.in_flight[1] if self.running[row] is r}
         decode = [row for row, r in enumerate(self.running)  # rows whose prompt is in and that need more tokens
-                  if r is not None and self.cached[row] == len(r.prompt) and len(r.out) + (row in sampled) < r.max_new]
+                  if r is not None and self.position[row] >= len(r.prompt) and len(r.out) + (row in sampled) < r.max_new]
         pieces = self._pieces()
         if not decode and not pieces:  # every running request completes with the step in flight
             if self.in_flight is not None:
@@ -200,8 +200,7 @@ class Batcher:
             last, np.where(active, self.position, 0)[:, None], active[:, None], self.cache, slots, seeds, token_index,
             temps, top_ps, _nucleus(temps, top_ps), prefill, prefill_slots, prefill_last)
         self.position[decode] += 1
-        for row, r, start, length in pieces:
-            self.cached[row] = start + length
+        for row, _, start, length in pieces:
             self.position[row] = start + length
         if self.in_flight is not None:
             self._collect()  # while the step just dispatched runs

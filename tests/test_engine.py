@@ -107,7 +107,7 @@ def test_a_request_cancelled_while_its_prompt_goes_in_pieces_frees_its_row(engin
         batcher.add(r)
     batcher.step()
     batcher.step()
-    assert batcher.running[0] is long and batcher.cached[0] == 32 and not long.out
+    assert batcher.running[0] is long and batcher.position[0] == 32 and not long.out
     batcher.cancel(long)
     assert long.finish == "cancelled" and batcher.running[0] is None
     while batcher.busy:
