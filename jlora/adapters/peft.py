@@ -16,7 +16,6 @@ else that would change the math raises, naming the feature or module.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -26,6 +25,7 @@ import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from jlora.adapters.config import AdapterError, read_config
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import module_shapes
 
@@ -33,12 +33,6 @@ __all__ = ["AdapterError", "HostAdapter", "read_adapter"]
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
-_UNSUPPORTED = {  # config key: (value that is fine, what to say)
-    "bias": ("none", "trained biases of the base layers (bias != 'none')"),
-    "layer_replication": (None, "layer_replication"),
-    "use_qalora": (False, "QALoRA (use_qalora=True)"),
-    "target_parameters": (None, "target_parameters (LoRA on raw parameters)"),
-}
 _KEY = re.compile(  # PEFT's tensor names, the adapter name removed
     r"^base_model\.model\.(?P<module>.+?)\.(?:"
     r"(?P<ab>lora_[AB])(?:\.default)?\.weight|(?P<emb>lora_embedding_[AB])(?:\.default)?"
@@ -46,10 +40,6 @@ _KEY = re.compile(  # PEFT's tensor names, the adapter name removed
     r"|(?P<saved>base_layer\.weight|weight)|token_adapter\.(?P<tokens>trainable_tokens_delta)(?:\.default)?)$"
 )
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>\w+)$")
-
-
-class AdapterError(ValueError):
-    """A PEFT adapter that cannot be loaded; the message names the adapter path and the problem."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,26 +92,6 @@ def _targets(cfg: dict, module: str) -> bool:
     return any(module == t or module.endswith("." + t) for t in (target or ()))
 
 
-def _read_config(adapter_dir: str) -> dict:
-    path = os.path.join(adapter_dir, "adapter_config.json")
-    if not os.path.isfile(path):
-        raise AdapterError(f"{adapter_dir}: adapter_config.json not found")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as err:
-        raise AdapterError(f"{path}: not valid JSON ({err})") from None
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{adapter_dir}: peft_type {cfg['peft_type']!r} is not supported (only LORA)")
-    for key, (fine, what) in _UNSUPPORTED.items():
-        value = cfg.get(key, fine)
-        if value not in (fine, [], {}) and not (fine is None and not value):
-            raise AdapterError(f"{adapter_dir}: {what} is not supported")
-    if "r" not in cfg or "lora_alpha" not in cfg:
-        raise AdapterError(f"{adapter_dir}: adapter_config.json needs 'r' and 'lora_alpha'")
-    return cfg
-
-
 def _read_tensors(adapter_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(float32 tensors, their dtypes as saved) of adapter_model.safetensors."""
     path = os.path.join(adapter_dir, "adapter_model.safetensors")
@@ -135,14 +105,22 @@ def _read_tensors(adapter_dir: str) -> tuple[dict[str, np.ndarray], dict[str, st
             for key in f.keys():
                 t = f.get_tensor(key)
                 if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
-                    raise AdapterError(f"{path}: tensor {key} has dtype {t.dtype}; LoRA weights must be floating")
+                    raise AdapterError(f"{path}: tensor {_shown(key)} has dtype {t.dtype}; LoRA weights must be "
+                                       "floating")
                 tensors[key], dtypes[key] = np.asarray(t.astype(np.float32)), t.dtype.name
                 if not np.isfinite(tensors[key]).all():  # one inf would make every token of the adapter inf
                     bad = int((~np.isfinite(tensors[key])).sum())
-                    raise AdapterError(f"{path}: tensor {key} holds {bad} non-finite values (NaN or inf)")
-    except SafetensorError as err:
-        raise AdapterError(f"{path}: cannot read safetensors ({err})") from None
+                    raise AdapterError(f"{path}: tensor {_shown(key)} holds {bad} non-finite values (NaN or inf)")
+    except AdapterError:
+        raise
+    except (SafetensorError, OSError, ValueError, TypeError) as err:  # a corrupt header, truncated data, odd dtypes
+        raise AdapterError(f"{path}: cannot read safetensors ({type(err).__name__}: {str(err)[:200]})") from None
     return tensors, dtypes
+
+
+def _shown(name: str) -> str:
+    """A tensor or module name of the adapter's file for a message: quoted, at most 100 characters."""
+    return repr(name if len(name) <= 100 else name[:97] + "...")
 
 
 def _same_as_saved(base: np.ndarray, dtype: str) -> np.ndarray:
@@ -156,13 +134,14 @@ def _trainable_tokens(adapter_dir: str, cfg: dict) -> dict[str, list[int]]:
     if not spec:
         return {}
     if isinstance(spec, list):
-        return {"model.embed_tokens": [int(t) for t in spec]}
+        return {"model.embed_tokens": list(spec)}
     out = {}
     for name, ids in spec.items():
         module = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}.get(name.rsplit(".", 1)[-1])
         if module is None:
-            raise AdapterError(f"{adapter_dir}: trainable_token_indices on {name!r}: only embed_tokens and lm_head")
-        out[module] = [int(t) for t in ids]
+            raise AdapterError(f"{adapter_dir}: trainable_token_indices names a module other than embed_tokens and "
+                               "lm_head (not supported)")
+        out[module] = list(ids)
     return out
 
 
@@ -180,7 +159,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
         `max_rank`, shapes that do not match the base model, non-floating tensors, or more changed or added
         rows than `max_extra_vocab`.
     """
-    cfg = _read_config(adapter_dir)
+    cfg = read_config(adapter_dir)
     tensors, dtypes = _read_tensors(adapter_dir)
     layers_to_transform = cfg.get("layers_to_transform")
     if isinstance(layers_to_transform, int):
@@ -189,8 +168,8 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     saved_whole = list(cfg.get("modules_to_save") or [])
     for name in saved_whole:
         if name.rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head"):
-            raise AdapterError(f"{adapter_dir}: modules_to_save {name!r} is not supported (only the embedding "
-                               "layers embed_tokens and lm_head may be saved whole)")
+            raise AdapterError(f"{adapter_dir}: modules_to_save names a module other than the embedding layers "
+                               "embed_tokens and lm_head (only those may be saved whole)")
     trainable = _trainable_tokens(adapter_dir, cfg)
 
     parts: dict[str, dict[str, np.ndarray]] = {}  # module -> kind (A, B, bias, mag, saved, tokens) -> tensor
@@ -198,11 +177,11 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     for key, value in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            raise AdapterError(f"{adapter_dir}: unexpected tensor {key!r} (not a PEFT LoRA weight)")
+            raise AdapterError(f"{adapter_dir}: unexpected tensor {_shown(key)} (not a PEFT LoRA weight)")
         kind = (m["ab"] or m["emb"] or "")[-1:] or ("bias" if m["bias"] else "mag" if m["mag"] else
                                                   "saved" if m["saved"] else "tokens")
         if kind in parts.get(m["module"], {}):
-            raise AdapterError(f"{adapter_dir}: {m['module']}: two tensors for its {kind} ({key!r})")
+            raise AdapterError(f"{adapter_dir}: {m['module']}: two tensors for its {kind} ({_shown(key)})")
         parts.setdefault(m["module"], {})[kind] = value
         if kind == "saved":
             saved_dtype[m["module"]] = dtypes[key]
@@ -300,7 +279,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                 mag[col : col + n] = _vector(adapter_dir, module, "magnitude", kinds["mag"], n)
                 mask[col : col + n] = True
         else:
-            raise AdapterError(f"{adapter_dir}: unknown module {module!r} for a {config.model_type} model "
+            raise AdapterError(f"{adapter_dir}: unknown module {_shown(module)} for a {config.model_type} model "
                                f"with {config.num_layers} layers")
         rank_used = max(rank_used, rank)
     embed_rows, lm_head_rows, added = _row_overrides(adapter_dir, config, parts, saved_dtype, saved_whole, trainable,
@@ -346,13 +325,13 @@ def _row_overrides(adapter_dir, config, parts, saved_dtype, saved_whole, trainab
         if module in trainable:
             ids, delta = trainable[module], kinds.get("tokens")
             if delta is None or delta.shape != (len(ids), h):
-                raise AdapterError(f"{adapter_dir}: {module}: trainable_token_indices {ids} need a "
+                raise AdapterError(f"{adapter_dir}: {module}: {len(ids)} trainable_token_indices need a "
                                    f"trainable_tokens_delta of shape {(len(ids), h)}, found "
                                    f"{None if delta is None else delta.shape}")
             if module in full_lora:
                 raise AdapterError(f"{adapter_dir}: {module}: trainable tokens on a layer LoRA also targets")
             if not all(0 <= t < v for t in ids):
-                raise AdapterError(f"{adapter_dir}: trainable_token_indices {ids} outside the vocabulary [0, {v})")
+                raise AdapterError(f"{adapter_dir}: trainable_token_indices outside the vocabulary [0, {v})")
         elif "tokens" in kinds:
             raise AdapterError(f"{adapter_dir}: {module}: trainable_tokens_delta but no trainable_token_indices")
     for module, (a, b) in full_lora.items():  # a LoRA over added tokens needs the layer's rows for them
@@ -412,8 +391,6 @@ def _rope_factor(adapter_dir: str, cfg: dict, config: ModelConfig, max_seq_len: 
     context = cfg.get("context_length")
     if context is None:
         return 1.0
-    if not isinstance(context, int) or context < 1:
-        raise AdapterError(f"{adapter_dir}: context_length must be a positive int, got {context!r}")
     if config.max_position_embeddings is None:
         raise AdapterError(f"{adapter_dir}: context_length (LongLoRA) needs the base model's max_position_embeddings")
     if max_seq_len is not None and context > max_seq_len:

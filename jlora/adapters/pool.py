@@ -17,19 +17,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlora.adapters.peft import AdapterError, BaseRows, HostAdapter, read_adapter
+from jlora.adapters.config import AdapterError, check_adapter_name
+from jlora.adapters.peft import BaseRows, HostAdapter, read_adapter
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides, module_shapes
 from jlora.pallas import kernel_rank
 from jlora.precision import dot_precision
 
-__all__ = ["AdapterPool", "BaseWeights", "PoolFullError"]
+__all__ = ["AdapterPool", "BaseWeights", "PoolFullError", "PreparedAdapter"]
 
 _OPTIONAL = ("scale", "shift", "rows", "rope")  # the pool's optional parts, allocated when first needed
 
 
 class PoolFullError(RuntimeError):
     """Every slot holds an adapter in use (or eviction is off)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read and converted on the host, ready for `AdapterPool.install` (in the pool's layout)."""
+
+    host: HostAdapter
+    scale: dict | None  # DoRA's column factors per (layer, group) key, [N] each, or None
+    shift: dict | None  # the columns added after them (LoRA bias), or None
 
 
 class BaseWeights(Protocol):
@@ -93,7 +103,6 @@ class AdapterPool:
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
-        self._paths: dict[str, str] = {}
         self._in_use: collections.Counter[str] = collections.Counter()
 
     def _placed(self, weights: LoRAWeights) -> LoRAWeights:
@@ -133,6 +142,11 @@ class AdapterPool:
     def names(self) -> list[str]:
         return list(self._slots)
 
+    def peek(self, name: str) -> int | None:
+        """The slot of a loaded adapter, or None, without marking it used: safe from threads other than the
+        one that loads and steps (a dict lookup)."""
+        return self._slots.get(name)
+
     def slot(self, name: str) -> int:
         """The slot of a loaded adapter (and marks it recently used)."""
         if name not in self._slots:
@@ -153,15 +167,24 @@ class AdapterPool:
                 del self._in_use[n]
 
     def load(self, name: str, adapter_dir: str) -> int:
-        """Loads a PEFT adapter into a slot; returns the slot.
+        """Loads a PEFT adapter into a slot; returns the slot (`install(name, prepare(adapter_dir))`).
 
         Raises:
+          ValueError: `name` is not a valid adapter name or is already loaded.
           AdapterError: the adapter is invalid (nothing changes).
-          ValueError: `name` is already loaded.
           PoolFullError: no free slot and nothing evictable.
         """
-        if name in self._slots:
-            raise ValueError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
+        self._check_new_name(name)
+        return self.install(name, self.prepare(adapter_dir))
+
+    def prepare(self, adapter_dir: str) -> PreparedAdapter:
+        """Reads, validates and converts an adapter on the host: everything a load does but the slot write. It
+        reads only the pool's fixed settings and the base weights, so it may run on another thread while steps
+        run; `install` then takes the result.
+
+        Raises:
+          AdapterError: the adapter is invalid.
+        """
         host = read_adapter(adapter_dir, self.config, self.max_lora_rank, self.rank,
                             base=None if self.base is None else self.base.rows,
                             max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len)
@@ -172,6 +195,17 @@ class AdapterPool:
         if self.tp is not None:
             host = self.tp.permute_adapter(host)
             scale, shift = (None if x is None else self.tp.permute_columns(x) for x in (scale, shift))
+        return PreparedAdapter(host, scale, shift)
+
+    def install(self, name: str, prepared: PreparedAdapter) -> int:
+        """Writes a prepared adapter into a free (or evicted) slot under `name`; returns the slot.
+
+        Raises:
+          ValueError: `name` is not a valid adapter name or is already loaded.
+          PoolFullError: no free slot and nothing evictable.
+        """
+        self._check_new_name(name)
+        host, scale, shift = prepared.host, prepared.scale, prepared.shift
         features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
                                              ("rows", host.embed_rows or host.lm_head_rows),
                                              ("rope", host.rope_factor != 1.0)] if on)
@@ -182,8 +216,12 @@ class AdapterPool:
         self.added[slot] = host.added
         self._features[slot] = features
         self._slots[name] = slot
-        self._paths[name] = adapter_dir
         return slot
+
+    def _check_new_name(self, name: str) -> None:
+        check_adapter_name(name)
+        if name in self._slots:
+            raise ValueError(f"adapter {name!r} is already loaded; unload it first")
 
     def _affine(self, adapter_dir: str, host: HostAdapter):
         """(scale, shift): per (layer, group) key the [N] column factors of DoRA and the columns added after
@@ -282,7 +320,6 @@ class AdapterPool:
             raise RuntimeError(f"adapter {name!r} is used by running requests")
         slot = self._slots.pop(name)
         self.ranks[slot], self.added[slot], self._features[slot] = 0, 0, frozenset()
-        del self._paths[name]
 
     def _free_slot(self, name: str) -> int:
         used = set(self._slots.values())

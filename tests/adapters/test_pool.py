@@ -93,7 +93,7 @@ BAD = {
     "int dtype": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: t[k].astype(np.int32)}),
                   "must be floating"),
     "an inf weight": (lambda p: _break_tensor(p, "v_proj.lora_B", lambda t, k: t | {k: _set(t[k], (3, 1), np.inf)}),
-                      r"v_proj.lora_B.weight holds 1 non-finite values \(NaN or inf\)"),
+                      r"v_proj.lora_B.weight' holds 1 non-finite values \(NaN or inf\)"),
     "NaN weights": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: _set(t[k], (slice(None), 0), np.nan)}),
                     "non-finite values"),
     "dora without magnitudes": (lambda p: _edit_config(p, use_dora=True), "use_dora=true but no lora_magnitude_vector"),
@@ -106,7 +106,7 @@ BAD = {
         "base_model.model.model.embed_tokens.lora_magnitude_vector": np.ones(64, np.float32)}, drop=True)),
         "DoRA on the input embedding is not supported"),
     "modules_to_save of another layer": (lambda p: _edit_config(p, modules_to_save=["model.norm"]),
-                                         "modules_to_save 'model.norm' is not supported"),
+                                         "modules_to_save names a module other than the embedding layers"),
     "a bias without lora_bias": (lambda p: _add(p, **{f"{_Q}.lora_B.bias": np.ones(64, np.float32)}),
                                  "a lora_B bias but the config says lora_bias=false"),
     "more added tokens than max_extra_vocab": (lambda p: (_edit_config(p, modules_to_save=["embed_tokens"]), _add(p, **{
@@ -114,12 +114,16 @@ BAD = {
         "257 tokens past the base vocabulary of 96; the engine allows max_extra_vocab=256"),
     "trainable tokens outside the vocabulary": (lambda p: (_edit_config(p, trainable_token_indices=[3, 96]), _add(p, **{
         "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta": np.ones((2, 64), np.float32)})),
-        r"trainable_token_indices \[3, 96\] outside the vocabulary \[0, 96\)"),
+        r"trainable_token_indices outside the vocabulary \[0, 96\)"),
     "trainable tokens without their rows": (lambda p: _edit_config(p, trainable_token_indices=[3]),
                                             "need a trainable_tokens_delta of shape"),
     "a LongLoRA context past max_seq_len": (lambda p: _edit_config(p, context_length=4096),
                                             "context_length 4096 exceeds the engine's max_seq_len 2048"),
     "rank disagrees with config": (lambda p: _edit_config(p, r=6), "rank 4 but the config says r=6"),
+    "a string alpha": (lambda p: _edit_config(p, lora_alpha="16"), "'lora_alpha' must be a finite number"),
+    "zero rank": (lambda p: _edit_config(p, r=0), "'r' must be a positive integer"),
+    "a config nested 100k deep": (lambda p: open(os.path.join(p, "adapter_config.json"), "w").write(
+        '{"r": 4, "lora_alpha": 8, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"), "nested too deeply"),
 }
 
 
