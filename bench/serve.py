@@ -39,6 +39,7 @@ from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
 from jlora.server.chat import ChatTemplate  # noqa: E402
+from jlora.server.config import ServerConfig  # noqa: E402
 from jlora.server.online import OnlineEngine  # noqa: E402
 
 ADAPTERS, RANK = 32, 16
@@ -161,7 +162,7 @@ def main() -> None:
         print(f"# {device}: bare engine loop, batch {args.max_batch} on {ADAPTERS} r={RANK} adapters: "
               f"{bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s", flush=True)
         online = OnlineEngine(engine, max_waiting=100_000)
-        app = build_app(online, served_model_name="base", chat=ChatTemplate(root))
+        app = build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -17,9 +17,15 @@ BENCH_SCRIPTS = {"kernels": "kernels.py", "model": "model.py"}
 
 
 def _parse_lora(spec: str) -> tuple[str, str]:
+    from jlora.adapters.config import check_adapter_name
+
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"--lora takes NAME=DIR, got {spec!r}")
+    try:
+        check_adapter_name(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return name, path
 
 
@@ -94,15 +100,17 @@ def _bench(args) -> int:
 
 
 def _serve(args) -> int:
-    from jlora.server import serve
+    from jlora.server import ServerConfig, serve
 
     if len(args.lora) > args.max_loras:
         raise ValueError(f"{len(args.lora)} --lora adapters but --max-loras {args.max_loras}")
-    serve(args.model, loras=args.lora, served_model_name=args.served_model_name, host=args.host, port=args.port,
-          api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora, max_waiting=args.max_waiting,
-          max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_batch=args.max_batch,
-          max_seq_len=args.max_seq_len, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
-          max_extra_vocab=args.max_extra_vocab, prefill_chunk=args.prefill_chunk)
+    config = ServerConfig(served_model_name=args.served_model_name, host=args.host, port=args.port,
+                          api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora,
+                          lora_roots=tuple(args.lora_root), max_waiting=args.max_waiting,
+                          max_body_bytes=args.max_body_bytes, max_connections=args.max_connections)
+    serve(args.model, config, loras=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+          max_batch=args.max_batch, max_seq_len=args.max_seq_len, dtype=args.dtype,
+          tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab, prefill_chunk=args.prefill_chunk)
     return 0
 
 
@@ -151,8 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     srv.add_argument("--allow-runtime-lora", action="store_true",
-                     help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+                     help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-root)")
+    srv.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                     help="a directory runtime loads may read adapters from (repeatable); paths resolving "
+                          "elsewhere, symlinks included, answer 403")
     srv.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond which new ones get 503")
+    srv.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="BYTES",
+                     help="the largest request body accepted (413 beyond; default 16 MiB)")
+    srv.add_argument("--max-connections", type=int, default=1024,
+                     help="open connections beyond which new requests get 503")
     srv.add_argument("--max-loras", type=int, default=8, help="adapter slots on the device")
     srv.add_argument("--max-lora-rank", type=int, default=64)
     srv.add_argument("--max-batch", type=int, default=32, help="requests decoding together")
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         return _generate(args) if args.command == "generate" else _bench(args)
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"jlora {args.command}: error: {message}", file=sys.stderr)
         return 1

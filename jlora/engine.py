@@ -154,8 +154,12 @@ class Engine:
 
     def vocab_size(self, adapter: str | None) -> int:
         """The token ids requests with `adapter` (None: the base model) may hold and sample: the base
-        vocabulary plus the tokens the adapter adds."""
-        return self.pool.vocab_size(-1 if adapter is None else self.pool.slot(adapter))
+        vocabulary plus the tokens the adapter adds. Reads without marking the adapter used (the server asks
+        from its request threads)."""
+        slot = -1 if adapter is None else self.pool.peek(adapter)
+        if slot is None:
+            raise KeyError(f"adapter {adapter!r} is not loaded (loaded: {self.adapters})")
+        return self.pool.vocab_size(slot)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
                        max_new_tokens: int = 0) -> None:

@@ -6,10 +6,11 @@ needs none of the serving packages (`jlora.server.text`) imports without them.
 
 import importlib
 
+from jlora.server.config import ServerConfig
 from jlora.server.serve import serve  # imports uvicorn only when called
 
-__all__ = ["ApiError", "OnlineEngine", "QueueFull", "build_app", "serve"]
-_MODULES = {"ApiError": "app", "build_app": "app", "OnlineEngine": "online", "QueueFull": "online"}
+__all__ = ["ApiError", "OnlineEngine", "QueueFull", "ServerConfig", "build_app", "serve"]
+_MODULES = {"ApiError": "errors", "build_app": "app", "OnlineEngine": "online", "QueueFull": "online"}
 
 
 def __getattr__(name: str):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 
-__all__ = ["eos_token_ids", "serve"]
+from jlora.adapters.config import check_adapter_name
+from jlora.server.config import ServerConfig
+
+__all__ = ["ServerConfig", "eos_token_ids", "serve"]
 
 
 def eos_token_ids(model_dir: str) -> frozenset[int]:
@@ -21,19 +25,13 @@ def eos_token_ids(model_dir: str) -> frozenset[int]:
     return frozenset()
 
 
-def serve(model_dir: str, *, loras: list[tuple[str, str]] = (), served_model_name: str | None = None,
-          host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, allow_runtime_lora: bool = False,
-          max_waiting: int = 256, **engine_options) -> None:
+def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] = (), **engine_options) -> None:
     """Loads the model and adapters and serves them until interrupted (`jlora serve`).
 
     Args:
       model_dir: the HF model directory.
+      config: the server's options (`served_model_name` None: the directory's name).
       loras: (name, directory) of each PEFT adapter to load at start.
-      served_model_name: the base model's name in the API (default: the directory's name).
-      host, port: where to listen.
-      api_key: when given, every route but /health needs `Authorization: Bearer <api_key>`.
-      allow_runtime_lora: enable /v1/load_lora_adapter and /v1/unload_lora_adapter.
-      max_waiting: requests waiting for a row beyond which new ones get 503.
       engine_options: `Engine.from_pretrained`'s options (max_loras, max_lora_rank, max_batch, prefill_chunk, ...).
     """
     import uvicorn
@@ -42,14 +40,22 @@ def serve(model_dir: str, *, loras: list[tuple[str, str]] = (), served_model_nam
     from jlora.server.app import build_app
     from jlora.server.chat import ChatTemplate
     from jlora.server.online import OnlineEngine
+    from jlora.server.protocol import header_deadline_protocol
 
+    if config.served_model_name is None:
+        config = dataclasses.replace(config, served_model_name=os.path.basename(os.path.normpath(model_dir)))
+    for name, _ in loras:  # before the minutes a large checkpoint takes to load
+        check_adapter_name(name)
     engine = Engine.from_pretrained(model_dir, **engine_options)
     for name, path in loras:
         engine.load_adapter(name, path)
-    name = served_model_name or os.path.basename(os.path.normpath(model_dir))
-    online = OnlineEngine(engine, max_waiting=max_waiting)
-    app = build_app(online, served_model_name=name, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir),
-                    api_key=api_key, allow_runtime_lora=allow_runtime_lora, adapter_paths=dict(loras))
-    print(f"jlora: serving {name!r} and adapters {engine.adapters} on http://{host}:{port}/v1", file=sys.stderr,
-          flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    online = OnlineEngine(engine, max_waiting=config.max_waiting)
+    app = build_app(online, config, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir))
+    print(f"jlora: serving {config.served_model_name!r} and adapters {engine.adapters} on "
+          f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
+    if config.allow_runtime_lora:
+        print(f"jlora: runtime adapter loads allowed from {list(config.lora_roots)}"
+              + ("" if config.api_key else " by any caller (no --api-key)"), file=sys.stderr, flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
+                http=header_deadline_protocol(config.header_timeout), limit_concurrency=config.max_connections,
+                timeout_keep_alive=config.keep_alive)

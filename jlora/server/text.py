@@ -36,10 +36,20 @@ class StreamText:
         self.seen += len(new)
         self.ids += [t for t in new if t < self.known]
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
-        if len(after) > len(before) and (done or not after.endswith("\ufffd")):  # U+FFFD: a character's bytes so far
+        end = len(self.ids)
+        after = self.tokenizer.decode(self.ids[self.prefix:end])
+        if not done:  # hold back up to 3 tokens that end in a character's first bytes (the new text ends in U+FFFD)
+            for _ in range(min(3, end - self.read)):
+                if not after[len(before):].endswith("\ufffd"):
+                    break
+                end -= 1
+                after = self.tokenizer.decode(self.ids[self.prefix:end])
+            if after[len(before):].endswith("\ufffd"):  # no character has more than 4 bytes: invalid UTF-8,
+                end = len(self.ids)                        # taken as U+FFFD, so the piece decoded stays short
+                after = self.tokenizer.decode(self.ids[self.prefix:end])
+        if len(after) > len(before):
             self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
+            self.prefix, self.read = self.read, end
         start = max(0, self.searched - max((len(s) for s in self.stops), default=0) + 1)
         hits = [at for s in self.stops if (at := self.text.find(s, start)) >= 0]
         self.searched = len(self.text)
