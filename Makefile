@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(PY) -m jlora demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 clean:
 	rm -rf $(VENV)

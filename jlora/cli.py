@@ -107,7 +107,8 @@ def _serve(args) -> int:
     config = ServerConfig(served_model_name=args.served_model_name, host=args.host, port=args.port,
                           api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora,
                           lora_roots=tuple(args.lora_root), max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes, max_connections=args.max_connections)
+                          max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                          header_timeout=args.header_timeout, max_connections=args.max_connections)
     serve(args.model, config, loras=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
           max_batch=args.max_batch, max_seq_len=args.max_seq_len, dtype=args.dtype,
           tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab, prefill_chunk=args.prefill_chunk)
@@ -166,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond which new ones get 503")
     srv.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="BYTES",
                      help="the largest request body accepted (413 beyond; default 16 MiB)")
+    srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="time a request's body may take to arrive (408 beyond)")
+    srv.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="time a connection may take to send a request's headers before it is closed")
     srv.add_argument("--max-connections", type=int, default=1024,
                      help="open connections beyond which new requests get 503")
     srv.add_argument("--max-loras", type=int, default=8, help="adapter slots on the device")

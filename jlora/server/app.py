@@ -123,7 +123,8 @@ class _Api:
         if len(text) > self.max_prompt_chars:
             raise ApiError(400, f"the {param} has {len(text)} characters, more than the maximum context of "
                                 f"{self.engine.max_seq_len} tokens can hold", param)
-        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the interpreter lock (encode holds it), so the event loop runs meanwhile
+        return self.engine.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def sampling(self, request: CompletionRequest | ChatRequest, prompt: list[int], param: str) -> dict:
         """Request settings, checked against the prompt: max_new, temperature, top_p, seed, stop ids, stop strings."""

@@ -7,9 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -23,37 +20,14 @@ openai = pytest.importorskip("openai")
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
+from tests.server.launch import start_server
 
+pytestmark = pytest.mark.xdist_group("server")  # one server for the module (make test runs --dist loadgroup)
 CFG = testing.tiny_config("llama", vocab_size=120)
 KEY = "sk-test"
 MAX_SEQ = 256  # long enough that a request outlives its client's disconnect on a loaded machine
 ADAPTERS = {"a0": dict(r=4, target_modules=["q_proj", "v_proj"]), "a1": dict(r=8, target_modules=LINEAR_MODULES),
             "a2": dict(r=2, target_modules=["o_proj", "down_proj"]), "a3": dict(r=8, target_modules=["gate_proj"])}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model_dir: str, *args: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "jlora", "serve", "--model", model_dir, "--port", str(port), "--dtype", "float32",
-           "--max-seq-len", str(MAX_SEQ), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ | {"JAX_PLATFORMS": "cpu"})
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode())
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the server did not start")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +43,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(root):
     loras = [a for name in ADAPTERS for a in ("--lora", f"{name}={root / name}")]
-    proc, url = _start(str(root / "m"), *loras, "--max-loras", "5", "--max-lora-rank", "8", "--max-batch", "8",
+    proc, url = start_server(str(root / "m"), "--max-seq-len", str(MAX_SEQ), *loras, "--max-loras", "5", "--max-lora-rank", "8", "--max-batch", "8",
                        "--api-key", KEY, "--allow-runtime-lora", "--lora-root", str(root), "--served-model-name", "tiny")
     yield url
     proc.terminate()
@@ -238,7 +212,7 @@ def test_api_key(server):
 
 
 def test_a_full_queue_answers_503_with_retry_after(root):
-    proc, url = _start(str(root / "m"), "--max-batch", "1", "--max-waiting", "1")
+    proc, url = start_server(str(root / "m"), "--max-seq-len", str(MAX_SEQ), "--max-batch", "1", "--max-waiting", "1")
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=120) as http:
