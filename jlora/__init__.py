@@ -10,7 +10,7 @@ One base model serves many LoRA adapters in the same batch, each token using its
 - `step_compiler_options`: the XLA options the engine compiles a model step with (for your own `jax.jit`).
 """
 
-from jlora.adapters import AdapterError, PoolFullError
+from jlora.adapters import AdapterError, PoolFullError, check_adapter_name
 from jlora.batch_info import LoRABatchInfo, num_segments, token_slots_from_requests
 from jlora.compile_options import step_compiler_options
 from jlora.engine import Engine
@@ -27,6 +27,7 @@ __all__ = [
     "LoRABatchInfo",
     "ModelConfig",
     "PoolFullError",
+    "check_adapter_name",
     "lora_embedding",
     "lora_expand",
     "lora_linear",

@@ -79,9 +79,23 @@ def test_generate_tensor_parallel_matches_one_device(dirs, tmp_path):
     assert four.returncode == 1 and "tensor_parallel=4 needs 4 devices" in four.stderr and not out_four.exists()
 
 
-def test_bad_lora_spec(dirs):
+def test_bad_lora_spec(dirs, capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", str(dirs / "m"), "--lora", "no-equals-sign", "--prompt", "x"])
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--model", str(dirs / "m"), "--lora", f"a b={dirs / 'a'}"])
+    assert "invalid adapter name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--allow-runtime-lora"], "needs at least one --lora-root DIR"),
+    (["--allow-runtime-lora", "--lora-root", "/nonexistent"], "--lora-root '/nonexistent' is not a directory"),
+    (["--max-body-bytes", "0"], "max_body_bytes must be >= 1"),
+    (["--header-timeout", "0"], "header_timeout must be > 0 seconds"),
+])
+def test_serve_refuses_unsafe_or_bad_options_before_loading(dirs, capsys, args, message):
+    assert cli.main(["serve", "--model", str(dirs / "m"), *args]) == 1
+    assert message in capsys.readouterr().err
 
 
 def test_demo_passes():

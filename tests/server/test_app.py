@@ -1,0 +1,108 @@
+"""The app in process (httpx's ASGI transport), for what needs the server's insides at hand: runtime loads past
+the cap answer 429, and an unexpected exception answers a JSON 500 with a request id (mid-stream: the stream's
+last event) while its traceback goes only to the log, and the server serves on."""
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+for _module in ("uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic"):  # the server's packages
+    pytest.importorskip(_module)
+httpx = pytest.importorskip("httpx")
+
+from jlora import testing  # noqa: E402
+from jlora.engine import Engine  # noqa: E402
+from jlora.server.app import build_app  # noqa: E402
+from jlora.server.chat import ChatTemplate  # noqa: E402
+from jlora.server.config import ServerConfig  # noqa: E402
+from jlora.server.online import OnlineEngine  # noqa: E402
+from jlora.server.text import StreamText  # noqa: E402
+
+CFG = testing.tiny_config("llama", vocab_size=120)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("app")
+    testing.write_model(str(root / "m"), CFG, seed=5)
+    testing.write_tokenizer(str(root / "m"), CFG["vocab_size"])
+    for name in ("a", "b", "c"):
+        testing.write_adapter(str(root / "adapters" / name), CFG, r=4, alpha=8, seed=len(name))
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=4, max_lora_rank=8, max_batch=2,
+                                    max_seq_len=64, progress=False)
+    online = OnlineEngine(engine)
+    config = ServerConfig(served_model_name="m", allow_runtime_lora=True, lora_roots=(str(root / "adapters"),),
+                          max_concurrent_loads=2)
+    app = build_app(online, config, chat=ChatTemplate(str(root / "m")))
+    online.start()  # the ASGI transport runs no lifespan
+    yield engine, app, online
+    online.stop()
+
+
+def run(app, scenario):
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            return await scenario(c)
+    return asyncio.run(main())
+
+
+def test_runtime_loads_past_the_cap_answer_429(served, monkeypatch):
+    engine, app, online = served
+    gate, prepare = threading.Event(), engine.pool.prepare
+    monkeypatch.setattr(engine.pool, "prepare", lambda path: (gate.wait(30), prepare(path))[1])
+
+    async def scenario(c):
+        first = [asyncio.create_task(c.post("/v1/load_lora_adapter", json={"lora_name": n, "lora_path": n}))
+                 for n in ("a", "b")]
+        await asyncio.sleep(0.3)  # both are reading their files
+        third = await c.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "c"})
+        gate.set()
+        return third, [await t for t in first]
+
+    third, first = run(app, scenario)
+    assert third.status_code == 429 and third.headers["retry-after"] == "1"
+    assert "adapter loads are in progress" in third.json()["error"]["message"]
+    assert [r.status_code for r in first] == [200, 200] and sorted(engine.adapters) == ["a", "b"]
+    for name in ("a", "b"):
+        engine.unload_adapter(name)
+
+
+def test_an_unexpected_exception_is_a_json_500_with_a_request_id(served, monkeypatch, caplog):
+    engine, app, online = served
+
+    def boom(adapter):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(engine, "vocab_size", boom)
+    with caplog.at_level(logging.ERROR, logger="jlora.server"):
+        response = run(app, lambda c: c.post("/v1/completions", json={"model": "m", "prompt": [1, 2]}))
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert "request id" in error["message"] and "a bug" not in error["message"] and error["type"] == "server_error"
+    request_id = error["message"].split("request id ")[1].split(";")[0]
+    assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)  # the traceback, in the log
+    monkeypatch.undo()
+    ok = run(app, lambda c: c.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2}))
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_an_exception_mid_stream_ends_the_stream_with_an_error_event(served, monkeypatch):
+    engine, app, online = served
+    monkeypatch.setattr(StreamText, "take", lambda self: 1 / 0)
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 40, "stream": True, "ignore_eos": True}
+    response = run(app, lambda c: c.post("/v1/completions", json=body))
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    assert response.status_code == 200 and "request id" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["code"] == 500
+    monkeypatch.undo()
+    for _ in range(100):  # the request was cancelled: its row frees
+        if online.batcher.num_running == 0:
+            break
+        time.sleep(0.05)
+    assert online.batcher.num_running == 0
+    ok = run(app, lambda c: c.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2}))
+    assert ok.status_code == 200
