@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="a directory runtime loads may read adapters from (repeatable); paths resolving "
                           "elsewhere, symlinks included, answer 403")
     srv.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond which new ones get 503")
-    srv.add_argument("--max-body-bytes", type=int, default=16 << 20, metavar="BYTES",
-                     help="the largest request body accepted (413 beyond; default 16 MiB)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
+                     help="the largest request body accepted (413 beyond; default 1 MiB: a prompt of 170k "
+                          "characters even when each is escaped as \\uXXXX)")
     srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="time a request's body may take to arrive (408 beyond)")
     srv.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",

@@ -35,7 +35,7 @@ class ServerConfig:
     allow_runtime_lora: bool = False
     lora_roots: tuple[str, ...] = ()
     max_waiting: int = 256
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0
     header_timeout: float = 10.0
     keep_alive: float = 5.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -51,6 +52,8 @@ def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] 
         engine.load_adapter(name, path)
     online = OnlineEngine(engine, max_waiting=config.max_waiting)
     app = build_app(online, config, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir))
+    gc.collect()  # the objects alive after loading (JAX's, the model's) left out of later collections, which a
+    gc.freeze()   # large request's parse triggers while it holds the interpreter lock
     print(f"jlora: serving {config.served_model_name!r} and adapters {engine.adapters} on "
           f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
     if config.allow_runtime_lora:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.xdist_group("hardening")  # one server for the module (
 
 CFG = testing.tiny_config("llama", vocab_size=120)
 MAX_SEQ = 1 << 16  # its prompts may have 2^20 characters (2^16 tokens x 16): a tokenization that takes a while
-MAX_BODY = 4 << 20
+MAX_BODY = 2 << 20  # room for the longest prompt (2^20 characters)
 GREEDY = {"model": "m", "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0}
 
 
@@ -235,6 +235,34 @@ def test_health_answers_within_100ms_while_a_maximal_prompt_is_tokenized(server)
         thread.join()
     assert result["response"].status_code == 400 and "maximum context" in result["response"].json()["error"]["message"]
     assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
+
+
+def test_health_answers_within_100ms_while_megabyte_bodies_of_junk_are_parsed(server):
+    """The default body limit's worth (1 MiB) of the JSON that costs most to parse and refuse, one after another."""
+    url, _ = server
+    mb = 1 << 20
+    junk = [{"model": "m", "prompt": [[[]]] * (mb // 7)}, {"model": "m", "prompt": "x", "logprobs": [{}] * (mb // 3)},
+            {"model": "m", "messages": [{"role": 5, "content": "", "x": [[]]}] * (mb // 36)},
+            {"model": "m", "prompt": "x", "user": [[[]]] * (mb // 7)}]
+    codes = []
+
+    def send():
+        for body in junk * 2:
+            codes.append(post(url, "/v1/completions" if "prompt" in body else "/v1/chat/completions", body).status_code)
+
+    with httpx.Client() as client:
+        client.get(url + "/health")
+        thread = threading.Thread(target=send)
+        thread.start()
+        latencies = []
+        while thread.is_alive():
+            start = time.monotonic()
+            assert client.get(url + "/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.005)
+        thread.join()
+    assert codes == [400, 400, 400, 200] * 2, codes
+    assert len(latencies) >= 5 and max(latencies) < 0.1, max(latencies)
 
 
 def test_a_non_streamed_client_that_disconnects_frees_its_row(server):
