@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -86,6 +86,8 @@ class _Api:
                     chunks.append(chunk)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} s") from None
+        except ClientDisconnect:  # nobody hears the answer; it only keeps the log free of a traceback
+            raise ApiError(400, "the client disconnected while sending the body") from None
         return b"".join(chunks)
 
     def adapter_of(self, model: str) -> str | None:
