@@ -237,36 +237,6 @@ def test_health_answers_within_100ms_while_a_maximal_prompt_is_tokenized(server)
     assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
 
 
-def test_health_answers_within_100ms_while_megabyte_bodies_of_junk_are_parsed(server):
-    """The default body limit's worth (1 MiB) of the JSON that costs most to parse and refuse, one after another.
-    Each parse holds the interpreter lock for up to ~50 ms on an idle core (pydantic's model_validate_json held
-    it 0.9 s for the first body); the bound leaves room for a CI machine whose cores are busy with other tests."""
-    url, _ = server
-    mb = 1 << 20
-    junk = [{"model": "m", "prompt": [[[]]] * (mb // 7)}, {"model": "m", "prompt": "x", "logprobs": [{}] * (mb // 3)},
-            {"model": "m", "messages": [{"role": 5, "content": "", "x": [[]]}] * (mb // 36)},
-            {"model": "m", "prompt": "x", "user": [[[]]] * (mb // 7)}]
-    codes = []
-
-    def send():
-        for body in junk * 2:
-            codes.append(post(url, "/v1/completions" if "prompt" in body else "/v1/chat/completions", body).status_code)
-
-    with httpx.Client() as client:
-        client.get(url + "/health")
-        thread = threading.Thread(target=send)
-        thread.start()
-        latencies = []
-        while thread.is_alive():
-            start = time.monotonic()
-            assert client.get(url + "/health").status_code == 200
-            latencies.append(time.monotonic() - start)
-            time.sleep(0.005)
-        thread.join()
-    assert codes == [400, 400, 400, 200] * 2, codes
-    assert len(latencies) >= 5 and max(latencies) < 0.25, max(latencies)
-
-
 def test_a_non_streamed_client_that_disconnects_frees_its_row(server):
     url, _ = server
     cancelled = metric(url, 'jlora_requests_total{adapter="base",outcome="cancelled"}')

@@ -1,0 +1,59 @@
+"""The request schemas alone: strict types, and a bounded cost for the bodies that cost most to parse and
+refuse (CPU time of the parsing thread, which holds the interpreter lock: robust to a busy machine, where the
+wall time a client sees is not)."""
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("pydantic")
+pytest.importorskip("starlette")
+
+from jlora.server.errors import ApiError  # noqa: E402
+from jlora.server.schemas import ChatRequest, CompletionRequest, parse  # noqa: E402
+
+MB = 1 << 20
+JUNK = {  # 1 MiB (the default body limit) of the JSON that costs most, each refused or ignored
+    "nested lists as the prompt": (CompletionRequest, {"model": "m", "prompt": [[[]]] * (MB // 7)}),
+    "an unsupported field of objects": (CompletionRequest, {"model": "m", "prompt": "x", "logprobs": [{}] * (MB // 4)}),
+    "messages with bad roles": (ChatRequest, {"model": "m", "messages": [{"role": 5, "content": "", "x": [[]]}] * (MB // 41)}),
+    "an unknown field of nested lists": (CompletionRequest, {"model": "m", "prompt": "x", "user": [[[]]] * (MB // 7)}),
+    "token ids, the last bad": (CompletionRequest, {"model": "m", "prompt": [1] * (MB // 3) + ["x"]}),
+}
+
+
+@pytest.mark.parametrize("case", list(JUNK))
+def test_a_megabyte_body_costs_at_most_200ms_of_cpu(case):
+    """About 50 ms on an idle core of this machine; `model_validate_json` took 0.9 s for the first case (it
+    builds the refused value for its error, once per member of the prompt's union)."""
+    model, body = JUNK[case]
+    raw = json.dumps(body).encode()
+    assert len(raw) <= MB + 64
+    start = time.thread_time()
+    try:
+        parse(model, raw)
+    except ApiError as err:
+        assert err.status == 400
+    assert time.thread_time() - start < 0.2
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"model": "m", "prompt": "x", "stream": "false"}, "invalid 'stream'"),
+    ({"model": "m", "prompt": "x", "max_tokens": 2.0}, "invalid 'max_tokens'"),
+    ({"model": "m", "prompt": "x", "temperature": "1"}, "invalid 'temperature'"),
+    ({"model": "m", "prompt": [[1], [2]]}, "'prompt' must be a string or a list of token ids"),
+    ({"model": "m", "prompt": [True]}, "'prompt' must be"),
+    ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "'stop' must be"),
+    ({"model": "m", "prompt": "x", "echo": True}, "'echo' is not supported"),
+    ({"prompt": "x"}, "'model' is required"),
+])
+def test_strict_fields(body, message):
+    with pytest.raises(ApiError, match=message):
+        parse(CompletionRequest, json.dumps(body).encode())
+
+
+def test_unset_unsupported_fields_and_unknown_fields_pass():
+    request = parse(CompletionRequest, json.dumps({"model": "m", "prompt": [1], "echo": False, "logprobs": None,
+                                                   "user": {"any": ["thing"]}, "stream_options": {}}).encode())
+    assert request.prompt == [1] and request.stream is False
