@@ -102,14 +102,16 @@ def _bench(args) -> int:
 def _serve(args) -> int:
     from jlora.server import ServerConfig, serve
 
-    if len(args.lora) > args.max_loras:
-        raise ValueError(f"{len(args.lora)} --lora adapters but --max-loras {args.max_loras}")
     config = ServerConfig(served_model_name=args.served_model_name, host=args.host, port=args.port,
                           api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora,
                           lora_roots=tuple(args.lora_root), max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                           header_timeout=args.header_timeout, max_connections=args.max_connections)
-    serve(args.model, config, loras=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+    missing = [d for d in args.lora_dir if not os.path.isdir(d)]
+    if missing:
+        raise ValueError(f"--lora-dir {missing[0]!r} is not a directory")
+    serve(args.model, config, loras=args.lora, lora_dirs=args.lora_dir, max_loras=args.max_loras,
+          max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
           max_batch=args.max_batch, max_seq_len=args.max_seq_len, dtype=args.dtype,
           tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab, prefill_chunk=args.prefill_chunk)
     return 0
@@ -154,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="an OpenAI-compatible server: the model and adapters by name")
     srv.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     srv.add_argument("--lora", type=_parse_lora, action="append", default=[], metavar="NAME=DIR",
-                     help="a PEFT adapter directory to serve under NAME (repeatable)")
+                     help="a PEFT adapter directory to serve under NAME, checked at start (repeatable)")
+    srv.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                     help="serve every subdirectory of DIR with an adapter_config.json, named after it, read "
+                          "when first requested (repeatable)")
     srv.add_argument("--served-model-name", help="the base model's name in the API (default: the directory's)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
@@ -174,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="time a connection may take to send a request's headers before it is closed")
     srv.add_argument("--max-connections", type=int, default=1024,
                      help="open connections beyond which new requests get 503")
-    srv.add_argument("--max-loras", type=int, default=8, help="adapter slots on the device")
+    srv.add_argument("--max-loras", type=int, default=8,
+                     help="adapter slots on the device (any number of adapters may be served)")
+    srv.add_argument("--max-cpu-loras", type=int, metavar="N",
+                     help="adapters kept read and converted in host memory (default: --max-loras)")
     srv.add_argument("--max-lora-rank", type=int, default=64)
     srv.add_argument("--max-batch", type=int, default=32, help="requests decoding together")
     srv.add_argument("--max-seq-len", type=int, default=2048, help="the longest prompt + completion")

@@ -8,15 +8,19 @@ prefilled into it). The engine loads, checks requests, and turns names and text 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlora.adapters import AdapterPool
+from jlora.adapters import AdapterError, AdapterPool, PoolFullError, check_adapter_name
+from jlora.adapters.registry import AdapterRegistry, HostTier
+from jlora.admission import Admission
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
 from jlora.models.loading import load_model
@@ -72,7 +76,8 @@ class Engine:
 
     def __init__(self, model: Transformer, *, max_loras: int, max_lora_rank: int, dtype, backend: str = "auto",
                  evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None,
-                 tensor_parallel: int = 1, max_extra_vocab: int = 256, prefill_chunk: int = 512):
+                 tensor_parallel: int = 1, max_extra_vocab: int = 256, prefill_chunk: int = 512,
+                 max_cpu_loras: int | None = None):
         _check_prefill_chunk(prefill_chunk)
         self.config: ModelConfig = model.config
         self.prefill_chunk = prefill_chunk
@@ -83,17 +88,21 @@ class Engine:
         self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
                                 evict=evict, tp=tp, max_extra_vocab=max_extra_vocab, max_seq_len=max_seq_len)
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=backend, tp=tp)
+        self.registry = AdapterRegistry()
+        self.host = HostTier(max_loras if max_cpu_loras is None else max_cpu_loras)
+        self.loader = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jlora-adapter-load")
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,
                         dtype: str | None = None, backend: str = "auto", evict: str = "lru",
                         max_batch: int = 32, max_seq_len: int = 2048, tensor_parallel: int = 1,
-                        max_extra_vocab: int = 256, prefill_chunk: int = 512, progress: bool = True) -> Engine:
+                        max_extra_vocab: int = 256, prefill_chunk: int = 512, max_cpu_loras: int | None = None,
+                        progress: bool = True) -> Engine:
         """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present).
 
         Args:
           model_dir: the HF model directory.
-          max_loras: adapter slots on the device.
+          max_loras: adapter slots on the device (any number of adapters may be registered).
           max_lora_rank: the largest adapter rank accepted.
           dtype: "bfloat16", "float16" or "float32"; default bfloat16 on GPU, float32 elsewhere.
           backend: the LoRA ops' backend ("auto": on GPU gather for small calls, tokens x rank <= 1024,
@@ -108,6 +117,8 @@ class Engine:
           prefill_chunk: prompt tokens prefilled per step at most (a power of two >= 16), in the same model
             call as the rows that decode; a longer prompt is prefilled in pieces over several steps. Larger:
             fewer steps per prompt; smaller: a step that takes a prompt delays the decoding rows less.
+          max_cpu_loras: adapters kept read and converted in host memory, least recently used evicted
+            (default: max_loras), so an adapter evicted from its slot comes back without reading its files.
           progress: show a progress bar while loading.
         """
         _check_prefill_chunk(prefill_chunk)  # before the minutes a large checkpoint takes to load
@@ -121,24 +132,88 @@ class Engine:
             tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         return cls(model, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, backend=backend,
                    evict=evict, max_batch=max_batch, max_seq_len=max_seq_len, tokenizer=tokenizer,
-                   tensor_parallel=tensor_parallel, max_extra_vocab=max_extra_vocab, prefill_chunk=prefill_chunk)
+                   tensor_parallel=tensor_parallel, max_extra_vocab=max_extra_vocab, prefill_chunk=prefill_chunk,
+                   max_cpu_loras=max_cpu_loras)
+
+    def register_adapter(self, name: str, adapter_dir: str) -> None:
+        """Registers a PEFT adapter directory under `name` without reading it: it is read, checked and given a
+        device slot when a request first needs it (a slot of an idle adapter, least recently used, when none
+        is free). Any number may be registered.
+
+        Raises:
+          ValueError: an invalid name, or one already registered (unload it first).
+          AdapterError: the directory has no adapter_config.json.
+        """
+        self.registry.register(name, adapter_dir)
 
     def load_adapter(self, name: str, adapter_dir: str) -> None:
-        """Loads a PEFT adapter directory under `name` (see `AdapterPool.load` for the errors)."""
-        self.pool.load(name, adapter_dir)
+        """Registers a PEFT adapter and reads, checks and writes it into a device slot now, so a bad adapter
+        raises here (see `AdapterPool.prepare`); an idle adapter may be evicted from its slot (it stays
+        registered).
+
+        Raises:
+          ValueError: an invalid name, or one already registered.
+          AdapterError: the adapter is invalid (nothing changes).
+          PoolFullError: every slot holds an adapter in use (the adapter stays registered, on the host).
+        """
+        if name in self.registry:
+            raise ValueError(f"adapter {name!r} is already registered; unload it first")
+        check_adapter_name(name)
+        prepared = self.pool.prepare(adapter_dir)
+        entry = self.registry.register(name, adapter_dir)
+        self.host.put(entry.generation, prepared)
+        self.pool.install(name, prepared, entry.generation)
 
     def unload_adapter(self, name: str) -> None:
-        self.pool.unload(name)
+        """Unregisters an adapter and frees its slot and host copy.
+
+        Raises:
+          KeyError: it is not registered.
+          RuntimeError: running requests use it.
+        """
+        entry = self.registry.get(name)
+        if entry is None:
+            raise KeyError(f"adapter {name!r} is not registered")
+        if self.pool.generation(name) is not None:
+            self.pool.unload(name)  # raises while requests hold it
+        self.registry.unregister(name)
+        self.host.drop(entry.generation)
 
     @property
     def adapters(self) -> list[str]:
+        """Every registered adapter's name (sorted), in a device slot or not."""
+        return self.registry.names
+
+    @property
+    def resident_adapters(self) -> list[str]:
+        """The adapters in device slots, least recently used first."""
         return self.pool.names
 
-    def _slots(self, adapters: Sequence[str | None]) -> np.ndarray:
-        unknown = sorted({a for a in adapters if a is not None and a not in self.pool.names})
+    def _make_resident(self, adapters: Sequence[str | None]) -> np.ndarray:
+        """The slot of each adapter (-1: None), writing the registered ones not in slots into slots first."""
+        names = list(dict.fromkeys(a for a in adapters if a is not None))
+        unknown = [a for a in names if a not in self.registry]
         if unknown:
-            raise KeyError(f"unknown adapter(s) {unknown}; loaded: {self.pool.names}")
-        return np.array([-1 if a is None else self.pool.slot(a) for a in adapters], np.int32)
+            raise KeyError(f"unknown adapter(s) {unknown}; registered: {self.adapters}")
+        if len(names) > self.pool.num_slots:
+            raise ValueError(f"{len(names)} adapters in one call but max_loras={self.pool.num_slots}")
+        entries = [self.registry.get(a) for a in names]
+        held = [e.name for e in entries if self.pool.generation(e.name) == e.generation]
+        self.pool.hold(held)  # so that writing the others evicts none of them
+        try:
+            for entry in entries:
+                if entry.name in held:
+                    continue
+                prepared = self.host.get(entry.generation) or self.pool.prepare(entry.adapter_dir)
+                self.host.put(entry.generation, prepared)
+                if self.pool.generation(entry.name) is not None:  # an older registration of the name
+                    self.pool.unload(entry.name)
+                self.pool.install(entry.name, prepared, entry.generation)
+                self.pool.hold([entry.name])
+                held.append(entry.name)
+            return np.array([-1 if a is None else self.pool.slot(a) for a in adapters], np.int32)
+        finally:
+            self.pool.release(held)
 
     def encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Token ids of each prompt: text through the model's tokenizer, id lists as they are."""
@@ -154,12 +229,23 @@ class Engine:
 
     def vocab_size(self, adapter: str | None) -> int:
         """The token ids requests with `adapter` (None: the base model) may hold and sample: the base
-        vocabulary plus the tokens the adapter adds. Reads without marking the adapter used (the server asks
-        from its request threads)."""
-        slot = -1 if adapter is None else self.pool.peek(adapter)
-        if slot is None:
-            raise KeyError(f"adapter {adapter!r} is not loaded (loaded: {self.adapters})")
-        return self.pool.vocab_size(slot)
+        vocabulary plus the tokens the adapter adds. For an adapter neither in a slot nor on the host, whose
+        files have not been read, an upper bound: plus `max_extra_vocab`. Marks nothing used (the server asks
+        from its request threads).
+
+        Raises:
+          KeyError: the adapter is not registered.
+        """
+        if adapter is None:
+            return self.config.vocab_size
+        entry = self.registry.get(adapter)
+        if entry is None:
+            raise KeyError(f"adapter {adapter!r} is not registered")
+        slot = self.pool.peek(adapter)
+        if slot is not None and self.pool.generation(adapter) == entry.generation:
+            return self.pool.vocab_size(slot)
+        prepared = self.host.get(entry.generation)
+        return self.config.vocab_size + (self.pool.max_extra_vocab if prepared is None else prepared.host.added)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
                        max_new_tokens: int = 0) -> None:
@@ -167,11 +253,13 @@ class Engine:
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters; give one per prompt (None: base)")
         if not prompts:
             raise ValueError("no prompts")
-        slots = self._slots(adapters)
-        for i, p in enumerate(prompts):
+        unknown = sorted({a for a in adapters if a is not None and a not in self.registry})
+        if unknown:
+            raise KeyError(f"unknown adapter(s) {unknown}; registered: {self.adapters}")
+        for i, (p, a) in enumerate(zip(prompts, adapters)):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-            vocab = self.pool.vocab_size(int(slots[i]))
+            vocab = self.vocab_size(a)
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (its adapter's vocabulary): "
@@ -181,7 +269,8 @@ class Engine:
                                  f"max_seq_len={self.max_seq_len}")
 
     def prefill_logits(self, prompts: Sequence[str | Sequence[int]], adapters: Sequence[str | None]) -> list[np.ndarray]:
-        """Logits of every prompt position, each request with its own adapter (None: the base model).
+        """Logits of every prompt position, each request with its own adapter (None: the base model), the
+        adapters written into slots first where they are not (at most max_loras of them per call).
 
         Args:
           prompts: token id lists.
@@ -192,7 +281,9 @@ class Engine:
         """
         prompts = self.encode(prompts)
         self._check_prompts(prompts, adapters)
-        tokens, positions, token_slot, _ = pack_prompts(prompts, self._slots(adapters))
+        slots = self._make_resident(adapters)
+        self._check_prompts(prompts, adapters)  # now against each adapter's own vocabulary
+        tokens, positions, token_slot, _ = pack_prompts(prompts, slots)
         cache = self.runner.new_cache(*tokens.shape)
         logits, _ = self.runner.run(tokens, positions, token_slot.reshape(-1), cache)
         logits = np.asarray(logits)
@@ -232,22 +323,33 @@ class Engine:
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         self._check_prompts(prompts, adapters, max_new_tokens)
-        slots = self._slots(adapters)
         seeds = _request_seeds(seed, len(prompts))
         stop = frozenset(stop_token_ids or ())
-        requests = [Request(p, int(s), max_new_tokens, temperature, top_p, sd, stop)
-                    for p, s, sd in zip(prompts, slots, seeds)]
+        requests = [Request(p, -1, max_new_tokens, temperature, top_p, sd, stop) for p, sd in zip(prompts, seeds)]
         batcher = Batcher(self.runner, bucket(min(len(requests), self.max_batch)),
                           bucket(max(len(p) for p in prompts) + max_new_tokens, 16), progress, self.prefill_chunk)
-        for r in requests:
-            batcher.add(r)
-        held = [a for a in adapters if a is not None]
-        self.pool.hold(held)
+        loaded = threading.Event()
+        admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set)
+        for r, a in zip(requests, adapters):
+            admission.submit(r, a)
         try:
-            while batcher.busy:
-                batcher.step()
+            while admission.pending or batcher.busy:
+                admission.poll(batcher.add)
+                refused = next((r for r in requests if r.finish in ("error", "failed")), None)
+                if refused is not None:
+                    raise (AdapterError if refused.finish == "failed" else ValueError)(refused.error)
+                if batcher.busy:
+                    batcher.step()
+                elif admission.pending:
+                    if not admission.waiting_for_loads:
+                        raise PoolFullError(f"no slot for adapter(s) {sorted({e.name for _, e in admission.pending})}:"
+                                            f" every slot holds an adapter in use or eviction is off")
+                    loaded.wait()
+                    loaded.clear()
         finally:
-            self.pool.release(held)
+            for r in requests:  # after an error: the requests still here give back their adapters
+                if r.finish is None and not admission.cancel(r):
+                    batcher.cancel(r)
         vocab = self.config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
         decode = ((lambda ids: self.tokenizer.decode([t for t in ids if t < vocab])) if self.tokenizer is not None
                   else (lambda ids: None))

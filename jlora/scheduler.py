@@ -37,8 +37,9 @@ __all__ = ["Batcher", "Request"]
 class Request:
     """One generation request. `out` grows as tokens arrive; `finish` is set when it ends: "stop" (a stop
     token, not included), "length" (max_new tokens), "cancelled", or, with `error` saying why, "error" (refused
-    at intake) or "failed" (the engine failed). `on_update(request)`, when given, is called on the batcher's thread after every new token
-    and once more when the request ends."""
+    at intake; `status` 404 for an adapter not registered, 400 for bad input) or "failed" (the engine, or the
+    load of its adapter, failed). `on_update(request)`, when given, is called on the batcher's thread after
+    every new token and once more when the request ends."""
 
     prompt: list[int]
     slot: int  # adapter slot, -1 for the base model
@@ -52,6 +53,7 @@ class Request:
     finish: str | None = None
     cancelled: bool = False
     error: str | None = None
+    status: int | None = None
     first_token_time: float | None = None  # time.monotonic() of its first token
 
     def _notify(self) -> None:

@@ -103,6 +103,8 @@ class AdapterPool:
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
+        self._generation: dict[str, int] = {}  # name -> the registration generation installed under it
+        self.evictions = 0  # adapters evicted to make room, so far
         self._in_use: collections.Counter[str] = collections.Counter()
 
     def _placed(self, weights: LoRAWeights) -> LoRAWeights:
@@ -197,8 +199,9 @@ class AdapterPool:
             scale, shift = (None if x is None else self.tp.permute_columns(x) for x in (scale, shift))
         return PreparedAdapter(host, scale, shift)
 
-    def install(self, name: str, prepared: PreparedAdapter) -> int:
-        """Writes a prepared adapter into a free (or evicted) slot under `name`; returns the slot.
+    def install(self, name: str, prepared: PreparedAdapter, generation: int = 0) -> int:
+        """Writes a prepared adapter into a free (or evicted) slot under `name`, recording the registration
+        `generation` it came from; returns the slot.
 
         Raises:
           ValueError: `name` is not a valid adapter name or is already loaded.
@@ -216,7 +219,16 @@ class AdapterPool:
         self.added[slot] = host.added
         self._features[slot] = features
         self._slots[name] = slot
+        self._generation[name] = generation
         return slot
+
+    def generation(self, name: str) -> int | None:
+        """The registration generation of the adapter installed under `name`, or None when none is."""
+        return self._generation.get(name)
+
+    def in_use(self, name: str) -> bool:
+        """Whether running (or admitted) requests hold the adapter."""
+        return self._in_use[name] > 0
 
     def _check_new_name(self, name: str) -> None:
         check_adapter_name(name)
@@ -319,6 +331,7 @@ class AdapterPool:
         if self._in_use[name]:
             raise RuntimeError(f"adapter {name!r} is used by running requests")
         slot = self._slots.pop(name)
+        del self._generation[name]
         self.ranks[slot], self.added[slot], self._features[slot] = 0, 0, frozenset()
 
     def _free_slot(self, name: str) -> int:
@@ -331,6 +344,7 @@ class AdapterPool:
                 if not self._in_use[victim]:
                     slot = self._slots[victim]
                     self.unload(victim)
+                    self.evictions += 1
                     return slot
         raise PoolFullError(
             f"cannot load {name!r}: all {self.num_slots} slots hold adapters "

@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jlora.adapters import AdapterError, PoolFullError, check_adapter_name
+from jlora.adapters import AdapterError, check_adapter_name
 from jlora.scheduler import Request
 from jlora.server.chat import ChatTemplate, ChatTemplateError
 from jlora.server.config import ServerConfig
@@ -93,7 +93,7 @@ class _Api:
     def adapter_of(self, model: str) -> str | None:
         if model == self.name:
             return None
-        if model in self.engine.adapters:
+        if model in self.engine.registry:
             return model
         raise ApiError(404, f"the model {model!r} does not exist; GET /v1/models lists them", "model",
                        "NotFoundError")
@@ -286,9 +286,12 @@ def _internal_error(err: Exception) -> ApiError:
 
 
 def _request_error(request: Request) -> ApiError:
-    """The error of a request refused at intake (its adapter gone: 404) or failed in the engine (500)."""
+    """The error of a request refused at intake (404: its adapter is not registered; 400: bad input) or failed
+    in the engine or while its adapter loaded (500)."""
     if request.finish == "error":
-        return ApiError(404, request.error, "model", "NotFoundError")
+        status = request.status or 400
+        return ApiError(status, request.error, "model" if status == 404 else "prompt",
+                        "NotFoundError" if status == 404 else "invalid_request_error")
     return ApiError(500, request.error, kind="server_error")
 
 
@@ -362,31 +365,22 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
             raise ApiError(400, str(err), "lora_path") from None
         except PermissionError as err:
             raise ApiError(403, f"{err} (--lora-root)", "lora_path", "permission_error") from None
-        if name == api.name or name in api.engine.adapters:
+        if name == api.name or name in api.engine.registry:
             raise ApiError(400, f"{name!r} is already served; unload it first", "lora_name")
         if api.loads_in_progress >= config.max_concurrent_loads:
             raise ApiError(429, f"{api.loads_in_progress} adapter loads are in progress; retry later",
                            kind="rate_limit_error", headers={"Retry-After": "1"})
         api.loads_in_progress += 1
-        try:  # the files are read and checked on a worker thread; the engine loop only writes the slot
+        try:  # read and checked on a worker thread; it takes a device slot when a request first needs it
             prepared = await asyncio.to_thread(api.engine.pool.prepare, path)
-
-            def install():
-                before = set(api.engine.adapters)
-                api.engine.pool.install(name, prepared)
-                return before - set(api.engine.adapters)
-
-            evicted = await asyncio.wrap_future(online.call(install))
+            api.engine.host.put(api.engine.registry.register(name, path).generation, prepared)
         except AdapterError as err:  # its messages name the real path: the caller sees the path it gave
             raise ApiError(400, str(err).replace(path, body.lora_path), "lora_path") from None
-        except PoolFullError as err:
-            raise ApiError(409, str(err), "lora_name", "conflict_error") from None
-        except ValueError as err:  # loaded meanwhile
+        except ValueError as err:  # registered meanwhile
             raise ApiError(400, str(err), "lora_name") from None
         finally:
             api.loads_in_progress -= 1
         online.metrics.adapter_loads.inc()
-        online.metrics.adapter_evictions.inc(len(evicted))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(request: HTTPRequest) -> Response:
@@ -394,7 +388,7 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
         try:
             await asyncio.wrap_future(online.call(lambda: api.engine.unload_adapter(name)))
         except KeyError:
-            raise ApiError(404, f"the adapter {name!r} is not loaded", "lora_name", "NotFoundError") from None
+            raise ApiError(404, f"the adapter {name!r} is not registered", "lora_name", "NotFoundError") from None
         except RuntimeError as err:
             raise ApiError(409, f"{err}; retry when they finish", "lora_name", "conflict_error") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from jlora.admission import AdapterStats
 from jlora.scheduler import Request
 
 __all__ = ["Metrics"]
@@ -13,7 +14,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 class Metrics:
     """Requests by adapter and outcome, tokens, running and waiting requests, step time, time to first
-    token, adapter loads and evictions."""
+    token; adapters registered, on the host and in slots, per-tier hits and misses, load latencies, runtime
+    registrations and evictions."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -27,8 +29,42 @@ class Metrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("jlora_time_to_first_token_seconds", "From intake to the first token",
                                       buckets=_LATENCY_BUCKETS, registry=r)
-        self.adapter_loads = Counter("jlora_adapter_loads", "Adapters loaded", registry=r)
-        self.adapter_evictions = Counter("jlora_adapter_evictions", "Adapters evicted to make room", registry=r)
+        self.adapter_loads = Counter("jlora_adapter_loads", "Adapters registered at runtime (load_lora_adapter)",
+                                     registry=r)
+        self.adapter_evictions = Counter("jlora_adapter_evictions", "Adapters evicted from device slots",
+                                         registry=r)
+        self.tier_hits = Counter("jlora_adapter_tier_hits", "Requests whose adapter was in the tier", ["tier"],
+                                 registry=r)
+        self.tier_misses = Counter("jlora_adapter_tier_misses", "Requests whose adapter was not in the tier",
+                                   ["tier"], registry=r)
+        self.load_seconds = Histogram("jlora_adapter_load_seconds", "Adapter loads: disk to host (read, check, "
+                                      "convert) and host to device (the slot write)", ["stage"],
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.resident = Gauge("jlora_adapters_resident", "Adapters in device slots", registry=r)
+        self.host_adapters = Gauge("jlora_adapters_host", "Adapters in the host tier", registry=r)
+        self.registered = Gauge("jlora_adapters_registered", "Adapters registered", registry=r)
+        self._counted = AdapterStats()  # what the counters hold so far
+        self._evictions = 0
+
+    def adapters(self, stats: AdapterStats, engine) -> None:
+        """Brings the adapter metrics up to `stats` (an `Admission`'s) and `engine`'s tiers (on the engine's
+        thread)."""
+        seen = self._counted
+        for tier in ("device", "host"):
+            hits, misses = getattr(stats, f"{tier}_hits"), getattr(stats, f"{tier}_misses")
+            self.tier_hits.labels(tier).inc(hits - getattr(seen, f"{tier}_hits"))
+            self.tier_misses.labels(tier).inc(misses - getattr(seen, f"{tier}_misses"))
+            setattr(seen, f"{tier}_hits", hits)
+            setattr(seen, f"{tier}_misses", misses)
+        for stage in ("disk_to_host", "host_to_device"):
+            times = getattr(stats, stage)
+            while times:
+                self.load_seconds.labels(stage).observe(times.pop())
+        self.adapter_evictions.inc(engine.pool.evictions - self._evictions)
+        self._evictions = engine.pool.evictions
+        self.resident.set(len(engine.pool.names))
+        self.host_adapters.set(len(engine.host))
+        self.registered.set(len(engine.registry))
 
     def finished(self, request: Request, adapter: str | None, arrival: float) -> None:
         """Counts a request that ended (called once, on the engine thread)."""

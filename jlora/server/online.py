@@ -1,9 +1,11 @@
 """`OnlineEngine`: one thread owns the device and runs the engine's continuous batching over time.
 
 Other threads talk to it through one FIFO inbox: submit a request, cancel one, or call a function between
-steps (adapter loads and unloads), so the device and the adapter pool are only ever touched by the loop.
-A submitted request holds its adapter from its intake until it ends, so unloading or evicting an adapter
-in use fails instead of changing a running request's weights.
+steps (adapter unloads), so the device and the adapter pool are only ever touched by the loop. Requests pass
+through `Admission` on their way to the batcher: a request whose adapter is not in a device slot waits
+there, without holding up anyone else, while loader threads read the adapter and the loop writes it into a
+slot between two steps. An admitted request holds its adapter until it ends, so unloading or evicting an
+adapter in use fails instead of changing a running request's weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from jlora.admission import Admission
 from jlora.engine import Engine
 from jlora.runner import bucket
 from jlora.scheduler import Batcher, Request
@@ -39,6 +42,8 @@ class OnlineEngine:
         self.batcher = Batcher(engine.runner, bucket(engine.max_batch), bucket(engine.max_seq_len, 16),
                                prefill_chunk=engine.prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
+        self.admission = Admission(engine.pool, engine.registry, engine.host, engine.loader,
+                                   wake=lambda: self._inbox.put(("wake",)))
         self._queued = 0  # submitted, not yet taken in by the loop
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -54,11 +59,12 @@ class OnlineEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self._queued + len(self.batcher.waiting)
+        return self._queued + len(self.admission.pending) + len(self.batcher.waiting)
 
     def submit(self, request: Request, adapter: str | None) -> None:
         """Queues `request` for `adapter` (None: the base model). `request.on_update` is called on the loop
-        thread; a request whose adapter is gone by its intake ends at once with finish "error" and `.error`.
+        thread; a request whose adapter is not registered by its intake ends at once with finish "error" and
+        `.error`, one whose adapter cannot be loaded with "failed".
 
         Raises:
           QueueFull: `max_waiting` requests are already waiting.
@@ -87,7 +93,7 @@ class OnlineEngine:
                 self._queued -= 1
             self._intake(request, adapter)
         elif kind == "cancel":
-            if item[1].finish is None:
+            if item[1].finish is None and not self.admission.cancel(item[1]):
                 self.batcher.cancel(item[1])
         elif kind == "call":
             _, fn, future = item
@@ -101,22 +107,11 @@ class OnlineEngine:
             request.finish = "cancelled"
             request._notify()
             return
-        pool = self.engine.pool
-        if adapter is not None:
-            if adapter not in pool.names:
-                request.error = f"adapter {adapter!r} is not loaded"
-                request.finish = "error"
-                request._notify()
-                return
-            pool.hold([adapter])
-            request.slot = pool.slot(adapter)
         user_update = request.on_update
         arrival = time.monotonic()
 
         def on_update(r: Request) -> None:
             if r.finish is not None:
-                if adapter is not None:
-                    pool.release([adapter])
                 self.metrics.finished(r, adapter, arrival)
                 self._set_gauges()  # before its client hears of the end, so the metrics it reads agree
             if user_update is not None:
@@ -124,24 +119,30 @@ class OnlineEngine:
 
         request.on_update = on_update
         self.metrics.prompt_tokens.inc(len(request.prompt))
-        self.batcher.add(request)
+        self.admission.submit(request, adapter)
 
     def _fail_all(self, message: str) -> None:
         """Ends every waiting and running request with finish "failed" and starts over on a fresh cache."""
         old = self.batcher
         self.batcher = Batcher(self.engine.runner, old.num_rows, old.max_seq, prefill_chunk=old.prefill_chunk)
-        for r in [*old.waiting, *(r for r in old.running if r is not None)]:
+        pending = [r for r, _ in self.admission.pending]
+        self.admission.pending.clear()
+        for r in [*pending, *old.waiting, *(r for r in old.running if r is not None)]:
             r.error, r.finish = message, "failed"
             r._notify()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            # Admit first: the last step may have freed the slots that waiting requests need, and an idle loop
+            # then blocks until something arrives.
+            self.admission.poll(self.batcher.add)
             try:  # block for work when idle; between steps take whatever has arrived
                 self._take(self._inbox.get(block=not self.batcher.busy))
                 while True:
                     self._take(self._inbox.get_nowait())
             except queue.Empty:
                 pass
+            self.admission.poll(self.batcher.add)  # what just arrived
             if self.batcher.busy:
                 start = time.monotonic()
                 try:
@@ -155,3 +156,4 @@ class OnlineEngine:
     def _set_gauges(self) -> None:
         self.metrics.running.set(self.batcher.num_running)
         self.metrics.waiting.set(self.num_waiting)
+        self.metrics.adapters(self.admission.stats, self.engine)

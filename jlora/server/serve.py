@@ -26,13 +26,17 @@ def eos_token_ids(model_dir: str) -> frozenset[int]:
     return frozenset()
 
 
-def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] = (), **engine_options) -> None:
+def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] = (), lora_dirs: list[str] = (),
+          **engine_options) -> None:
     """Loads the model and adapters and serves them until interrupted (`jlora serve`).
 
     Args:
       model_dir: the HF model directory.
       config: the server's options (`served_model_name` None: the directory's name).
-      loras: (name, directory) of each PEFT adapter to load at start.
+      loras: (name, directory) of each PEFT adapter to load at start: read and checked now (a bad one stops the
+        start), into device slots while there are free ones, all registered.
+      lora_dirs: directories whose subdirectories holding an adapter_config.json are registered, named after
+        them: read when a request first needs them.
       engine_options: `Engine.from_pretrained`'s options (max_loras, max_lora_rank, max_batch, prefill_chunk, ...).
     """
     import uvicorn
@@ -50,11 +54,15 @@ def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] 
     engine = Engine.from_pretrained(model_dir, **engine_options)
     for name, path in loras:
         engine.load_adapter(name, path)
+    for root in lora_dirs:
+        found = engine.registry.scan(root)
+        print(f"jlora: {len(found)} adapters registered from {root}", file=sys.stderr, flush=True)
     online = OnlineEngine(engine, max_waiting=config.max_waiting)
     app = build_app(online, config, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir))
     gc.collect()  # the objects alive after loading (JAX's, the model's) left out of later collections, which a
     gc.freeze()   # large request's parse triggers while it holds the interpreter lock
-    print(f"jlora: serving {config.served_model_name!r} and adapters {engine.adapters} on "
+    shown = engine.adapters if len(engine.adapters) <= 16 else f"{len(engine.adapters)} adapters"
+    print(f"jlora: serving {config.served_model_name!r} and adapters {shown} on "
           f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
     if config.allow_runtime_lora:
         print(f"jlora: runtime adapter loads allowed from {list(config.lora_roots)}"

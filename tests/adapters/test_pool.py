@@ -145,24 +145,31 @@ def test_bad_adapter_raises_and_leaves_pool_unchanged(tmp_path, model_dir, case)
 
 
 def test_lru_eviction_refusal_and_unload(tmp_path, model_dir):
-    for i in range(3):
+    """Slots evict the least recently used idle adapter; an evicted adapter stays registered and comes back
+    into a slot when a call needs it."""
+    for i in range(4):
         testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=4, alpha=8, seed=i)
     engine = _engine(model_dir)
     engine.load_adapter("a0", str(tmp_path / "a0"))
     engine.load_adapter("a1", str(tmp_path / "a1"))
     engine.prefill_logits([[1, 2]], ["a0"])  # a0 becomes the most recently used
-    engine.load_adapter("a2", str(tmp_path / "a2"))  # evicts a1
-    assert sorted(engine.adapters) == ["a0", "a2"]
-    with pytest.raises(ValueError, match="already loaded"):
+    engine.load_adapter("a2", str(tmp_path / "a2"))  # evicts a1 from its slot
+    assert sorted(engine.resident_adapters) == ["a0", "a2"] and engine.adapters == ["a0", "a1", "a2"]
+    with pytest.raises(ValueError, match="already registered"):
         engine.load_adapter("a2", str(tmp_path / "a2"))
     engine.pool.hold(["a0", "a2"])
     with pytest.raises(PoolFullError, match="all in use"):
-        engine.load_adapter("a1", str(tmp_path / "a1"))
-    engine.pool.release(["a0", "a2"])
-    with pytest.raises(KeyError, match="unknown adapter"):
         engine.prefill_logits([[1, 2]], ["a1"])
+    engine.pool.release(["a0", "a2"])
+    want = engine.prefill_logits([[1, 2]], ["a1"])[0]  # back in a slot: a0's (least recently used)
+    assert sorted(engine.resident_adapters) == ["a1", "a2"] and engine.pool.evictions == 2
+    with pytest.raises(KeyError, match="unknown adapter"):
+        engine.prefill_logits([[1, 2]], ["a3"])
     engine.unload_adapter("a2")
-    assert engine.adapters == ["a0"]
+    assert engine.adapters == ["a0", "a1"] and engine.resident_adapters == ["a1"]
+    fresh = _engine(model_dir)
+    fresh.load_adapter("a1", str(tmp_path / "a1"))
+    np.testing.assert_array_equal(want, fresh.prefill_logits([[1, 2]], ["a1"])[0])
 
     strict = _engine(model_dir, evict="refuse", max_loras=1)
     strict.load_adapter("a0", str(tmp_path / "a0"))

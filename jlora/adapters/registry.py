@@ -1,0 +1,135 @@
+"""Every adapter an engine can serve, whether or not it sits in a device slot: the registry (name -> directory)
+and the host tier (adapters read and converted, LRU within `max_cpu_loras`).
+
+A registration carries a generation, unique over the process: registering a name again (after unregistering
+it) gives a new one, so
+anything keyed by an adapter's identity (its host copy, a failure, a cache entry) never mistakes the new
+adapter for the old. Both classes are thread-safe: the server reads them from its request threads while the
+engine's loop and its loader threads write them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import threading
+
+from jlora.adapters.config import AdapterError, check_adapter_name
+from jlora.adapters.pool import PreparedAdapter
+
+__all__ = ["AdapterRegistry", "HostTier", "Registration"]
+
+_generations = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """A registered adapter: its name, directory and generation (unique per registration)."""
+
+    name: str
+    adapter_dir: str
+    generation: int
+
+
+class AdapterRegistry:
+    """name -> `Registration`, independent of device slots."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[str, Registration] = {}
+        self._failed: dict[int, str] = {}  # generation -> why its load failed (not retried until re-registered)
+
+    def register(self, name: str, adapter_dir: str) -> Registration:
+        """Registers `name` for `adapter_dir` under a new generation.
+
+        Raises:
+          ValueError: an invalid name, or one registered already (unregister it first).
+          AdapterError: `adapter_dir` has no adapter_config.json (the rest is checked when it loads).
+        """
+        check_adapter_name(name)
+        if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+            raise AdapterError(f"{adapter_dir}: adapter_config.json not found")
+        entry = Registration(name, adapter_dir, next(_generations))
+        with self._lock:
+            if name in self._entries:
+                raise ValueError(f"adapter {name!r} is already registered; unload it first")
+            self._entries[name] = entry
+        return entry
+
+    def scan(self, root: str) -> list[Registration]:
+        """Registers every subdirectory of `root` that holds an adapter_config.json, named after it (sorted);
+        subdirectories whose names are not valid adapter names, or are registered already, are skipped."""
+        found = []
+        for sub in sorted(os.listdir(root)):
+            path = os.path.join(root, sub)
+            if os.path.isfile(os.path.join(path, "adapter_config.json")):
+                try:
+                    found.append(self.register(sub, path))
+                except ValueError:
+                    continue
+        return found
+
+    def unregister(self, name: str) -> Registration:
+        """Raises KeyError when `name` is not registered."""
+        with self._lock:
+            entry = self._entries.pop(name)
+            self._failed.pop(entry.generation, None)
+            return entry
+
+    def get(self, name: str) -> Registration | None:
+        return self._entries.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
+
+    def fail(self, entry: Registration, message: str) -> None:
+        """Records that `entry` cannot be loaded: requests for it fail at once until it is registered again."""
+        with self._lock:
+            if self._entries.get(entry.name) is entry:
+                self._failed[entry.generation] = message
+
+    def failure(self, entry: Registration) -> str | None:
+        return self._failed.get(entry.generation)
+
+
+class HostTier:
+    """Adapters read and converted on the host (`PreparedAdapter`), by generation, least recently used evicted
+    past `capacity` entries."""
+
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"max_cpu_loras must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[int, PreparedAdapter] = collections.OrderedDict()
+
+    def get(self, generation: int) -> PreparedAdapter | None:
+        with self._lock:
+            prepared = self._entries.get(generation)
+            if prepared is not None:
+                self._entries.move_to_end(generation)
+            return prepared
+
+    def put(self, generation: int, prepared: PreparedAdapter) -> None:
+        with self._lock:
+            self._entries[generation] = prepared
+            self._entries.move_to_end(generation)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def drop(self, generation: int) -> None:
+        with self._lock:
+            self._entries.pop(generation, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,208 @@
+"""`Admission`: between an engine's requests and its `Batcher`, requests wait until their adapter sits in a device
+slot, and adapters move disk -> host -> device without pausing the rows that decode.
+
+- **Disk -> host.** A request for a registered adapter that is neither in a slot nor in the host tier starts a
+  load on the loader (worker threads): the files are read, checked and converted there (`AdapterPool.prepare`)
+  into the host tier. Requests for the same adapter share one load. A load that fails fails its requests
+  ("failed", the loader's message) and every later one for the same registration, without retrying.
+- **Host -> device.** Between two steps, `poll` writes a prepared adapter into a free slot or the slot of the
+  least recently used idle adapter (`AdapterPool.install`: one jitted slot write). An adapter is idle when no
+  admitted request holds it, so a slot is only rewritten once every request that used it has ended; a step
+  still in flight that read the slot's old weights holds its own reference to them (the write donates the
+  stack and XLA orders it after the step's reads).
+- **Admission order.** Requests are taken first come, first served, except that a request whose adapter is
+  in a slot (or the base model) passes a request waiting for a load, at most `max_passes` times per waiting
+  request: past that, everyone waits behind it, the slots' holders drain, and its adapter gets a slot. So no
+  request starves, and a burst for a resident adapter is not held up by a cold one.
+
+A request is admitted by holding its adapter (`AdapterPool.hold`, released when it ends), taking its slot and
+entering the batcher. `poll` runs on the thread that owns the pool and the batcher; `wake` is called from a
+loader thread when a load finishes, so an idle loop can poll again.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable
+
+from jlora.adapters import AdapterError, AdapterPool, PoolFullError, PreparedAdapter
+from jlora.adapters.registry import AdapterRegistry, HostTier, Registration
+from jlora.scheduler import Request
+
+__all__ = ["Admission", "AdapterStats"]
+
+
+@dataclasses.dataclass
+class AdapterStats:
+    """What `Admission` counts, for metrics: per tier, requests that found their adapter there or not, and load
+    latencies (seconds) not yet taken by a reader."""
+
+    device_hits: int = 0
+    device_misses: int = 0
+    host_hits: int = 0
+    host_misses: int = 0
+    disk_to_host: list[float] = dataclasses.field(default_factory=list)
+    host_to_device: list[float] = dataclasses.field(default_factory=list)
+
+
+class Admission:
+    """Admits requests into a batcher (`add`) once their adapters are in device slots; see the module docstring.
+
+    Args:
+      pool: the device slots.
+      registry: the adapters that may be requested.
+      host: the host tier.
+      loader: runs disk -> host loads (worker threads).
+      wake: called (from a loader thread) when a load finishes.
+      max_passes: how many requests may be admitted past one that waits for a load.
+    """
+
+    def __init__(self, pool: AdapterPool, registry: AdapterRegistry, host: HostTier,
+                 loader: concurrent.futures.Executor, wake: Callable[[], None] = lambda: None, max_passes: int = 32):
+        if max_passes < 0:
+            raise ValueError(f"max_passes must be >= 0, got {max_passes}")
+        self.pool, self.registry, self.host, self.loader, self.wake = pool, registry, host, loader, wake
+        self.max_passes = max_passes
+        self.stats = AdapterStats()
+        self.pending: collections.deque[tuple[Request, Registration | None]] = collections.deque()
+        self._loads: dict[int, concurrent.futures.Future] = {}  # generation -> its disk -> host load
+        self._blocked: Request | None = None  # the oldest request waiting for a load, and the passes it took
+        self._passes = 0
+
+    def submit(self, request: Request, adapter: str | None) -> None:
+        """Queues `request` for `adapter` (None: the base model). An adapter not registered ends it at once with
+        finish "error" and `status` 404; one whose load failed, with "failed"."""
+        if adapter is None:
+            self.pending.append((request, None))
+            return
+        entry = self.registry.get(adapter)
+        if entry is None:
+            return _end(request, "error", f"adapter {adapter!r} is not registered", 404)
+        failure = self.registry.failure(entry)
+        if failure is not None:
+            return _end(request, "failed", failure)
+        if self._resident(entry):
+            self.stats.device_hits += 1
+        else:
+            self.stats.device_misses += 1
+            self._load(entry)
+        self.pending.append((request, entry))
+
+    def cancel(self, request: Request) -> bool:
+        """Ends a request still waiting here ("cancelled"); False when it is not here."""
+        for item in self.pending:
+            if item[0] is request:
+                self.pending.remove(item)
+                _end(request, "cancelled")
+                return True
+        return False
+
+    @property
+    def waiting_for_loads(self) -> bool:
+        """Whether some request waits for a disk -> host load still running."""
+        return any(not f.done() for f in self._loads.values())
+
+    def poll(self, add: Callable[[Request], None]) -> None:
+        """Installs finished loads into slots and admits every request it may, in order, into `add`."""
+        keep: collections.deque = collections.deque()
+        blocked = None  # the first request here that waits for its adapter
+        for request, entry in self.pending:
+            if entry is not None:
+                current = self.registry.get(entry.name)
+                if current is None:
+                    _end(request, "error", f"adapter {entry.name!r} was unregistered", 404)
+                    continue
+                entry = current  # a name registered again serves its new adapter
+                if self.registry.failure(entry) is not None:
+                    _end(request, "failed", self.registry.failure(entry))
+                    continue
+            passing = blocked is not None and entry is not None  # it would hold a slot ahead of `blocked`
+            if passing and blocked is not self._blocked:
+                self._blocked, self._passes = blocked, 0
+            may = not passing or self._passes < self.max_passes
+            if may and (entry is None or self._resident(entry) or self._install(entry)):
+                self._passes += passing
+                self._admit(request, entry, add)
+            else:
+                blocked = blocked or request
+                keep.append((request, entry))
+        if blocked is None:
+            self._blocked = None
+        self.pending = keep
+
+    def _resident(self, entry: Registration) -> bool:
+        return self.pool.generation(entry.name) == entry.generation
+
+    def _load(self, entry: Registration) -> None:
+        """Starts entry's disk -> host load unless the host tier has it or it is under way."""
+        if entry.generation in self._loads:
+            return
+        if self.host.get(entry.generation) is not None:
+            self.stats.host_hits += 1
+            return
+        self.stats.host_misses += 1
+
+        def load() -> PreparedAdapter:
+            start = time.monotonic()
+            try:
+                prepared = self.pool.prepare(entry.adapter_dir)
+            except Exception as err:  # AdapterError, or anything else reading it raised: not retried either
+                reason = err if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
+                self.registry.fail(entry, f"adapter {entry.name!r} cannot be loaded: {reason}")
+                raise
+            self.host.put(entry.generation, prepared)
+            self.stats.disk_to_host.append(time.monotonic() - start)
+            return prepared
+
+        future = self.loader.submit(load)
+        self._loads[entry.generation] = future
+        future.add_done_callback(lambda _: self.wake())
+
+    def _install(self, entry: Registration) -> bool:
+        """Writes entry's adapter into a slot if its load is done and a slot is free or idle."""
+        future = self._loads.get(entry.generation)
+        if future is not None and not future.done():
+            return False
+        prepared = future.result() if future is not None else self.host.get(entry.generation)
+        if prepared is None:  # left the host tier since it was asked for
+            self._load(entry)
+            return False
+        if self.pool.generation(entry.name) is not None:  # an older registration of the name holds a slot
+            if self.pool.in_use(entry.name):
+                return False
+            self.pool.unload(entry.name)
+        start = time.monotonic()
+        try:
+            self.pool.install(entry.name, prepared, entry.generation)
+        except PoolFullError:
+            return False
+        self.stats.host_to_device.append(time.monotonic() - start)
+        self._loads.pop(entry.generation, None)
+        return True
+
+    def _admit(self, request: Request, entry: Registration | None, add: Callable[[Request], None]) -> None:
+        if entry is not None:
+            vocab = self.pool.vocab_size(self.pool.slot(entry.name))
+            if any(not 0 <= t < vocab for t in request.prompt):
+                return _end(request, "error", f"the prompt has token ids outside [0, {vocab}) (adapter "
+                                              f"{entry.name!r}'s vocabulary)", 400)
+            self.pool.hold([entry.name])
+            request.slot = self.pool.slot(entry.name)
+            user_update = request.on_update
+
+            def on_update(r: Request) -> None:
+                if r.finish is not None:
+                    self.pool.release([entry.name])
+                if user_update is not None:
+                    user_update(r)
+
+            request.on_update = on_update
+        add(request)
+
+
+def _end(request: Request, finish: str, error: str | None = None, status: int | None = None) -> None:
+    request.error, request.status, request.finish = error, status, finish
+    request._notify()

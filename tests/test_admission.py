@@ -1,0 +1,150 @@
+"""Many adapters over few slots: every request, whatever arrives around it, gets the tokens it gets on an engine
+where every adapter is resident; a slot rewritten while a step that read it is in flight leaves that step's
+tokens alone; a corrupt adapter fails only its own requests, once, and is not read again."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES
+from jlora.engine import Engine
+from jlora.runner import bucket
+from jlora.scheduler import Batcher, Request
+
+CFG = testing.tiny_config("llama")
+N = 56  # adapters: 50 registered at start, 5 during the run, and one corrupt
+TARGETS = [["q_proj", "v_proj"], list(LINEAR_MODULES), ["o_proj", "down_proj"], ["gate_proj", "up_proj"]]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("admission")
+    testing.write_model(str(root / "m"), CFG, seed=1)
+    for i in range(N):
+        testing.write_adapter(str(root / "lib" / f"a{i:02d}"), CFG, r=2 + i % 7, alpha=4 + i % 5, seed=100 + i,
+                              target_modules=TARGETS[i % 4])
+    (root / "lib" / "a55" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": "8"}')  # found at load
+    return root
+
+
+@pytest.fixture(scope="module")
+def resident(root):
+    """The truth: every adapter in a slot of its own, none ever evicted."""
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=N - 1, max_lora_rank=8,
+                                    max_batch=8, progress=False)
+    for i in range(N - 1):
+        engine.load_adapter(f"a{i:02d}", str(root / "lib" / f"a{i:02d}"))
+    return engine
+
+
+def _requests(rng, n: int, names: list[str]):
+    """(prompt, adapter, max_new, temperature, seed) with power-law popularity over `names` and the base."""
+    weights = 1 / np.arange(1, len(names) + 2)
+    picks = rng.choice(len(names) + 1, n, p=weights / weights.sum())
+    return [(rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 12))).tolist(),
+             None if k == len(names) else names[k], int(rng.choice([3, 6])), float(rng.choice([0.0, 1.0])),
+             int(rng.integers(0, 2**31))) for k in picks]
+
+
+def _truth(engine: Engine, specs) -> list[list[int]]:
+    out = [None] * len(specs)
+    for max_new, temp in {(s[2], s[3]) for s in specs}:
+        idx = [i for i, s in enumerate(specs) if (s[2], s[3]) == (max_new, temp)]
+        gens = engine.generate([specs[i][0] for i in idx], [specs[i][1] for i in idx], max_new_tokens=max_new,
+                               temperature=temp, seed=[specs[i][4] for i in idx])
+        for i, g in zip(idx, gens):
+            out[i] = list(g)
+    return out
+
+
+@pytest.mark.parametrize("slots, host, seed", [(2, 2, 0), (3, 8, 1), (4, 0, 2)])
+def test_requests_over_many_adapters_equal_the_all_resident_engine(root, resident, slots, host, seed, monkeypatch):
+    pytest.importorskip("prometheus_client")  # the online engine's metrics
+    from jlora.server.online import OnlineEngine
+
+    rng = np.random.default_rng(seed)
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=slots, max_cpu_loras=host,
+                                    max_lora_rank=8, max_batch=4, progress=False)
+    reads = []
+    prepare = engine.pool.prepare
+    monkeypatch.setattr(engine.pool, "prepare", lambda path: (reads.append(path), prepare(path))[1])
+    for entry in engine.registry.scan(str(root / "lib")):  # --lora-dir: all 56, a50-a54 unregistered again
+        if entry.name in {f"a{i}" for i in range(50, 55)}:
+            engine.registry.unregister(entry.name)
+    early = [f"a{i:02d}" for i in range(50)]
+    late = [f"a{i}" for i in range(50, 55)]
+    specs = _requests(rng, 60, early) + _requests(rng, 12, late)
+    cancel = set(rng.choice(len(specs), 6, replace=False).tolist())
+    specs += [([1, 2, 3], "a55", 3, 0.0, 0)] * 2 + [([1, 2], "nope", 3, 0.0, 0)]  # corrupt; not registered
+    online = OnlineEngine(engine)
+    online.start()
+    done = [threading.Event() for _ in specs]
+    requests = []
+    try:
+        for i, (prompt, adapter, max_new, temp, sd) in enumerate(specs):
+            if i == 60:  # runtime registration while the first 60 run
+                for name in late:
+                    engine.register_adapter(name, str(root / "lib" / name))
+            r = Request(prompt, -1, max_new, temp, 1.0, sd, on_update=lambda r, e=done[i]: r.finish and e.set())
+            requests.append(r)
+            online.submit(r, adapter)
+            if i in cancel:
+                online.cancel(r)
+            time.sleep(float(rng.exponential(0.004)))
+        assert all(e.wait(120) for e in done)
+    finally:
+        online.stop()
+    want = _truth(resident, [s for s in specs[:72]])
+    for i, r in enumerate(requests[:72]):
+        if r.finish == "cancelled":  # what it had generated when the cancel arrived
+            assert i in cancel and r.out == want[i][: len(r.out)], i
+        else:
+            assert r.finish in ("length", "stop") and r.out == want[i], (i, specs[i][1])
+    assert sum(requests[i].finish == "cancelled" for i in cancel) >= 3
+    broken = requests[72:74]
+    assert all(r.finish == "failed" and "'lora_alpha' must be a finite number" in r.error for r in broken)
+    assert reads.count(str(root / "lib" / "a55")) == 1  # read once, not retried
+    assert requests[74].finish == "error" and requests[74].status == 404
+    assert engine.pool.evictions > 0 and len(engine.resident_adapters) <= slots
+    assert not any(engine.pool.in_use(name) for name in engine.resident_adapters)  # every hold released
+    stats = online.admission.stats
+    assert stats.device_misses > 0 and stats.device_hits > 0 and stats.host_misses > 0
+
+
+def test_a_slot_rewritten_while_a_step_that_read_it_is_in_flight(root, resident):
+    """Adapter A's request decodes; with its step in flight (dispatched, not read), A leaves its slot and B is
+    written there. The tokens of that step are A's; the later ones are B's (the request keeps the slot)."""
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
+                                    progress=False)
+    engine.load_adapter("A", str(root / "lib" / "a01"))
+    b = engine.pool.prepare(str(root / "lib" / "a02"))
+    prompt = [5, 6, 7]
+    request = Request(prompt, engine.pool.slot("A"), 6)
+    batcher = Batcher(engine.runner, 1, bucket(16, 16))
+    batcher.add(request)
+    for _ in range(3):  # the prompt, then two decode steps: the third is in flight
+        batcher.step()
+    assert batcher.in_flight is not None and len(request.out) == 2
+    engine.pool.unload("A")
+    engine.pool.install("B", b)
+    while batcher.busy:
+        batcher.step()
+    with_a = resident.generate([prompt], ["a01"], max_new_tokens=3)[0]
+    assert request.out[:3] == list(with_a)
+    # From the fourth token on the request reads B's weights over A's cache: what a mixed engine computes.
+    mixed = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_lora_rank=8, progress=False)
+    mixed.load_adapter("A", str(root / "lib" / "a01"))
+    again = Request(prompt, 0, 6)
+    batcher = Batcher(mixed.runner, 1, bucket(16, 16))
+    batcher.add(again)
+    for _ in range(3):
+        batcher.step()
+    batcher._collect()  # the in-flight step read A, before the rewrite
+    mixed.pool.unload("A")
+    mixed.pool.install("B", mixed.pool.prepare(str(root / "lib" / "a02")))
+    while batcher.busy:
+        batcher.step()
+    assert request.out == again.out
