@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,8 @@ from jlora.adapters.registry import AdapterRegistry, HostTier, Registration
 from jlora.scheduler import Request
 
 __all__ = ["Admission", "AdapterStats"]
+
+logger = logging.getLogger("jlora.admission")
 
 
 @dataclasses.dataclass
@@ -150,7 +153,10 @@ class Admission:
             try:
                 prepared = self.pool.prepare(entry.adapter_dir)
             except Exception as err:  # AdapterError, or anything else reading it raised: not retried either
-                reason = err if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
+                reason = str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
+                logger.warning("adapter %r (%s) cannot be loaded: %s", entry.name, entry.adapter_dir, reason)
+                # requests are told without the server's path
+                reason = reason.replace(entry.adapter_dir, f"<{entry.name}>")
                 self.registry.fail(entry, f"adapter {entry.name!r} cannot be loaded: {reason}")
                 raise
             self.host.put(entry.generation, prepared)

@@ -1,0 +1,87 @@
+"""`jlora serve --lora-dir DIR --max-loras 2`: 105 adapters served from one process over two device slots. Concurrent
+requests over 8 of them equal the engine's own generation with all 8 resident; a corrupt adapter fails its own
+requests with a clear error and every other tenant is served; the tiers' metrics count what happened."""
+
+import asyncio
+
+import pytest
+
+for _module in ("uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic"):  # the server's packages
+    pytest.importorskip(_module)
+httpx = pytest.importorskip("httpx")
+
+from jlora import testing  # noqa: E402
+from jlora.engine import Engine  # noqa: E402
+from tests.server.launch import start_server  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("tenancy")
+CFG = testing.tiny_config("llama", vocab_size=120)
+USED = [f"t{i:03d}" for i in range(0, 104, 13)]  # 8 of the 104
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tenancy")
+    testing.write_model(str(root / "m"), CFG, seed=5)
+    testing.write_tokenizer(str(root / "m"), CFG["vocab_size"])
+    for i in range(104):
+        testing.write_adapter(str(root / "lib" / f"t{i:03d}"), CFG, r=2 + i % 7, alpha=8, seed=i)
+    testing.write_adapter(str(root / "lib" / "broken"), CFG, r=4, alpha=8, seed=1)
+    (root / "lib" / "broken" / "adapter_model.safetensors").write_bytes(b"\x10garbage")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    proc, url = start_server(str(root / "m"), "--lora-dir", str(root / "lib"), "--max-loras", "2",
+                             "--max-cpu-loras", "3", "--max-lora-rank", "8", "--max-batch", "4", "--max-seq-len", "64")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_many_adapters_over_two_slots_equal_the_resident_engine(server, root):
+    models = {m["id"] for m in httpx.get(server + "/v1/models").json()["data"]}
+    assert len(models) == 106 and {"m", "broken", *USED} <= models
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=8, max_lora_rank=8, max_seq_len=64,
+                                    progress=False)
+    for name in USED:
+        engine.load_adapter(name, str(root / "lib" / name))
+    jobs = [(USED[(3 * i) % 8], [1 + i, 2 + 2 * i, 3], 2 + i % 5) for i in range(24)]
+    want = [list(engine.generate([p], [a], max_new_tokens=n)[0]) for a, p, n in jobs]
+
+    async def one(http, adapter, prompt, n, delay):
+        await asyncio.sleep(delay)
+        body = {"model": adapter, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        response = await http.post(server + "/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(http, a, p, n, 0.01 * (i % 6)) for i, (a, p, n) in enumerate(jobs)))
+
+    assert asyncio.run(run()) == want
+    assert metric(server, "jlora_adapter_evictions_total") > 0
+    assert metric(server, 'jlora_adapter_tier_misses_total{tier="device"}') >= 8
+    assert metric(server, 'jlora_adapter_load_seconds_count{stage="host_to_device"}') >= 8
+    assert metric(server, "jlora_adapters_registered") == 105 and metric(server, "jlora_adapters_resident") <= 2
+    assert metric(server, "jlora_requests_running") == 0
+
+
+def test_a_corrupt_adapter_fails_its_own_requests_once_and_others_are_served(server, root):
+    body = {"model": "broken", "prompt": "the fox", "max_tokens": 2}
+    for _ in range(2):
+        response = httpx.post(server + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 500
+        assert "'broken' cannot be loaded" in response.json()["error"]["message"]
+        assert "<broken>/adapter_model.safetensors: cannot read safetensors" in response.json()["error"]["message"]
+        assert str(root) not in response.json()["error"]["message"]  # no server path
+    assert metric(server, 'jlora_requests_total{adapter="broken",outcome="failed"}') == 2
+    ok = httpx.post(server + "/v1/completions", json=body | {"model": USED[0]}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
