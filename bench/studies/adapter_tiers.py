@@ -29,7 +29,7 @@ from model import llama3_8b, llama3_8b_hf  # noqa: E402
 
 def host_bytes(prepared) -> int:
     arrays = [x for layer in prepared.host.layers for ab in layer.values() for x in ab]
-    arrays += [*prepared.host.embed, *prepared.host.lm_head]
+    arrays += [*(prepared.host.embed or ()), *(prepared.host.lm_head or ())]
     return sum(a.nbytes for a in arrays)
 
 

@@ -44,7 +44,9 @@ _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.
 
 @dataclasses.dataclass(frozen=True)
 class HostAdapter:
-    """One adapter converted for a slot (float32 NumPy, scaling folded into the B side).
+    """One adapter converted for a slot (float32 NumPy, scaling folded into the B side), holding only what it
+    targets: a slot's other parts are written as zeros on the device, so they cost neither host memory nor a
+    transfer.
 
     Besides A and B per module: `bias` and `magnitude` per (layer, group) key (`(None, "lm_head")` for the
     lm_head), each [N] over the group's fused columns (magnitude with a mask of the DoRA columns); `embed_rows`
@@ -54,9 +56,9 @@ class HostAdapter:
     """
 
     rank: int  # the largest rank over its modules
-    layers: tuple[dict[str, tuple[np.ndarray, np.ndarray]], ...]  # group -> (a [S·R, K], b [N, R])
-    embed: tuple[np.ndarray, np.ndarray]  # a [R, V], b [H, R]
-    lm_head: tuple[np.ndarray, np.ndarray]  # a [R, H], b [V, R]
+    layers: tuple[dict[str, tuple[np.ndarray, np.ndarray]], ...]  # targeted group -> (a [S·R, K], b [N, R])
+    embed: tuple[np.ndarray, np.ndarray] | None  # a [R, V], b [H, R], when targeted
+    lm_head: tuple[np.ndarray, np.ndarray] | None  # a [R, H], b [V, R], when targeted
     bias: dict[tuple[int | None, str], np.ndarray] = dataclasses.field(default_factory=dict)
     magnitude: dict[tuple[int | None, str], tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     embed_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -189,13 +191,8 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     groups = module_shapes(config)
     slot_of = {name: (g, i) for g, (_, outs) in groups.items() for i, (name, _) in enumerate(outs)}
     h, v, r_pad = config.hidden_size, config.vocab_size, padded_rank
-    layers = [
-        {g: (np.zeros((len(outs) * r_pad, k), np.float32), np.zeros((sum(n for _, n in outs), r_pad), np.float32))
-         for g, (k, outs) in groups.items()}
-        for _ in range(config.num_layers)
-    ]
-    embed = (np.zeros((r_pad, v), np.float32), np.zeros((h, r_pad), np.float32))
-    lm_head = (np.zeros((r_pad, h), np.float32), np.zeros((v, r_pad), np.float32))
+    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(config.num_layers)]  # targeted only
+    embed = lm_head = None
     bias: dict[tuple[int | None, str], np.ndarray] = {}
     magnitude: dict[tuple[int | None, str], tuple[np.ndarray, np.ndarray]] = {}
     full_lora: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # embedding modules: (A, scaled B) as saved
@@ -244,8 +241,10 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                 raise AdapterError(f"{adapter_dir}: {module}: A {a.shape}, B {b.shape}; the base model needs {want}")
             full_lora[module] = (a, scale * b)
             if is_embed:
+                embed = (np.zeros((r_pad, v), np.float32), np.zeros((h, r_pad), np.float32))
                 embed[0][:rank], embed[1][:, :rank] = a[:, :v], scale * b
             else:
+                lm_head = (np.zeros((r_pad, h), np.float32), np.zeros((v, r_pad), np.float32))
                 lm_head[0][:rank], lm_head[1][:, :rank] = a, scale * b[:v]
                 if "bias" in kinds:
                     bias[None, "lm_head"] = _vector(adapter_dir, module, "lora_B bias", kinds["bias"], v, scale)
@@ -266,6 +265,9 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                     f"{adapter_dir}: {module}: A {a.shape} and B {b.shape} do not fit the base layer "
                     f"(in {k}, out {n})"
                 )
+            if group not in layers[layer]:
+                layers[layer][group] = (np.zeros((len(outs) * r_pad, k), np.float32),
+                                        np.zeros((sum(m for _, m in outs), r_pad), np.float32))
             ga, gb = layers[layer][group]
             col = sum(m for _, m in outs[:i])
             ga[i * r_pad : i * r_pad + rank] = a

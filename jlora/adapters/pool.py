@@ -54,7 +54,14 @@ class BaseWeights(Protocol):
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(weights: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeights:
-    return jax.tree.map(lambda w, n: w.at[slot].set(n.astype(w.dtype)), weights, new)
+    """`weights` with slot `slot` set to `new`; a part `new` leaves None (a module the adapter does not target)
+    is zeroed on the device. One compilation per pattern of parts targeted."""
+    def write(n, w):
+        if w is None:  # an optional part the pool does not hold
+            return None
+        return w.at[slot].set(jnp.zeros(w.shape[1:], w.dtype) if n is None else n.astype(w.dtype))
+
+    return jax.tree.map(write, new, weights, is_leaf=lambda x: x is None)
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes",))
@@ -67,6 +74,14 @@ def _dora_factor(w, a, b, magnitude, mask, *, slice_sizes):
         norms.append(jnp.linalg.norm(w[:, start : start + n].astype(jnp.float32) + delta.T, axis=0))
         start += n
     return jnp.where(mask, magnitude / jnp.concatenate(norms), 1.0)
+
+
+def _in_dtype(host: HostAdapter, dtype) -> HostAdapter:
+    """The adapter's A and B in the pool's dtype (as its slot stores them: the host tier keeps half as many
+    bytes in bf16; rounding on the host is the device's round-to-nearest-even)."""
+    cast = lambda ab: None if ab is None else tuple(x.astype(dtype) for x in ab)
+    return dataclasses.replace(host, layers=tuple({g: cast(ab) for g, ab in layer.items()} for layer in host.layers),
+                               embed=cast(host.embed), lm_head=cast(host.lm_head))
 
 
 class AdapterPool:
@@ -197,7 +212,7 @@ class AdapterPool:
         if self.tp is not None:
             host = self.tp.permute_adapter(host)
             scale, shift = (None if x is None else self.tp.permute_columns(x) for x in (scale, shift))
-        return PreparedAdapter(host, scale, shift)
+        return PreparedAdapter(_in_dtype(host, self.dtype), scale, shift)
 
     def install(self, name: str, prepared: PreparedAdapter, generation: int = 0) -> int:
         """Writes a prepared adapter into a free (or evicted) slot under `name`, recording the registration
@@ -293,7 +308,8 @@ class AdapterPool:
         return {g: sum(n for _, n in outs) for g, (_, outs) in module_shapes(self.layout).items()}
 
     def _slot_values(self, host: HostAdapter, scale, shift) -> LoRAWeights:
-        """One slot's values of every part the pool holds (neutral values for the parts the adapter lacks)."""
+        """One slot's values of every part the pool holds: neutral values for the column affine and row parts the
+        adapter lacks, None for the A and B it does not target (zeroed by the write)."""
         w, widths = self.weights, self._widths()
         v, h, e = self.layout.vocab_size, self.layout.hidden_size, self.max_extra_vocab
 
@@ -301,7 +317,8 @@ class AdapterPool:
             return np.full(width, neutral, np.float32) if values is None or key not in values else values[key]
 
         layers = tuple(
-            LayerLoRA(a={g: a for g, (a, _) in layer.items()}, b={g: b for g, (_, b) in layer.items()},
+            LayerLoRA(a={g: layer[g][0] if g in layer else None for g in widths},
+                      b={g: layer[g][1] if g in layer else None for g in widths},
                       scale=None if w.layers[i].scale is None else {g: column(scale, (i, g), n, 1.0)
                                                                     for g, n in widths.items()},
                       shift=None if w.layers[i].shift is None else {g: column(shift, (i, g), n, 0.0)
@@ -317,9 +334,9 @@ class AdapterPool:
         rows = None
         if w.rows is not None:
             rows = RowOverrides(*overrides(host.embed_rows), *overrides(host.lm_head_rows))
+        embed, lm_head = host.embed or (None, None), host.lm_head or (None, None)
         return LoRAWeights(
-            layers=layers, embed_a=host.embed[0], embed_b=host.embed[1], lm_head_a=host.lm_head[0],
-            lm_head_b=host.lm_head[1],
+            layers=layers, embed_a=embed[0], embed_b=embed[1], lm_head_a=lm_head[0], lm_head_b=lm_head[1],
             lm_head_scale=None if w.lm_head_scale is None else column(scale, (None, "lm_head"), v, 1.0),
             lm_head_shift=None if w.lm_head_shift is None else column(shift, (None, "lm_head"), v, 0.0),
             rows=rows, rope_factor=None if w.rope_factor is None else np.float32(host.rope_factor))
