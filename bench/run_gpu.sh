@@ -13,6 +13,7 @@
 #   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graphs (bench/studies/scheduling.py)
 #   bash bench/run_gpu.sh chunk   # prompt throughput and decode stalls per prefill_chunk (bench/studies/prefill_chunk.py)
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
+#   bash bench/run_gpu.sh tiers   # one adapter's cost per tier on the 8B shape (bench/studies/adapter_tiers.py)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,5 +48,6 @@ case "${1:-}" in
       XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_graphs}" 2>&1 \
         | grep -E "^#|^TP"
     done ;;
-  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp" >&2; exit 2 ;;
+  tiers) python3 bench/studies/adapter_tiers.py --out "$out" 2>&1 | grep -E "^#|^rank" ;;
+  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers" >&2; exit 2 ;;
 esac
