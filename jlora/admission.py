@@ -11,9 +11,10 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   still in flight that read the slot's old weights holds its own reference to them (the write donates the
   stack and XLA orders it after the step's reads).
 - **Admission order.** Requests are taken first come, first served, except that a request whose adapter is
-  in a slot (or the base model) passes a request waiting for a load, at most `max_passes` times per waiting
-  request: past that, everyone waits behind it, the slots' holders drain, and its adapter gets a slot. So no
-  request starves, and a burst for a resident adapter is not held up by a cold one.
+  in a slot passes a request waiting for a load, at most `max_passes` times per waiting request: past that,
+  requests for adapters wait behind it, the slots' holders drain, and its adapter gets a slot. So no request
+  starves, and a burst for a resident adapter is not held up by a cold one. The base model's requests hold no
+  slot and always pass.
 
 A request is admitted by holding its adapter (`AdapterPool.hold`, released when it ends), taking its slot and
 entering the batcher. `poll` runs on the thread that owns the pool and the batcher; `wake` is called from a
@@ -72,8 +73,8 @@ class Admission:
         self.stats = AdapterStats()
         self.pending: collections.deque[tuple[Request, Registration | None]] = collections.deque()
         self._loads: dict[int, concurrent.futures.Future] = {}  # generation -> its disk -> host load
-        self._blocked: Request | None = None  # the oldest request waiting for a load, and the passes it took
-        self._passes = 0
+        self._blocked: Request | None = None  # the first request here waiting for its adapter
+        self._passes = 0  # requests admitted past it
 
     def submit(self, request: Request, adapter: str | None) -> None:
         """Queues `request` for `adapter` (None: the base model). An adapter not registered ends it at once with

@@ -1,9 +1,9 @@
 """The device slot pool: `max_loras` slots of fixed-shape stacked LoRA weights, loaded and evicted by name.
 
-A load parses and validates the adapter on the host first (`read_adapter`) and only then writes its slot
-with one jitted update of fixed shapes, so a failed load leaves every slot as it was and a successful one
-never recompiles the model. When the pool is full, a load evicts the least recently used adapter that no
-running request holds, or refuses (`evict="refuse"`).
+A load is two calls: `prepare` parses and validates the adapter on the host (`read_adapter`; any thread), and
+`install` writes its slot with one jitted update of fixed shapes, so a failed load leaves every slot as it was
+and a successful one never recompiles the model. When the pool is full, `install` evicts the least recently
+used adapter that no running request holds, or refuses (`evict="refuse"`).
 """
 
 from __future__ import annotations
@@ -182,17 +182,6 @@ class AdapterPool:
             self._in_use[n] -= 1
             if self._in_use[n] <= 0:
                 del self._in_use[n]
-
-    def load(self, name: str, adapter_dir: str) -> int:
-        """Loads a PEFT adapter into a slot; returns the slot (`install(name, prepare(adapter_dir))`).
-
-        Raises:
-          ValueError: `name` is not a valid adapter name or is already loaded.
-          AdapterError: the adapter is invalid (nothing changes).
-          PoolFullError: no free slot and nothing evictable.
-        """
-        self._check_new_name(name)
-        return self.install(name, self.prepare(adapter_dir))
 
     def prepare(self, adapter_dir: str) -> PreparedAdapter:
         """Reads, validates and converts an adapter on the host: everything a load does but the slot write. It
