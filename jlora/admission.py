@@ -136,6 +136,9 @@ class Admission:
         if blocked is None:
             self._blocked = None
         self.pending = keep
+        wanted = {entry.generation for _, entry in keep if entry is not None}
+        for generation in [g for g, f in self._loads.items() if f.done() and g not in wanted]:
+            del self._loads[generation]  # its requests were cancelled meanwhile: the host tier may keep it
 
     def _resident(self, entry: Registration) -> bool:
         return self.pool.generation(entry.name) == entry.generation

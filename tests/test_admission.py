@@ -148,3 +148,38 @@ def test_a_slot_rewritten_while_a_step_that_read_it_is_in_flight(root, resident)
     while batcher.busy:
         batcher.step()
     assert request.out == again.out
+
+
+def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, resident, monkeypatch):
+    """An adapter unloaded and registered again under its name serves the new weights; a request cancelled
+    while its adapter loads leaves no load behind."""
+    pytest.importorskip("prometheus_client")
+    from jlora.server.online import OnlineEngine
+
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_cpu_loras=0, max_lora_rank=8,
+                                    progress=False)
+    engine.load_adapter("x", str(root / "lib" / "a03"))
+    assert list(engine.generate([[4, 5]], ["x"], max_new_tokens=4)[0]) == list(resident.generate([[4, 5]], ["a03"], 4)[0])
+    engine.unload_adapter("x")
+    engine.register_adapter("x", str(root / "lib" / "a04"))
+    assert list(engine.generate([[4, 5]], ["x"], max_new_tokens=4)[0]) == list(resident.generate([[4, 5]], ["a04"], 4)[0])
+
+    gate, prepare = threading.Event(), engine.pool.prepare
+    monkeypatch.setattr(engine.pool, "prepare", lambda path: (gate.wait(30), prepare(path))[1])
+    engine.register_adapter("slow", str(root / "lib" / "a05"))
+    online = OnlineEngine(engine)
+    online.start()
+    try:
+        done = threading.Event()
+        request = Request([1, 2], -1, 3, on_update=lambda r: r.finish and done.set())
+        online.submit(request, "slow")
+        time.sleep(0.2)
+        online.cancel(request)
+        assert done.wait(10) and request.finish == "cancelled"
+        gate.set()
+        online.call(lambda: None).result(10)  # a loop turn after the load ended
+        time.sleep(0.3)
+        online.call(lambda: None).result(10)
+        assert not online.admission._loads and "slow" not in engine.resident_adapters
+    finally:
+        online.stop()
