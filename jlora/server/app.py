@@ -95,7 +95,7 @@ class _Api:
             return None
         if model in self.engine.registry:
             return model
-        raise ApiError(404, f"the model {model!r} does not exist; GET /v1/models lists them", "model",
+        raise ApiError(404, f"the model {_quoted(model)} does not exist; GET /v1/models lists them", "model",
                        "NotFoundError")
 
     def prepare_completion(self, body: bytes) -> _Prepared:
@@ -277,6 +277,11 @@ async def _finished(request: Request, updates: asyncio.Queue, text: StreamText) 
     return text.update(request.out, done) or done  # the caller cancels a request a stop string ended
 
 
+def _quoted(text: str) -> str:
+    """A client's string in a message: quoted, at most 80 characters (a name may be a megabyte long)."""
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
 def _internal_error(err: Exception) -> ApiError:
     """A 500 for an unexpected exception: the traceback goes to the log under a request id the client is told."""
     request_id = uuid.uuid4().hex
@@ -388,7 +393,8 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
         try:
             await asyncio.wrap_future(online.call(lambda: api.engine.unload_adapter(name)))
         except KeyError:
-            raise ApiError(404, f"the adapter {name!r} is not registered", "lora_name", "NotFoundError") from None
+            raise ApiError(404, f"the adapter {_quoted(name)} is not registered", "lora_name",
+                           "NotFoundError") from None
         except RuntimeError as err:
             raise ApiError(409, f"{err}; retry when they finish", "lora_name", "conflict_error") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

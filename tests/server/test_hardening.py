@@ -130,6 +130,8 @@ PROBES = {
                                           400, "invalid adapter name"),
     "a lora_path with a NUL": ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "go\x00od"}, 400, "NUL"),
     "a name already served": ("/v1/load_lora_adapter", {"lora_name": "m", "lora_path": "good"}, 400, "already served"),
+    "a model name of a megabyte": ("/v1/completions", {"model": "x" * (1 << 20), "prompt": "a"}, 404,
+                                   "'" + "x" * 77 + "...' does not exist"),
 }
 
 
