@@ -2,9 +2,8 @@
 and the host tier (adapters read and converted, LRU within `max_cpu_loras`).
 
 A registration carries a generation, unique over the process: registering a name again (after unregistering
-it) gives a new one, so
-anything keyed by an adapter's identity (its host copy, a failure, a cache entry) never mistakes the new
-adapter for the old. Both classes are thread-safe: the server reads them from its request threads while the
+it) gives a new one, so anything keyed by an adapter's identity (its host copy, a failure, a cache entry)
+never mistakes the new adapter for the old. Both classes are thread-safe: the server reads them from its request threads while the
 engine's loop and its loader threads write them.
 """
 
