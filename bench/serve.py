@@ -85,7 +85,7 @@ def pick_model(rng) -> str:
     return "base" if i == 0 else f"a{i - 1}"
 
 
-async def one_request(http, url: str, body: dict, delay: float, record: list) -> None:
+async def one_request(http, url: str, index: int, body: dict, delay: float, record: list) -> None:
     await asyncio.sleep(delay)
     start = time.perf_counter()
     times, tokens = [], 0
@@ -99,8 +99,15 @@ async def one_request(http, url: str, body: dict, delay: float, record: list) ->
                 times.append((time.perf_counter(), len(ids)))
                 tokens += len(ids)
     assert tokens == body["max_tokens"], (tokens, body["max_tokens"])
-    record.append({"start": start, "end": times[-1][0], "ttft": times[0][0] - start, "tokens": tokens, "times": times,
+    record.append({"index": index, "start": start, "end": times[-1][0], "ttft": times[0][0] - start,
+                   "tokens": tokens, "times": times,
                    "itl": [(t - prev) / n for (prev, _), (t, n) in zip(times, times[1:])]})
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile of `xs` (nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def steady_throughput(record: list[dict], rows: int) -> float | None:
@@ -116,33 +123,67 @@ def steady_throughput(record: list[dict], rows: int) -> float | None:
     return tokens / (end - begin)
 
 
-def run_rate(url: str, rate: float, requests: list[dict], rng, rows: int, client) -> dict:
-    """The requests sent at Poisson arrivals of `rate` per second by the `client` process, measured."""
+def summarize(record: list[dict], rows: int) -> dict:
+    """Throughput (the whole run, and while all `rows` are busy), TTFT and inter-token latency p50 / p99 in ms."""
+    span = max(r["end"] for r in record) - min(r["start"] for r in record)
+    itl = [x for r in record for x in r["itl"]]
+    ttft = [r["ttft"] for r in record]
+    return {"requests": len(record), "tokens_per_s": sum(r["tokens"] for r in record) / span,
+            "steady_tokens_per_s": steady_throughput(record, rows),
+            "ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+            "itl_p50_ms": percentile(itl, 0.5) * 1e3, "itl_p99_ms": percentile(itl, 0.99) * 1e3}
+
+
+def send(client, url: str, rate: float, requests: list[dict], rng) -> list[dict]:
+    """The `requests` sent at Poisson arrivals of `rate` per second (inf: all at once) by the `client` process:
+    one record per request (its `index` in `requests`, start, end, TTFT, token times, inter-token latencies)."""
     gaps = rng.exponential(1 / rate, len(requests)) if np.isfinite(rate) else np.zeros(len(requests))
-    row = client.apply(send_all, (url, requests, (np.cumsum(gaps) - gaps[0]).tolist(), rows))
-    return {"rate": rate, **row}
+    return client.apply(send_all, (url, requests, (np.cumsum(gaps) - gaps[0]).tolist()))
 
 
-def send_all(url: str, requests: list[dict], delays: list[float], rows: int) -> dict:
-    """In the client process: sends every request at its delay, streams the answers; the measurements."""
-    return asyncio.run(_send_all(url, requests, delays, rows))
+def send_all(url: str, requests: list[dict], delays: list[float]) -> list[dict]:
+    """In the client process: sends every request at its delay and streams the answers."""
+    return asyncio.run(_send_all(url, requests, delays))
 
 
-async def _send_all(url: str, requests: list[dict], delays: list[float], rows: int) -> dict:
+async def _send_all(url: str, requests: list[dict], delays: list[float]) -> list[dict]:
     import httpx
 
     record = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        await asyncio.gather(*(one_request(http, url, body, d, record) for body, d in zip(requests, delays)))
-    span = max(r["end"] for r in record) - min(r["start"] for r in record)
-    itl = sorted(x for r in record for x in r["itl"])
-    ttft = sorted(r["ttft"] for r in record)
-    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
-    return {"requests": len(record), "tokens_per_s": sum(r["tokens"] for r in record) / span,
-            "steady_tokens_per_s": steady_throughput(record, rows),
-            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(itl, 0.5),
-            "itl_p99_ms": pct(itl, 0.99)}
+        await asyncio.gather(*(one_request(http, url, i, body, d, record)
+                               for i, (body, d) in enumerate(zip(requests, delays))))
+    return record
+
+
+def start_server(app) -> tuple[object, str]:
+    """`app` served by uvicorn on a free localhost port from a daemon thread: the server, its completions URL."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}/v1/completions"
+
+
+def random_requests(rng, vocab: int, models: list[str]) -> list[dict]:
+    """One streamed greedy request per entry of `models`: 65-128 random prompt tokens, 16-256 output tokens."""
+    return [{"model": model, "prompt": rng.integers(0, vocab, int(rng.integers(65, 129))).tolist(),
+             "max_tokens": int(rng.integers(16, 257)), "temperature": 0, "stream": True, "ignore_eos": True}
+            for model in models]
+
+
+def compile_waves(client, url: str, rng, vocab: int, max_batch: int, models: list[str]) -> None:
+    """Waves of each batch size from `max_batch` down to 1 for each of `models`: the prefill buckets compile
+    before anything is measured."""
+    for wave in sorted({max_batch, 16, 8, 4, 2, 1}, reverse=True):
+        for model in models:
+            send(client, url, float("inf"), random_requests(rng, vocab, [model] * wave), rng)
 
 
 def main() -> None:
@@ -162,31 +203,15 @@ def main() -> None:
         print(f"# {device}: bare engine loop, batch {args.max_batch} on {ADAPTERS} r={RANK} adapters: "
               f"{bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s", flush=True)
         online = OnlineEngine(engine, max_waiting=100_000)
-        app = build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        import uvicorn
-
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        threading.Thread(target=server.run, daemon=True).start()
-        while not server.started:
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
         vocab = engine.config.vocab_size
-
-        def requests(n: int, model: str | None = None) -> list[dict]:
-            return [{"model": model or pick_model(rng), "prompt": rng.integers(0, vocab, int(rng.integers(65, 129))).tolist(),
-                     "max_tokens": int(rng.integers(16, 257)), "temperature": 0, "stream": True, "ignore_eos": True}
-                    for _ in range(n)]
-
         client = multiprocessing.get_context("spawn").Pool(1)
-        for wave in (args.max_batch, 16, 8, 4, 2, 1):  # compiles the prefill buckets, with and without LoRA
-            for model in ("a0", "base"):
-                run_rate(url, float("inf"), requests(wave, model), rng, args.max_batch, client)
+        compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])  # with and without LoRA
         rows = []
         for rate in (float(r) for r in args.rates.split(",")):
-            row = run_rate(url, rate, requests(args.requests), rng, args.max_batch, client)
+            models = [pick_model(rng) for _ in range(args.requests)]
+            row = {"rate": rate, **summarize(send(client, url, rate, random_requests(rng, vocab, models), rng),
+                                             args.max_batch)}
             row["vs_bare_throughput"] = row["tokens_per_s"] / bare["tokens_per_s"]
             steady = row["steady_tokens_per_s"]
             row["steady_vs_bare"] = None if steady is None else steady / bare["tokens_per_s"]

@@ -1,15 +1,18 @@
 """`Admission`: between an engine's requests and its `Batcher`, requests wait until their adapter sits in a device
 slot, and adapters move disk -> host -> device without pausing the rows that decode.
 
-- **Disk -> host.** A request for a registered adapter that is neither in a slot nor in the host tier starts a
-  load on the loader (worker threads): the files are read, checked and converted there (`AdapterPool.prepare`)
-  into the host tier. Requests for the same adapter share one load. A load that fails fails its requests
-  ("failed", the loader's message) and every later one for the same registration, without retrying.
-- **Host -> device.** Between two steps, `poll` writes a prepared adapter into a free slot or the slot of the
-  least recently used idle adapter (`AdapterPool.install`: one jitted slot write). An adapter is idle when no
-  admitted request holds it, so a slot is only rewritten once every request that used it has ended; a step
-  still in flight that read the slot's old weights holds its own reference to them (the write donates the
-  stack and XLA orders it after the step's reads).
+- **Loads off the loop.** A request for a registered adapter that is not in a slot needs a load, which runs on
+  the loader (worker threads): disk -> host when the host tier lacks the adapter (the files read, checked and
+  converted, `AdapterPool.prepare`, into the host tier), then host -> device (`AdapterPool.stage`: the copy to
+  the device). Requests for the same adapter share one load. At most `max_loads` loads are under way or
+  staged on the device and not yet installed, started in the waiting requests' order: a staged copy holds
+  device memory until a slot takes it. A load that fails fails its requests ("failed", the loader's message)
+  and every later one for the same registration, without retrying.
+- **Slot writes between steps.** `poll` writes a staged adapter into a free slot or the slot of the least
+  recently used idle adapter (`AdapterPool.install`: one jitted write of device memory). An adapter is idle
+  when no admitted request holds it, so a slot is only rewritten once every request that used it has ended;
+  a step still in flight that read the slot's old weights holds its own reference to them (the write donates
+  the stack and XLA orders it after the step's reads).
 - **Admission order.** Requests are taken first come, first served, except that a request whose adapter is
   in a slot passes a request waiting for a load, at most `max_passes` times per waiting request: past that,
   requests for adapters wait behind it, the slots' holders drain, and its adapter gets a slot. So no request
@@ -62,17 +65,19 @@ class Admission:
       loader: runs disk -> host loads (worker threads).
       wake: called (from a loader thread) when a load finishes.
       max_passes: how many requests may be admitted past one that waits for a load.
+      max_loads: how many loads may be under way or staged at once.
     """
 
     def __init__(self, pool: AdapterPool, registry: AdapterRegistry, host: HostTier,
-                 loader: concurrent.futures.Executor, wake: Callable[[], None] = lambda: None, max_passes: int = 32):
-        if max_passes < 0:
-            raise ValueError(f"max_passes must be >= 0, got {max_passes}")
+                 loader: concurrent.futures.Executor, wake: Callable[[], None] = lambda: None, max_passes: int = 32,
+                 max_loads: int = 8):
+        if max_passes < 0 or max_loads < 1:
+            raise ValueError(f"max_passes must be >= 0 and max_loads >= 1, got {max_passes} and {max_loads}")
         self.pool, self.registry, self.host, self.loader, self.wake = pool, registry, host, loader, wake
-        self.max_passes = max_passes
+        self.max_passes, self.max_loads = max_passes, max_loads
         self.stats = AdapterStats()
         self.pending: collections.deque[tuple[Request, Registration | None]] = collections.deque()
-        self._loads: dict[int, concurrent.futures.Future] = {}  # generation -> its disk -> host load
+        self._loads: dict[int, concurrent.futures.Future] = {}  # generation -> its load (the staged adapter)
         self._blocked: Request | None = None  # the first request here waiting for its adapter
         self._passes = 0  # requests admitted past it
 
@@ -92,7 +97,6 @@ class Admission:
             self.stats.device_hits += 1
         else:
             self.stats.device_misses += 1
-            self._load(entry)
         self.pending.append((request, entry))
 
     def cancel(self, request: Request) -> bool:
@@ -110,7 +114,8 @@ class Admission:
         return any(not f.done() for f in self._loads.values())
 
     def poll(self, add: Callable[[Request], None]) -> None:
-        """Installs finished loads into slots and admits every request it may, in order, into `add`."""
+        """Installs finished loads into slots, admits every request it may, in order, into `add`, and starts the
+        loads that the requests left waiting need."""
         keep: collections.deque = collections.deque()
         blocked = None  # the first request here that waits for its adapter
         for request, entry in self.pending:
@@ -139,23 +144,35 @@ class Admission:
         wanted = {entry.generation for _, entry in keep if entry is not None}
         for generation in [g for g, f in self._loads.items() if f.done() and g not in wanted]:
             del self._loads[generation]  # its requests were cancelled meanwhile: the host tier may keep it
+        for _, entry in keep:
+            if len(self._loads) >= self.max_loads:
+                break
+            if entry is not None and entry.generation not in self._loads and not self._resident(entry):
+                self._load(entry)
 
     def _resident(self, entry: Registration) -> bool:
         return self.pool.generation(entry.name) == entry.generation
 
     def _load(self, entry: Registration) -> None:
-        """Starts entry's disk -> host load unless the host tier has it or it is under way."""
-        if entry.generation in self._loads:
-            return
-        if self.host.get(entry.generation) is not None:
+        """Starts entry's load: disk -> host unless the host tier has it, then host -> device."""
+        prepared = self.host.get(entry.generation)
+        if prepared is not None:
             self.stats.host_hits += 1
-            return
-        self.stats.host_misses += 1
+        else:
+            self.stats.host_misses += 1
 
         def load() -> PreparedAdapter:
-            start = time.monotonic()
+            nonlocal prepared
             try:
-                prepared = self.pool.prepare(entry.adapter_dir)
+                if prepared is None:
+                    start = time.monotonic()
+                    prepared = self.pool.prepare(entry.adapter_dir)
+                    self.host.put(entry.generation, prepared)
+                    self.stats.disk_to_host.append(time.monotonic() - start)
+                start = time.monotonic()
+                staged = self.pool.stage(prepared)
+                self.stats.host_to_device.append(time.monotonic() - start)
+                return staged
             except Exception as err:  # AdapterError, or anything else reading it raised: not retried either
                 reason = str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
                 logger.warning("adapter %r (%s) cannot be loaded: %s", entry.name, entry.adapter_dir, reason)
@@ -163,34 +180,28 @@ class Admission:
                 reason = reason.replace(entry.adapter_dir, f"<{entry.name}>")
                 self.registry.fail(entry, f"adapter {entry.name!r} cannot be loaded: {reason}")
                 raise
-            self.host.put(entry.generation, prepared)
-            self.stats.disk_to_host.append(time.monotonic() - start)
-            return prepared
 
         future = self.loader.submit(load)
         self._loads[entry.generation] = future
         future.add_done_callback(lambda _: self.wake())
 
     def _install(self, entry: Registration) -> bool:
-        """Writes entry's adapter into a slot if its load is done and a slot is free or idle."""
+        """Writes entry's staged adapter into a slot if its load is done and a slot is free or idle."""
         future = self._loads.get(entry.generation)
-        if future is not None and not future.done():
+        if future is None or not future.done():
             return False
-        prepared = future.result() if future is not None else self.host.get(entry.generation)
-        if prepared is None:  # left the host tier since it was asked for
-            self._load(entry)
+        if future.exception() is not None:  # the registry holds the failure: the next poll ends its requests
+            del self._loads[entry.generation]
             return False
         if self.pool.generation(entry.name) is not None:  # an older registration of the name holds a slot
             if self.pool.in_use(entry.name):
                 return False
             self.pool.unload(entry.name)
-        start = time.monotonic()
         try:
-            self.pool.install(entry.name, prepared, entry.generation)
+            self.pool.install(entry.name, future.result(), entry.generation)
         except PoolFullError:
             return False
-        self.stats.host_to_device.append(time.monotonic() - start)
-        self._loads.pop(entry.generation, None)
+        del self._loads[entry.generation]
         return True
 
     def _admit(self, request: Request, entry: Registration | None, add: Callable[[Request], None]) -> None:

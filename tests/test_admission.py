@@ -2,14 +2,17 @@
 where every adapter is resident; a slot rewritten while a step that read it is in flight leaves that step's
 tokens alone; a corrupt adapter fails only its own requests, once, and is not read again."""
 
+import concurrent.futures
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
+from jlora.admission import Admission
 from jlora.engine import Engine
 from jlora.runner import bucket
 from jlora.scheduler import Batcher, Request
@@ -114,13 +117,49 @@ def test_requests_over_many_adapters_equal_the_all_resident_engine(root, residen
     assert stats.device_misses > 0 and stats.device_hits > 0 and stats.host_misses > 0
 
 
+def test_loads_are_bounded_and_the_loop_writes_only_staged_copies(root, resident, monkeypatch):
+    """Six requests for six cold adapters over one slot with max_loads 2: no poll leaves more than 2 loads
+    outstanding, every slot write gets A and B already on the device (copied on a loader thread), and every
+    request gets its adapter's tokens."""
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_cpu_loras=0, max_lora_rank=8,
+                                    progress=False)
+    names = [f"a{i:02d}" for i in range(6)]
+    for name in names:
+        engine.register_adapter(name, str(root / "lib" / name))
+    staged, install = [], engine.pool.install
+
+    def spy(name, prepared, generation=0):
+        slot = install(name, prepared, generation)  # raises PoolFullError while the slot's holder runs
+        parts = [x for layer in prepared.host.layers for ab in layer.values() for x in ab]
+        staged.append(bool(parts) and all(isinstance(x, jax.Array) for x in parts))
+        return slot
+
+    monkeypatch.setattr(engine.pool, "install", spy)
+    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader, max_loads=2)
+    batcher = Batcher(engine.runner, 4, bucket(32, 16))
+    requests = [Request([3, 4, 5], -1, 3) for _ in names]
+    for r, name in zip(requests, names):
+        admission.submit(r, name)
+    outstanding = []
+    while admission.pending or batcher.busy:
+        admission.poll(batcher.add)
+        outstanding.append(len(admission._loads))
+        if batcher.busy:
+            batcher.step()
+        else:
+            time.sleep(0.005)
+    assert max(outstanding) == 2 and staged == [True] * 6
+    want = resident.generate([[3, 4, 5]] * 6, names, max_new_tokens=3)
+    assert [r.out for r in requests] == [list(w) for w in want]
+
+
 def test_a_slot_rewritten_while_a_step_that_read_it_is_in_flight(root, resident):
     """Adapter A's request decodes; with its step in flight (dispatched, not read), A leaves its slot and B is
     written there. The tokens of that step are A's; the later ones are B's (the request keeps the slot)."""
     engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
                                     progress=False)
     engine.load_adapter("A", str(root / "lib" / "a01"))
-    b = engine.pool.prepare(str(root / "lib" / "a02"))
+    b = engine.pool.stage(engine.pool.prepare(str(root / "lib" / "a02")))  # on the device, as a load leaves it
     prompt = [5, 6, 7]
     request = Request(prompt, engine.pool.slot("A"), 6)
     batcher = Batcher(engine.runner, 1, bucket(16, 16))
@@ -176,9 +215,11 @@ def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, res
         time.sleep(0.2)
         online.cancel(request)
         assert done.wait(10) and request.finish == "cancelled"
+        loads = list(online.admission._loads.values())
+        assert len(loads) == 1  # started though cancelled: the files are being read
         gate.set()
-        online.call(lambda: None).result(10)  # a loop turn after the load ended
-        time.sleep(0.3)
+        concurrent.futures.wait(loads, timeout=30)
+        online.call(lambda: None).result(10)  # a loop turn (its poll follows) after the load ended
         online.call(lambda: None).result(10)
         assert not online.admission._loads and "slow" not in engine.resident_adapters
     finally:

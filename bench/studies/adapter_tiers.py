@@ -1,5 +1,6 @@
 """What one adapter costs each tier on the Llama-3-8B shape: its files (disk), the host tier's copy
-(`AdapterPool.prepare`: time and bytes), and the slot write (`AdapterPool.install`: host -> device time).
+(`AdapterPool.prepare`: time and bytes), the copy to the device (`AdapterPool.stage`, on a loader thread) and
+the slot write (`AdapterPool.install`, the engine loop's share).
 
 PEFT's default Llama targets (q_proj, v_proj) at ranks 8, 16 and 64, in a pool of max_lora_rank 64 (the
 tenancy benchmark's mix): the bound on how many adapters a host tier holds and how fast adapters move.
@@ -47,23 +48,25 @@ def main() -> None:
             path = f"{root}/r{rank}"
             testing.write_adapter(path, hf, r=rank, alpha=2 * rank, seed=rank, target_modules=["q_proj", "v_proj"])
             files = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-            prepares, installs = [], []
-            for i in range(4):
+            times = {"prepare": [], "stage": [], "install": []}
+
+            def timed(stage, run):
                 start = time.perf_counter()
-                prepared = pool.prepare(path)
-                prepares.append(time.perf_counter() - start)
+                result = jax.block_until_ready(run())
+                times[stage].append(time.perf_counter() - start)
+                return result
+
+            for i in range(4):
+                prepared = timed("prepare", lambda: pool.prepare(path))
+                staged = timed("stage", lambda: pool.stage(prepared))
                 if len(pool.names) == pool.num_slots:
                     pool.unload(pool.names[0])
-                start = time.perf_counter()
-                pool.install(f"x{rank}-{i}", prepared)
-                jax.block_until_ready(pool.weights)
-                installs.append(time.perf_counter() - start)
+                timed("install", lambda: (pool.install(f"x{rank}-{i}", staged), pool.weights)[1])
             rows.append({"rank": rank, "file_mb": files / 2**20, "host_mb": host_bytes(prepared) / 2**20,
-                         "prepare_ms": statistics.median(prepares[1:]) * 1e3,
-                         "install_ms": statistics.median(installs[1:]) * 1e3})
+                         **{f"{k}_ms": statistics.median(v[1:]) * 1e3 for k, v in times.items()}})
             print(f"rank {rank:3d}: files {rows[-1]['file_mb']:7.1f} MB  host copy {rows[-1]['host_mb']:7.1f} MB  "
-                  f"disk->host {rows[-1]['prepare_ms']:7.1f} ms  host->device {rows[-1]['install_ms']:7.1f} ms",
-                  flush=True)
+                  f"disk->host {rows[-1]['prepare_ms']:7.1f} ms  host->device {rows[-1]['stage_ms']:7.1f} ms  "
+                  f"slot write {rows[-1]['install_ms']:7.1f} ms", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "adapter_tiers.json"), "w") as f:
         json.dump({"device": device, "layers": args.layers, "rows": rows}, f, indent=1)

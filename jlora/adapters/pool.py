@@ -1,7 +1,8 @@
 """The device slot pool: `max_loras` slots of fixed-shape stacked LoRA weights, loaded and evicted by name.
 
 A load is two calls: `prepare` parses and validates the adapter on the host (`read_adapter`; any thread), and
-`install` writes its slot with one jitted update of fixed shapes, so a failed load leaves every slot as it was
+`install` writes its slot with one jitted update of fixed shapes (after `stage`, which copies a prepared
+adapter to the device on any thread, that update only writes device memory), so a failed load leaves every slot as it was
 and a successful one never recompiles the model. When the pool is full, `install` evicts the least recently
 used adapter that no running request holds, or refuses (`evict="refuse"`).
 """
@@ -76,6 +77,14 @@ def _dora_factor(w, a, b, magnitude, mask, *, slice_sizes):
     return jnp.where(mask, magnitude / jnp.concatenate(norms), 1.0)
 
 
+def _without_slot_axis(stack: jax.Array) -> jax.sharding.Sharding:
+    """The sharding of one slot of a stacked [L, ...] array (the slot axis is never split)."""
+    sharding = stack.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return sharding
+
+
 def _in_dtype(host: HostAdapter, dtype) -> HostAdapter:
     """The adapter's A and B in the pool's dtype (as its slot stores them: the host tier keeps half as many
     bytes in bf16; rounding on the host is the device's round-to-nearest-even)."""
@@ -112,6 +121,10 @@ class AdapterPool:
         self.tp = tp  # a jlora.parallel.TensorParallel: weights in its layout, split over its mesh
         self.layout = config if tp is None else tp.layout
         self.weights = self._placed(LoRAWeights.zeros(self.layout, max_loras, self.rank, dtype))
+        # where one slot's A and B go (`stage`): their stacks' shardings without the slot axis
+        self._slot_shardings = jax.tree.map(_without_slot_axis, (
+            tuple((layer.a, layer.b) for layer in self.weights.layers),
+            (self.weights.embed_a, self.weights.embed_b), (self.weights.lm_head_a, self.weights.lm_head_b)))
         self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
         self._step_cache = None  # (weights, features in use, step_weights)
         self.ranks = np.zeros(max_loras, np.int32)
@@ -184,7 +197,8 @@ class AdapterPool:
                 del self._in_use[n]
 
     def prepare(self, adapter_dir: str) -> PreparedAdapter:
-        """Reads, validates and converts an adapter on the host: everything a load does but the slot write. It
+        """Reads, validates and converts an adapter on the host: everything a load does but the copy to the device
+        and the slot write. It
         reads only the pool's fixed settings and the base weights, so it may run on another thread while steps
         run; `install` then takes the result.
 
@@ -202,6 +216,24 @@ class AdapterPool:
             host = self.tp.permute_adapter(host)
             scale, shift = (None if x is None else self.tp.permute_columns(x) for x in (scale, shift))
         return PreparedAdapter(_in_dtype(host, self.dtype), scale, shift)
+
+    def stage(self, prepared: PreparedAdapter) -> PreparedAdapter:
+        """`prepared` with its A and B copied to the device(s), placed as a slot holds them, once the copy is
+        done. It reads only the pool's fixed layout, so a loader thread may run it while steps run; `install`
+        then only writes device memory (the copy is the bulk of an install: tens of megabytes per adapter).
+        The host tier keeps the host copy; a staged copy lives until it is installed."""
+        host = prepared.host
+        layers_at, embed_at, lm_head_at = self._slot_shardings
+
+        def put(ab, shardings):
+            return None if ab is None else tuple(jax.device_put(x, s) for x, s in zip(ab, shardings))
+
+        layers = tuple({g: put(ab, (a_at[g], b_at[g])) for g, ab in layer.items()}
+                       for layer, (a_at, b_at) in zip(host.layers, layers_at))
+        staged = dataclasses.replace(host, layers=layers, embed=put(host.embed, embed_at),
+                                     lm_head=put(host.lm_head, lm_head_at))
+        jax.block_until_ready((staged.layers, staged.embed, staged.lm_head))
+        return dataclasses.replace(prepared, host=staged)
 
     def install(self, name: str, prepared: PreparedAdapter, generation: int = 0) -> int:
         """Writes a prepared adapter into a free (or evicted) slot under `name`, recording the registration

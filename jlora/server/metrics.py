@@ -38,7 +38,7 @@ class Metrics:
         self.tier_misses = Counter("jlora_adapter_tier_misses", "Requests whose adapter was not in the tier",
                                    ["tier"], registry=r)
         self.load_seconds = Histogram("jlora_adapter_load_seconds", "Adapter loads: disk to host (read, check, "
-                                      "convert) and host to device (the slot write)", ["stage"],
+                                      "convert) and host to device (the copy, on a loader thread)", ["stage"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.resident = Gauge("jlora_adapters_resident", "Adapters in device slots", registry=r)
         self.host_adapters = Gauge("jlora_adapters_host", "Adapters in the host tier", registry=r)

@@ -1,0 +1,287 @@
+"""Tenancy benchmark, as S-LoRA measured it: `jlora serve` with N registered adapters over `--max-loras` slots.
+
+N distinct PEFT adapters (q_proj and v_proj, PEFT's default for Llama; ranks drawn from 8, 16, 32 and 64;
+random bf16) are written to local disk and registered on a Llama-3-8B-shaped model with random weights
+(`--tiny`: a tiny float32 model, a CPU smoke run). A request picks adapter k of the N with weight
+1 / (k + 1)^α (α = 1, and a flatter α = 0.5) and arrives at Poisson times of `--rate` per second: 65-128
+random prompt tokens, 16-256 output tokens (ignore_eos), streamed through uvicorn to a client process.
+
+Runs go N ascending for each α on one server, so the tiers carry over from run to run; before each run a
+wave of one request per slot's worth of the most popular adapters makes them resident (N = `--max-loras`:
+every adapter resident, no loads), and the OS drops the adapter files' pages (posix_fadvise), so a read
+from disk is one. Per run: throughput, TTFT and inter-token latency (p50 / p99), the TTFT of requests that
+found their adapter on disk (an adapter's first request of the benchmark: nothing loads an adapter before a
+request asks for it), the device and host tiers' hit rates, and load latency (disk -> host, host -> device;
+p50 / p99 from the server's histogram, interpolated within buckets as Prometheus' histogram_quantile does).
+Table (tenancy.md), JSON and a plot (tenancy.png).
+
+  python bench/tenancy.py [--adapters 32,128,512,1000] [--alphas 1,0.5] [--rate 16] [--requests 384]
+                          [--max-loras 32] [--max-cpu-loras 128] [--max-batch 32] [--out bench/results] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from jlora import testing  # noqa: E402
+from jlora.engine import Engine  # noqa: E402
+from jlora.server.app import build_app  # noqa: E402
+from jlora.server.chat import ChatTemplate  # noqa: E402
+from jlora.server.config import ServerConfig  # noqa: E402
+from jlora.server.online import OnlineEngine  # noqa: E402
+from serve import compile_waves, percentile, random_requests, send, start_server, summarize  # noqa: E402
+
+RANKS = (8, 16, 32, 64)
+TARGETS = ("q_proj", "v_proj")
+
+
+def build_engine(tiny: bool, args, root: str) -> tuple[Engine, dict]:
+    """The engine (no adapters yet) and the HF config of its model."""
+    options = dict(max_loras=args.max_loras, max_lora_rank=max(RANKS), max_batch=args.max_batch, max_seq_len=512,
+                   max_cpu_loras=args.max_cpu_loras)
+    if tiny:
+        cfg = testing.tiny_config("llama", vocab_size=256)
+        testing.write_model(f"{root}/m", cfg, seed=0)
+        return Engine.from_pretrained(f"{root}/m", dtype="float32", progress=False, **options), cfg
+    from model import llama3_8b, llama3_8b_hf, random_model
+
+    model_def, params = random_model(llama3_8b(32))
+    return Engine(model_def.merge(params), dtype=jnp.bfloat16, **options), llama3_8b_hf(32)
+
+
+def write_adapters(root: str, cfg: dict, n: int, rng) -> list[str]:
+    """`n` distinct PEFT adapter directories under `root` (their paths): each tensor a slice of one random
+    bf16 pool at a random offset (distinct contents without drawing every value), synced to disk."""
+    pool = (rng.standard_normal(1 << 26, dtype=np.float32) * 0.01).astype(ml_dtypes.bfloat16)
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    shapes = {"q_proj": (cfg["hidden_size"], cfg["num_attention_heads"] * d),
+              "v_proj": (cfg["hidden_size"], cfg["num_key_value_heads"] * d)}
+    paths = []
+    for i in range(n):
+        rank = int(rng.choice(RANKS))
+        tensors = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for name, (din, dout) in shapes.items():
+                module = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+                for part, shape in (("lora_A", (rank, din)), ("lora_B", (dout, rank))):
+                    start = int(rng.integers(0, pool.size - shape[0] * shape[1]))
+                    tensors[f"{module}.{part}.weight"] = pool[start:start + shape[0] * shape[1]].reshape(shape)
+        path = os.path.join(root, f"a{i}")
+        os.makedirs(path)
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+                       "bias": "none", "task_type": "CAUSAL_LM"}, f)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        paths.append(path)
+        if i % 100 == 99:
+            print(f"# {i + 1} adapters written", flush=True)
+    os.sync()
+    return paths
+
+
+def drop_page_cache(paths: list[str]) -> None:
+    """Asks the OS to drop the cached pages of every adapter's files, so the next read comes from disk."""
+    for path in paths:
+        for name in os.listdir(path):
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def histogram(registry, name: str, labels: dict) -> tuple[list[tuple[float, float]], float, float]:
+    """A Prometheus histogram's cumulative buckets [(upper bound, count)], sum and count."""
+    buckets = []
+    for metric in registry.collect():
+        for s in metric.samples:
+            if s.name == f"{name}_bucket" and all(s.labels.get(k) == v for k, v in labels.items()):
+                buckets.append((float(s.labels["le"]), s.value))
+    value = lambda suffix: registry.get_sample_value(f"{name}_{suffix}", labels) or 0.0
+    return sorted(buckets), value("sum"), value("count")
+
+
+def histogram_delta(before, after) -> dict:
+    """p50, p99 (linear within buckets, as histogram_quantile) and mean in ms of what a histogram observed
+    between two readings; None when it observed nothing."""
+    (b0, s0, c0), (b1, s1, c1) = before, after
+    count = c1 - c0
+    if count == 0:
+        return {"count": 0, "p50_ms": None, "p99_ms": None, "mean_ms": None}
+    cumulative = [(le, n1 - dict(b0).get(le, 0.0)) for le, n1 in b1]
+
+    def quantile(q: float) -> float:
+        rank, lower, below = q * count, 0.0, 0.0
+        for le, n in cumulative:
+            if n >= rank:
+                if le == float("inf"):
+                    return lower
+                return lower + (le - lower) * (rank - below) / max(n - below, 1e-12)
+            lower, below = le, n
+        return lower
+
+    return {"count": int(count), "p50_ms": quantile(0.5) * 1e3, "p99_ms": quantile(0.99) * 1e3,
+            "mean_ms": (s1 - s0) / count * 1e3}
+
+
+def pick_models(rng, n: int, alpha: float, size: int) -> list[str]:
+    weights = 1.0 / np.arange(1, n + 1) ** alpha
+    return [f"a{k}" for k in rng.choice(n, size=size, p=weights / weights.sum())]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", default="32,128,512,1000", help="numbers of registered adapters, N")
+    parser.add_argument("--alphas", default="1,0.5", help="popularity exponents: adapter k drawn with 1/(k+1)^α")
+    parser.add_argument("--rate", type=float, default=16, help="arrival rate, requests per second")
+    parser.add_argument("--requests", type=int, default=384, help="requests per run")
+    parser.add_argument("--max-loras", type=int, default=32, help="device slots")
+    parser.add_argument("--max-cpu-loras", type=int, default=128, help="host tier: adapters")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--tiny", action="store_true", help="a tiny float32 model (a smoke run on CPU)")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    counts, alphas = [int(n) for n in args.adapters.split(",")], [float(a) for a in args.alphas.split(",")]
+    rng = np.random.default_rng(0)
+    device = jax.devices()[0].device_kind
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:
+        engine, cfg = build_engine(args.tiny, args, root)
+        paths = write_adapters(root, cfg, max(counts), rng)
+        for i, path in enumerate(paths):
+            engine.register_adapter(f"a{i}", path)
+        online = OnlineEngine(engine, max_waiting=100_000)
+        server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
+        vocab, stats, registry = engine.config.vocab_size, online.admission.stats, online.metrics.registry
+        client = multiprocessing.get_context("spawn").Pool(1)
+        compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])
+        touched = {"a0"}
+        for alpha in alphas:
+            for n in counts:
+                warm = [f"a{k}" for k in range(min(n, args.max_loras))]
+                send(client, url, float("inf"), random_requests(rng, vocab, warm), rng)
+                touched.update(warm)
+                drop_page_cache(paths[:n])
+                models = pick_models(rng, n, alpha, args.requests)
+                cold = {i for i, m in enumerate(models) if m not in touched}
+                touched.update(models)
+                tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in ("device", "host")]
+                loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s})
+                         for s in ("disk_to_host", "host_to_device")]
+                record = send(client, url, args.rate, random_requests(rng, vocab, models), rng)
+                row = {"alpha": alpha, "adapters": n, "distinct": len(set(models)), **summarize(record, args.max_batch)}
+                cold_ttft = [r["ttft"] for r in record if r["index"] in cold]
+                row["cold_requests"] = len(cold_ttft)
+                row["cold_ttft_p50_ms"] = percentile(cold_ttft, 0.5) * 1e3 if cold_ttft else None
+                row["cold_ttft_p99_ms"] = percentile(cold_ttft, 0.99) * 1e3 if cold_ttft else None
+                for tier, (hits, misses) in zip(("device", "host"), tiers):
+                    hits, misses = getattr(stats, f"{tier}_hits") - hits, getattr(stats, f"{tier}_misses") - misses
+                    row[f"{tier}_hit_rate"] = hits / (hits + misses) if hits + misses else None
+                for stage, before in zip(("disk_to_host", "host_to_device"), loads):
+                    row[stage] = histogram_delta(before, histogram(registry, "jlora_adapter_load_seconds",
+                                                                   {"stage": stage}))
+                rows.append(row)
+                print(format_row(row), flush=True)
+        client.close()
+        server.should_exit = True
+    base = {r["alpha"]: r for r in rows if r["adapters"] == min(counts)}
+    for r in rows:
+        r["throughput_vs_fewest"] = r["tokens_per_s"] / base[r["alpha"]]["tokens_per_s"]
+        r["itl_p99_vs_fewest"] = r["itl_p99_ms"] / base[r["alpha"]]["itl_p99_ms"]
+    os.makedirs(args.out, exist_ok=True)
+    name = "tenancy_tiny" if args.tiny else "tenancy"
+    result = {"device": device, "max_batch": args.max_batch, "max_loras": args.max_loras,
+              "max_cpu_loras": args.max_cpu_loras, "rate": args.rate, "requests": args.requests, "ranks": RANKS,
+              "rows": rows}
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    write_table(result, os.path.join(args.out, f"{name}.md"))
+    plot(result, os.path.join(args.out, f"{name}.png"))
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def format_row(r: dict) -> str:
+    d2h, h2d = r["disk_to_host"], r["host_to_device"]
+    return (f"alpha {r['alpha']:g} N {r['adapters']:5d} ({r['distinct']} used): {r['tokens_per_s']:6.0f} tok/s, "
+            f"TTFT p50 {r['ttft_p50_ms']:.0f} / p99 {r['ttft_p99_ms']:.0f} ms (on disk: {r['cold_requests']} requests, "
+            f"p50 {ms(r['cold_ttft_p50_ms'])} / p99 {ms(r['cold_ttft_p99_ms'])} ms), ITL p50 {r['itl_p50_ms']:.2f} / "
+            f"p99 {r['itl_p99_ms']:.2f} ms, hits device {rate(r['device_hit_rate'])} host {rate(r['host_hit_rate'])}, "
+            f"loads disk->host {d2h['count']} p50 {ms(d2h['p50_ms'])} / p99 {ms(d2h['p99_ms'])} ms, host->device "
+            f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms")
+
+
+def write_table(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        f.write(f"Device: {result['device']}; batch {result['max_batch']}; {result['max_loras']} device slots, host "
+                f"tier {result['max_cpu_loras']} adapters; q_proj + v_proj adapters of ranks "
+                f"{'/'.join(map(str, result['ranks']))}; Poisson arrivals at {result['rate']:g} req/s, "
+                f"{result['requests']} requests per run.\n\n"
+                "| α | N | used | tok/s | vs fewest N | TTFT p50 ms | TTFT p99 ms | on disk: requests | TTFT p50 ms | "
+                "TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 vs fewest N | device hits | host hits | "
+                "disk→host loads | p50 ms | p99 ms | host→device loads | p50 ms | p99 ms |\n"
+                f"|{'---|' * 21}\n")
+        for r in result["rows"]:
+            d2h, h2d = r["disk_to_host"], r["host_to_device"]
+            f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['distinct']} | {r['tokens_per_s']:.0f} | "
+                    f"{r['throughput_vs_fewest']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                    f"{r['cold_requests']} | {ms(r['cold_ttft_p50_ms'])} | {ms(r['cold_ttft_p99_ms'])} | "
+                    f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
+                    f"{rate(r['device_hit_rate'])} | {rate(r['host_hit_rate'])} | {d2h['count']} | "
+                    f"{ms(d2h['p50_ms'])} | {ms(d2h['p99_ms'])} | {h2d['count']} | {ms(h2d['p50_ms'])} | "
+                    f"{ms(h2d['p99_ms'])} |\n")
+
+
+def plot(result: dict, path: str) -> None:
+    """Throughput, TTFT and inter-token latency against the number of adapters, one line per α."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    panels = [("tokens/s", [("", "tokens_per_s")]),
+              ("time to first token, ms", [("p50", "ttft_p50_ms"), ("p99", "ttft_p99_ms")]),
+              ("inter-token latency, ms", [("p50", "itl_p50_ms"), ("p99", "itl_p99_ms")])]
+    for ax, (ylabel, series) in zip(axes, panels):
+        for alpha in sorted({r["alpha"] for r in result["rows"]}, reverse=True):
+            rows = [r for r in result["rows"] if r["alpha"] == alpha]
+            for label, key in series:
+                ax.plot([r["adapters"] for r in rows], [r[key] for r in rows], marker="o",
+                        label=f"α={alpha:g} {label}".strip())
+        ax.set_xscale("log")
+        ax.set_xlabel("adapters registered, N")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_yscale("log")
+    fig.suptitle(f"jlora serve on {result['device']}: {result['max_loras']} device slots, host tier "
+                 f"{result['max_cpu_loras']}, Poisson {result['rate']:g} req/s", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
