@@ -9,15 +9,19 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   device memory until a slot takes it. A load that fails fails its requests ("failed", the loader's message)
   and every later one for the same registration, without retrying.
 - **Slot writes between steps.** `poll` writes a staged adapter into a free slot or the slot of the least
-  recently used idle adapter (`AdapterPool.install`: one jitted write of device memory). An adapter is idle
+  recently used idle adapter (`AdapterPool.install`: one jitted write of device memory), one per poll: a
+  write costs the loop a few milliseconds, and a burst of finished loads must not stall one step by all of
+  them. An adapter is idle
   when no admitted request holds it, so a slot is only rewritten once every request that used it has ended;
   a step still in flight that read the slot's old weights holds its own reference to them (the write donates
   the stack and XLA orders it after the step's reads).
 - **Admission order.** Requests are taken first come, first served, except that a request whose adapter is
-  in a slot passes a request waiting for a load, at most `max_passes` times per waiting request: past that,
-  requests for adapters wait behind it, the slots' holders drain, and its adapter gets a slot. So no request
-  starves, and a burst for a resident adapter is not held up by a cold one. The base model's requests hold no
-  slot and always pass.
+  in a slot passes one that waits for its adapter. While that adapter's load runs, passing costs it nothing
+  (loads start in arrival order, whatever passes); once the load is done and the request waits only for a
+  slot, it is passed at most `max_passes` times: past that, requests for adapters wait behind it, the slots'
+  holders drain, and its adapter gets a slot. So no request starves, and neither a burst for a resident
+  adapter nor the rows that decode wait for a cold adapter's files. The base model's requests hold no slot
+  and always pass.
 
 A request is admitted by holding its adapter (`AdapterPool.hold`, released when it ends), taking its slot and
 entering the batcher. `poll` runs on the thread that owns the pool and the batcher; `wake` is called from a
@@ -64,7 +68,7 @@ class Admission:
       host: the host tier.
       loader: runs disk -> host loads (worker threads).
       wake: called (from a loader thread) when a load finishes.
-      max_passes: how many requests may be admitted past one that waits for a load.
+      max_passes: how many requests may be admitted past one whose adapter is loaded and waits for a slot.
       max_loads: how many loads may be under way or staged at once.
     """
 
@@ -78,8 +82,9 @@ class Admission:
         self.stats = AdapterStats()
         self.pending: collections.deque[tuple[Request, Registration | None]] = collections.deque()
         self._loads: dict[int, concurrent.futures.Future] = {}  # generation -> its load (the staged adapter)
-        self._blocked: Request | None = None  # the first request here waiting for its adapter
+        self._blocked: Request | None = None  # the first request here whose adapter is loaded and waits for a slot
         self._passes = 0  # requests admitted past it
+        self._writes = 0  # slot writes in the current poll
 
     def submit(self, request: Request, adapter: str | None) -> None:
         """Queues `request` for `adapter` (None: the base model). An adapter not registered ends it at once with
@@ -117,7 +122,8 @@ class Admission:
         """Installs finished loads into slots, admits every request it may, in order, into `add`, and starts the
         loads that the requests left waiting need."""
         keep: collections.deque = collections.deque()
-        blocked = None  # the first request here that waits for its adapter
+        blocked = None  # the first request here whose adapter is loaded and waits for a slot
+        self._writes = 0
         for request, entry in self.pending:
             if entry is not None:
                 current = self.registry.get(entry.name)
@@ -136,7 +142,8 @@ class Admission:
                 self._passes += passing
                 self._admit(request, entry, add)
             else:
-                blocked = blocked or request
+                if self._loaded(entry):
+                    blocked = blocked or request
                 keep.append((request, entry))
         if blocked is None:
             self._blocked = None
@@ -152,6 +159,11 @@ class Admission:
 
     def _resident(self, entry: Registration) -> bool:
         return self.pool.generation(entry.name) == entry.generation
+
+    def _loaded(self, entry: Registration) -> bool:
+        """Whether entry's load is done and staged: its requests wait for a slot only."""
+        future = self._loads.get(entry.generation)
+        return future is not None and future.done() and future.exception() is None
 
     def _load(self, entry: Registration) -> None:
         """Starts entry's load: disk -> host unless the host tier has it, then host -> device."""
@@ -188,7 +200,7 @@ class Admission:
     def _install(self, entry: Registration) -> bool:
         """Writes entry's staged adapter into a slot if its load is done and a slot is free or idle."""
         future = self._loads.get(entry.generation)
-        if future is None or not future.done():
+        if future is None or not future.done() or self._writes >= 1:
             return False
         if future.exception() is not None:  # the registry holds the failure: the next poll ends its requests
             del self._loads[entry.generation]
@@ -202,6 +214,7 @@ class Admission:
         except PoolFullError:
             return False
         del self._loads[entry.generation]
+        self._writes += 1
         return True
 
     def _admit(self, request: Request, entry: Registration | None, add: Callable[[Request], None]) -> None:

@@ -90,7 +90,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=backend, tp=tp)
         self.registry = AdapterRegistry()
         self.host = HostTier(max_loras if max_cpu_loras is None else max_cpu_loras)
-        self.loader = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jlora-adapter-load")
+        self.loader = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="jlora-adapter-load")
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,

@@ -103,13 +103,13 @@ def _read_tensors(adapter_dir: str) -> tuple[dict[str, np.ndarray], dict[str, st
         raise AdapterError(f"{adapter_dir}: adapter_model.safetensors not found")
     tensors, dtypes = {}, {}
     try:
-        with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as f:
+        with safe_open(path, framework="numpy") as f:  # NumPy: no JAX dispatch on a loader thread
             for key in f.keys():
                 t = f.get_tensor(key)
                 if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
                     raise AdapterError(f"{path}: tensor {_shown(key)} has dtype {t.dtype}; LoRA weights must be "
                                        "floating")
-                tensors[key], dtypes[key] = np.asarray(t.astype(np.float32)), t.dtype.name
+                tensors[key], dtypes[key] = t.astype(np.float32), t.dtype.name
                 if not np.isfinite(tensors[key]).all():  # one inf would make every token of the adapter inf
                     bad = int((~np.isfinite(tensors[key])).sum())
                     raise AdapterError(f"{path}: tensor {_shown(key)} holds {bad} non-finite values (NaN or inf)")

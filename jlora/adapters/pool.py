@@ -225,15 +225,12 @@ class AdapterPool:
         host = prepared.host
         layers_at, embed_at, lm_head_at = self._slot_shardings
 
-        def put(ab, shardings):
-            return None if ab is None else tuple(jax.device_put(x, s) for x, s in zip(ab, shardings))
-
-        layers = tuple({g: put(ab, (a_at[g], b_at[g])) for g, ab in layer.items()}
-                       for layer, (a_at, b_at) in zip(host.layers, layers_at))
-        staged = dataclasses.replace(host, layers=layers, embed=put(host.embed, embed_at),
-                                     lm_head=put(host.lm_head, lm_head_at))
-        jax.block_until_ready((staged.layers, staged.embed, staged.lm_head))
-        return dataclasses.replace(prepared, host=staged)
+        parts = (host.layers, host.embed, host.lm_head)
+        places = (tuple({g: (a_at[g], b_at[g]) for g in layer} for layer, (a_at, b_at) in zip(host.layers, layers_at)),
+                  None if host.embed is None else embed_at, None if host.lm_head is None else lm_head_at)
+        layers, embed, lm_head = jax.block_until_ready(jax.device_put(parts, places))  # one call for every array
+        return dataclasses.replace(prepared, host=dataclasses.replace(host, layers=layers, embed=embed,
+                                                                      lm_head=lm_head))
 
     def install(self, name: str, prepared: PreparedAdapter, generation: int = 0) -> int:
         """Writes a prepared adapter into a free (or evicted) slot under `name`, recording the registration
