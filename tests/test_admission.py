@@ -153,6 +153,52 @@ def test_loads_are_bounded_and_the_loop_writes_only_staged_copies(root, resident
     assert [r.out for r in requests] == [list(w) for w in want]
 
 
+def _wait_for_loads(admission: Admission) -> None:
+    concurrent.futures.wait(list(admission._loads.values()), timeout=60)
+
+
+def test_passing_is_free_while_an_adapter_loads_and_bounded_once_it_waits_for_a_slot(root, monkeypatch):
+    """max_passes 0: a request for the resident adapter passes one whose adapter is still loading, but not one
+    whose adapter is loaded and waits for the slot; that one gets the slot once its holder ends."""
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_lora_rank=8, progress=False)
+    engine.load_adapter("hot", str(root / "lib" / "a01"))
+    engine.register_adapter("cold", str(root / "lib" / "a02"))
+    gate, prepare = threading.Event(), engine.pool.prepare
+    monkeypatch.setattr(engine.pool, "prepare", lambda path: (gate.wait(30), prepare(path))[1])
+    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader, max_passes=0)
+    admitted = []
+    cold, hot, later = (Request([1, 2], -1, 2) for _ in range(3))
+    admission.submit(cold, "cold")
+    admission.submit(hot, "hot")
+    admission.poll(admitted.append)
+    assert admitted == [hot]  # passed the loading request: free
+    gate.set()
+    _wait_for_loads(admission)
+    admission.submit(later, "hot")
+    admission.poll(admitted.append)
+    assert admitted == [hot]  # cold is loaded and waits for the slot `hot` holds: no more passing
+    hot.finish = "length"
+    hot._notify()  # releases the slot
+    admission.poll(admitted.append)
+    assert admitted == [hot, cold] and engine.resident_adapters == ["cold"]
+
+
+def test_one_slot_write_per_poll(root):
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8, progress=False)
+    for name in ("a03", "a04"):
+        engine.register_adapter(name, str(root / "lib" / name))
+    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader)
+    admitted, requests = [], [Request([1, 2], -1, 2) for _ in range(2)]
+    admission.submit(requests[0], "a03")
+    admission.submit(requests[1], "a04")
+    admission.poll(admitted.append)  # starts both loads
+    _wait_for_loads(admission)
+    admission.poll(admitted.append)
+    assert admitted == requests[:1]
+    admission.poll(admitted.append)
+    assert admitted == requests
+
+
 def test_a_slot_rewritten_while_a_step_that_read_it_is_in_flight(root, resident):
     """Adapter A's request decodes; with its step in flight (dispatched, not read), A leaves its slot and B is
     written there. The tokens of that step are A's; the later ones are B's (the request keeps the slot)."""
