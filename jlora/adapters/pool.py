@@ -1,9 +1,9 @@
 """The device slot pool: `max_loras` slots of fixed-shape stacked LoRA weights, loaded and evicted by name.
 
 A load is two calls: `prepare` parses and validates the adapter on the host (`read_adapter`; any thread), and
-`install` writes its slot with one jitted update of fixed shapes (after `stage`, which copies a prepared
-adapter to the device on any thread, that update only writes device memory), so a failed load leaves every slot as it was
-and a successful one never recompiles the model. When the pool is full, `install` evicts the least recently
+`install` writes its slot with one jitted update of fixed shapes, so a failed load leaves every slot as it was
+and a successful one never recompiles the model. `stage`, on any thread in between, copies the prepared
+adapter to the device, so that the update only writes device memory. When the pool is full, `install` evicts the least recently
 used adapter that no running request holds, or refuses (`evict="refuse"`).
 """
 
@@ -198,9 +198,8 @@ class AdapterPool:
 
     def prepare(self, adapter_dir: str) -> PreparedAdapter:
         """Reads, validates and converts an adapter on the host: everything a load does but the copy to the device
-        and the slot write. It
-        reads only the pool's fixed settings and the base weights, so it may run on another thread while steps
-        run; `install` then takes the result.
+        and the slot write. It reads only the pool's fixed settings and the base weights, so it may run on
+        another thread while steps run; `stage` or `install` then takes the result.
 
         Raises:
           AdapterError: the adapter is invalid.
@@ -224,7 +223,6 @@ class AdapterPool:
         The host tier keeps the host copy; a staged copy lives until it is installed."""
         host = prepared.host
         layers_at, embed_at, lm_head_at = self._slot_shardings
-
         parts = (host.layers, host.embed, host.lm_head)
         places = (tuple({g: (a_at[g], b_at[g]) for g in layer} for layer, (a_at, b_at) in zip(host.layers, layers_at)),
                   None if host.embed is None else embed_at, None if host.lm_head is None else lm_head_at)
