@@ -332,6 +332,7 @@ class Engine:
         admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set)
         for r, a in zip(requests, adapters):
             admission.submit(r, a)
+        idle_polls = 0  # polls in a row that admitted nothing with no load running
         try:
             while admission.pending or batcher.busy:
                 admission.poll(batcher.add)
@@ -340,12 +341,17 @@ class Engine:
                     raise (AdapterError if refused.finish == "failed" else ValueError)(refused.error)
                 if batcher.busy:
                     batcher.step()
+                    idle_polls = 0
                 elif admission.pending:
-                    if not admission.waiting_for_loads:
+                    if admission.waiting_for_loads:
+                        loaded.wait()
+                        loaded.clear()
+                        idle_polls = 0
+                        continue
+                    idle_polls += 1  # a load may have ended after the poll looked: one more poll installs it
+                    if idle_polls == 2:
                         raise PoolFullError(f"no slot for adapter(s) {sorted({e.name for _, e in admission.pending})}:"
                                             f" every slot holds an adapter in use or eviction is off")
-                    loaded.wait()
-                    loaded.clear()
         finally:
             for r in requests:  # after an error: the requests still here give back their adapters
                 if r.finish is None and not admission.cancel(r):

@@ -391,7 +391,7 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
     async def unload_lora(request: HTTPRequest) -> Response:
         name = parse(UnloadLoraRequest, await api.read_body(request)).lora_name
         try:
-            await asyncio.wrap_future(online.call(lambda: api.engine.unload_adapter(name)))
+            await asyncio.wrap_future(online.unload_adapter(name))
         except KeyError:
             raise ApiError(404, f"the adapter {_quoted(name)} is not registered", "lora_name",
                            "NotFoundError") from None

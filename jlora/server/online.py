@@ -85,6 +85,16 @@ class OnlineEngine:
         self._inbox.put(("call", fn, future))
         return future
 
+    def unload_adapter(self, name: str) -> concurrent.futures.Future:
+        """Unloads an adapter on the loop thread (`Engine.unload_adapter`); the future raises KeyError when it is
+        not registered and RuntimeError while requests taken in hold it or wait for it."""
+        def unload() -> None:
+            if any(entry is not None and entry.name == name for _, entry in self.admission.pending):
+                raise RuntimeError(f"adapter {name!r} is used by running requests (waiting for it)")
+            self.engine.unload_adapter(name)
+
+        return self.call(unload)
+
     def _take(self, item) -> None:
         kind = item[0]
         if kind == "submit":
