@@ -164,9 +164,10 @@ def test_runtime_load_and_unload(server, root, engine):
     filler = {"model": "tiny", "prompt": "dog", "max_tokens": 63, "stream": True, "ignore_eos": True}
     body = {"model": "late", "prompt": "fox", "max_tokens": 63, "stream": True, "temperature": 0}
     with contextlib.ExitStack() as stack:
-        fillers = [stack.enter_context(httpx.stream("POST", server + "/v1/completions", json=filler, headers=headers))
-                   for _ in range(8)]
-        response = stack.enter_context(httpx.stream("POST", server + "/v1/completions", json=body, headers=headers))
+        # httpx's default 5 s read timeout is shorter than 8 x 63 steps on a busy 2-core CI machine
+        stream = lambda body: httpx.stream("POST", server + "/v1/completions", json=body, headers=headers, timeout=120)
+        fillers = [stack.enter_context(stream(filler)) for _ in range(8)]
+        response = stack.enter_context(stream(body))
         busy = post("/v1/unload_lora_adapter", {"lora_name": "late"})  # the request was taken in before it
         assert busy.status_code == 409 and "used by running requests" in busy.json()["error"]["message"]
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
