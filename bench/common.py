@@ -61,3 +61,15 @@ def kernel_durations(events) -> dict[str, list[float]]:
 def trace_kernels(run) -> dict[str, list[float]]:
     """Durations in µs, by kernel name, of the GPU kernels that `run()` launches."""
     return kernel_durations(trace_events(run))
+
+
+def pyplot():
+    """matplotlib's pyplot on its file backend, or None (said once per plot) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    return plt

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jlora
-from common import copy_bandwidth, trace_kernels
+from common import copy_bandwidth, pyplot, trace_kernels
 from jlora import LoRABatchInfo
 from jlora.runner import row_tile
 
@@ -386,12 +386,8 @@ def write_results(rows: list[Row], device: str, bandwidths: list[float], out_dir
 
 
 def plot(rows: list[Row], bandwidth: float, path: str, device: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     keys = list(dict.fromkeys((r.op, r.tokens, r.adapters, r.rank) for r in rows))
     fig, ax = plt.subplots(figsize=(max(12, 0.16 * len(keys)), 5))

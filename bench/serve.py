@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import pyplot  # noqa: E402
 from jlora import testing  # noqa: E402
 from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
@@ -247,12 +248,8 @@ def main() -> None:
 
 def plot(result: dict, path: str) -> None:
     """Throughput, time to first token and inter-token latency against the arrival rate, the bare loop marked."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     rows, bare = result["rows"], result["bare"]
     x, labels = range(len(rows)), [f"{r['rate']:g}" for r in rows]

@@ -37,6 +37,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import pyplot  # noqa: E402
 from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
@@ -267,12 +268,8 @@ def write_table(result: dict, path: str) -> None:
 
 def plot(result: dict, path: str) -> None:
     """Throughput, TTFT and inter-token latency against the number of adapters, one line per α."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     panels = [("tokens/s", [("", "tokens_per_s")]),
