@@ -6,14 +6,16 @@ One base model serves many LoRA adapters in the same batch, each token using its
 - `LoRABatchInfo`: the batch's static-shape metadata (tokens grouped by adapter slot, segments, ranks).
 - `lora_shrink`, `lora_expand`, `lora_linear`, `lora_embedding`: the multi-LoRA ops, each with
   `backend=` in {"auto", "reference", "ragged", "gather", "pallas"}.
-- `Engine`: a Hugging Face Llama-family checkpoint plus PEFT adapters in device slots.
+- `Engine`: a Hugging Face Llama-family checkpoint plus PEFT adapters: `generate` (`Generation`s, with
+  `TokenLogprob`s when asked) and `score` (`Score`s).
 - `step_compiler_options`: the XLA options the engine compiles a model step with (for your own `jax.jit`).
 """
 
 from jlora.adapters import AdapterError, PoolFullError, check_adapter_name
 from jlora.batch_info import LoRABatchInfo, num_segments, token_slots_from_requests
 from jlora.compile_options import step_compiler_options
-from jlora.engine import Engine
+from jlora.engine import Engine, Generation
+from jlora.logprobs import Score, TokenLogprob
 from jlora.models.config import ModelConfig
 from jlora.ops import BACKENDS, Backend, lora_embedding, lora_expand, lora_linear, lora_shrink
 
@@ -24,9 +26,12 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "Engine",
+    "Generation",
     "LoRABatchInfo",
     "ModelConfig",
     "PoolFullError",
+    "Score",
+    "TokenLogprob",
     "check_adapter_name",
     "lora_embedding",
     "lora_expand",

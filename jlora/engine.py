@@ -21,11 +21,13 @@ import numpy as np
 from jlora.adapters import AdapterError, AdapterPool, PoolFullError, check_adapter_name
 from jlora.adapters.registry import AdapterRegistry, HostTier
 from jlora.admission import Admission
+from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
 from jlora.models.loading import load_model
 from jlora.parallel import TensorParallel
 from jlora.runner import ModelRunner, bucket, pack_prompts
+from jlora.sampling import sample_seeds
 from jlora.scheduler import Batcher, Request
 
 __all__ = ["Engine", "Generation"]
@@ -53,19 +55,27 @@ def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     return seeds
 
 
+def _check_logprobs(k: int | None) -> None:
+    if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+
+
 def _check_prefill_chunk(n: int) -> None:
     if n < 16 or n & (n - 1):
         raise ValueError(f"prefill_chunk must be a power of two >= 16, got {n}")
 
 
 class Generation(list):
-    """A request's generated token ids (a `list[int]`), with `text` (None without a tokenizer) and
-    `finish_reason` ("stop": a stop token, not included; "length": max_new_tokens reached)."""
+    """A request's generated token ids (a `list[int]`), with `text` (None without a tokenizer),
+    `finish_reason` ("stop": a stop token, not included; "length": max_new_tokens reached) and `logprobs`
+    (one `TokenLogprob` per token when asked for, else None)."""
 
-    def __init__(self, tokens=(), text: str | None = None, finish_reason: str = "length"):
+    def __init__(self, tokens=(), text: str | None = None, finish_reason: str = "length",
+                 logprobs: list[TokenLogprob] | None = None):
         super().__init__(tokens)
         self.text = text
         self.finish_reason = finish_reason
+        self.logprobs = logprobs
 
 
 class Engine:
@@ -215,7 +225,7 @@ class Engine:
         finally:
             self.pool.release(held)
 
-    def encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    def encode(self, prompts: Sequence[str | Sequence[int]], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt: text through the model's tokenizer, id lists as they are."""
         ids = []
         for i, p in enumerate(prompts):
@@ -223,7 +233,7 @@ class Engine:
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is text but the model directory has no tokenizer.json; "
                                      "give token ids instead")
-                p = self.tokenizer.encode(p).ids
+                p = self.tokenizer.encode(p, add_special_tokens=add_special_tokens).ids
             ids.append([int(t) for t in p])
         return ids
 
@@ -299,6 +309,8 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | Sequence[int] = 0,
         progress=None,
+        logprobs: int | None = None,
+        n: int = 1,
     ) -> list[Generation]:
         """Generates for every prompt with its adapter (None: the base model), continuously batched.
 
@@ -313,21 +325,78 @@ class Engine:
             A request's key for its n-th token is `fold_in(key(its seed), n)` (`jlora.sampling`), so its
             output never depends on the other requests of the call, their number or order, or its row.
           progress: optional callable(n) told of each generated token batch (e.g. a tqdm's update).
+          logprobs: k in [0, 20]: each generated token's log-probability and the k most likely tokens at its
+            position (`Generation.logprobs`; see `jlora.logprobs` for what they are computed from).
+          n: samples per prompt, each its own request; sample j of a request with seed s samples with
+            `jlora.sampling.sample_seeds(s, n)[j]` (the first with s itself).
 
         Returns:
-          One `Generation` (a list of token ids with `.text` and `.finish_reason`) per prompt, in order.
+          n `Generation`s (lists of token ids with `.text`, `.finish_reason` and `.logprobs`) per prompt, prompt
+          by prompt: prompt i's samples are items i·n to i·n + n - 1.
         """
         prompts = self.encode(prompts)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        _check_logprobs(logprobs)
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
         self._check_prompts(prompts, adapters, max_new_tokens)
-        seeds = _request_seeds(seed, len(prompts))
+        seeds = [s for sd in _request_seeds(seed, len(prompts)) for s in sample_seeds(sd, n)]
         stop = frozenset(stop_token_ids or ())
-        requests = [Request(p, -1, max_new_tokens, temperature, top_p, sd, stop) for p, sd in zip(prompts, seeds)]
-        batcher = Batcher(self.runner, bucket(min(len(requests), self.max_batch)),
-                          bucket(max(len(p) for p in prompts) + max_new_tokens, 16), progress, self.prefill_chunk)
+        requests = [Request(p, -1, max_new_tokens, temperature, top_p, sd, stop, logprobs=logprobs)
+                    for p, sd in zip((p for p in prompts for _ in range(n)), seeds)]
+        self._run(requests, [a for a in adapters for _ in range(n)], progress)
+        vocab = self.config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
+        decode = ((lambda ids: self.tokenizer.decode([t for t in ids if t < vocab])) if self.tokenizer is not None
+                  else (lambda ids: None))
+        return [Generation(r.out, decode(r.out), r.finish, None if logprobs is None else r.out_logprobs)
+                for r in requests]
+
+    def score(self, prompts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]],
+              adapters: Sequence[str | None], progress=None) -> list[Score]:
+        """The log-probability of each continuation after its prompt, under its adapter (None: the base model):
+        one prefill of prompt + continuation per request, continuously batched (any mix of adapters in one
+        step; long inputs in `prefill_chunk` pieces), nothing generated.
+
+        Args:
+          prompts: the contexts, token id lists or text (text is tokenized alone: as lm-eval does, give ids
+            when the tokenization of the joined text matters).
+          continuations: one non-empty continuation per prompt, token ids or text (tokenized without special
+            tokens).
+          adapters: one adapter name or None per prompt.
+          progress: optional callable(n) told of each scored request.
+
+        Returns:
+          One `Score` per prompt: the sum and per-token log-probabilities of its continuation, and whether
+          every continuation token is the most likely one at its position.
+        """
+        prompts = self.encode(prompts)
+        if len(continuations) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations; give one per prompt")
+        continuations = self.encode(continuations, add_special_tokens=False)
+        empty = [i for i, c in enumerate(continuations) if not c]
+        if empty:
+            raise ValueError(f"continuation(s) {empty[:5]} are empty")
+        full = [p + c for p, c in zip(prompts, continuations)]
+        self._check_prompts(full, adapters)
+        ended = None if progress is None else (lambda r: r.finish is not None and progress(1))
+        requests = [Request(f, -1, 0, prompt_logprobs=1, on_update=ended) for f in full]
+        self._run(requests, adapters)
+        scores = []
+        for p, r in zip(prompts, requests):
+            scored = r.prompt_out_logprobs[len(p):]
+            scores.append(Score(sum(t.logprob for t in scored), [t.logprob for t in scored],
+                                all(t.logprob >= t.top[0][1] for t in scored)))
+        return scores
+
+    def _run(self, requests: list[Request], adapters: Sequence[str | None], progress=None) -> None:
+        """Runs requests to their end, each with its adapter: through `Admission` (adapters written into slots
+        as rows free) and a `Batcher` of up to max_batch rows, `progress(n)` told of generated tokens."""
+        longest = max(len(r.prompt) + r.max_new for r in requests)
+        batcher = Batcher(self.runner, bucket(min(len(requests), self.max_batch)), bucket(longest, 16), progress,
+                          self.prefill_chunk)
         loaded = threading.Event()
         admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set)
         for r, a in zip(requests, adapters):
@@ -356,7 +425,3 @@ class Engine:
             for r in requests:  # after an error: the requests still here give back their adapters
                 if r.finish is None and not admission.cancel(r):
                     batcher.cancel(r)
-        vocab = self.config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
-        decode = ((lambda ids: self.tokenizer.decode([t for t in ids if t < vocab])) if self.tokenizer is not None
-                  else (lambda ids: None))
-        return [Generation(r.out, decode(r.out), r.finish) for r in requests]

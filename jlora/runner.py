@@ -28,6 +28,7 @@ from jlora.compile_options import concurrent_graphs, step_jit
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Group, KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights
+from jlora.logprobs import StepLogprobs, top_logprobs
 from jlora.parallel import TensorParallel
 from jlora.sampling import request_keys, sample_tokens
 
@@ -117,11 +118,12 @@ def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_s
                        base_first=base_first)
 
 
-@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus"), donate_argnames=("cache",),
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus", "logprobs"), donate_argnames=("cache",),
           seq_len=lambda tokens, kwargs: _seq_len(tokens, kwargs.get("prefill")))
 def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, lora, token_slot, ranks, seeds,
-                  token_index, temperature, top_p, *, prefill: Group | None = None, prefill_last=None, block_m: int,
-                  backend: str, tp: TensorParallel | None = None, nucleus: bool = False):
+                  token_index, temperature, top_p, *, prefill: Group | None = None, prefill_last=None,
+                  prefill_next=None, block_m: int, backend: str, tp: TensorParallel | None = None,
+                  nucleus: bool = False, logprobs: bool = False):
     """One step of the engine over its R cache rows: every row's decode token (tokens, positions, valid
     [R, 1]; rows that do not decode are not valid), and, when given, the `prefill` group: prompt pieces
     written into other rows, `prefill_last` [Bp] the index in its piece of the token whose logits give that
@@ -129,23 +131,32 @@ def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, 
     [R + Bp·Sp]: the decode tokens' slots, then the pieces'.
 
     Row r samples its next token with its own key, `request_keys(seeds, token_index)` ([R] each; `nucleus`:
-    see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's `tokens`, and the
-    cache). The key folding and that layout live here so the engine's pipelined loop dispatches nothing else
-    per step.
+    see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's `tokens`, the cache,
+    and with `logprobs` a `StepLogprobs`, else None): with a prefill group the logits of every piece token
+    are computed, and `prefill_next` [Bp, Sp] names the prompt token each one predicts (-1: none). The key
+    folding and that layout live here so the engine's pipelined loop dispatches nothing else per step.
     """
     r = tokens.shape[0]
     at = None  # decode alone: every token's logits
-    if prefill is not None:  # the R decode tokens' logits, then each piece's last token's
+    if prefill is not None:  # the R decode tokens' logits, then each piece's last token's (or all its tokens')
         bp, sp = prefill.tokens.shape
-        at = jnp.concatenate([jnp.arange(r), r + jnp.arange(bp) * sp + jnp.maximum(prefill_last, 0)])
+        last = jnp.arange(bp) * sp + jnp.maximum(prefill_last, 0)
+        at = jnp.concatenate([jnp.arange(r), r + (jnp.arange(bp * sp) if logprobs else last)])
     logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
                                 backend, valid, None, tp, then=prefill, logits_at=at)
-    logits = logits.reshape(-1, logits.shape[-1])  # [R (+ Bp), V]
+    logits = logits.reshape(-1, logits.shape[-1])  # [R (+ Bp or Bp·Sp), V]
+    pieces = None
     if prefill is not None:  # a finished piece's row takes its logits
+        pieces = logits[r:]
         target = jnp.where(prefill_last >= 0, prefill.rows, r)  # r: out of range, dropped
-        logits = logits[:r].at[target].set(logits[r:], mode="drop")
+        logits = logits[:r].at[target].set(pieces[last] if logprobs else pieces, mode="drop")
     keys = request_keys(seeds, token_index)
-    return sample_tokens(logits, keys, temperature, top_p, nucleus=nucleus)[:, None], cache
+    next_tokens = sample_tokens(logits, keys, temperature, top_p, nucleus=nucleus)
+    lp = None
+    if logprobs:
+        lp = StepLogprobs(top_logprobs(logits, next_tokens),
+                          None if prefill is None else top_logprobs(pieces, prefill_next.reshape(-1)))
+    return next_tokens[:, None], cache, lp
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int] | None = None
@@ -230,9 +241,9 @@ class ModelRunner:
 
     def step(self, tokens, positions, valid, cache, token_slot, seeds, token_index, temperature, top_p,
              nucleus: bool, prefill: Group | None = None, prefill_slots: np.ndarray | None = None,
-             prefill_last: np.ndarray | None = None):
+             prefill_last: np.ndarray | None = None, prefill_next: np.ndarray | None = None, logprobs: bool = False):
         """Dispatches one `generate_step` (token_slot [R]: the decode tokens' slots; prefill_slots [Bp, Sp]: the
-        pieces'); returns (next tokens [R, 1] on the device, cache)."""
+        pieces'); returns (next tokens [R, 1] on the device, cache, `StepLogprobs` or None)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first).
         if prefill is not None:
@@ -240,7 +251,8 @@ class ModelRunner:
         return generate_step(
             self.model_def, self.params, tokens, positions, valid, cache, self.lora_for(token_slot), token_slot,
             self.pool.ranks.copy(), seeds, token_index, temperature, top_p, prefill=prefill, prefill_last=prefill_last,
-            block_m=row_tile(token_slot.size), backend=self.backend, tp=self.tp, nucleus=nucleus)
+            prefill_next=prefill_next if logprobs and prefill is not None else None,
+            block_m=row_tile(token_slot.size), backend=self.backend, tp=self.tp, nucleus=nucleus, logprobs=logprobs)
 
     def like_step_outputs(self, x):
         """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input

@@ -9,7 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["request_keys", "sample_tokens"]
+__all__ = ["request_keys", "sample_seeds", "sample_tokens"]
+
+
+def sample_seeds(seed: int, n: int) -> list[int]:
+    """The seeds of a request's n samples (n > 1): the first is the request's own, so n=1 draws what a single
+    sample draws; sample j adds j times the golden ratio's 32-bit constant, modulo 2**32."""
+    return [(seed + j * 0x9E3779B9) % 2**32 for j in range(n)]
 
 
 def request_keys(seeds: jax.Array, token_index: jax.Array) -> jax.Array:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 import numpy as np
 
+from jlora.logprobs import StepLogprobs, TokenLogprob, to_host
 from jlora.models.llama import Group
 from jlora.runner import ModelRunner, bucket, pack_prompts
 
@@ -39,7 +40,12 @@ class Request:
     token, not included), "length" (max_new tokens), "cancelled", or, with `error` saying why, "error" (refused
     at intake; `status` 404 for an adapter not registered, 400 for bad input) or "failed" (the engine, or the
     load of its adapter, failed). `on_update(request)`, when given, is called on the batcher's thread after
-    every new token and once more when the request ends."""
+    every new token and once more when the request ends.
+
+    With `logprobs` = k (not None), `out_logprobs` holds each token of `out` with its log-probability and the
+    k most likely tokens. With `prompt_logprobs` = k, `prompt_out_logprobs` holds the same for each prompt
+    token (None for the first, which nothing predicts), complete by the first token; then `max_new` may be 0
+    (scoring: the request ends once its prompt is in)."""
 
     prompt: list[int]
     slot: int  # adapter slot, -1 for the base model
@@ -55,6 +61,10 @@ class Request:
     error: str | None = None
     status: int | None = None
     first_token_time: float | None = None  # time.monotonic() of its first token
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    out_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_out_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
 
     def _notify(self) -> None:
         if self.on_update is not None:
@@ -78,11 +88,13 @@ class Batcher:
         # Each row's next cache index: while its prompt goes in, the prompt tokens in the cache so far.
         self.position = np.zeros(num_rows, np.int32)
         self.last_token = np.zeros(num_rows, np.int32)
-        self.in_flight = None  # a step not yet read: (tokens [R, 1] on the device, [(row, request)] it samples for)
+        self.in_flight: _InFlight | None = None  # the step dispatched last, not yet read
 
     def add(self, request: Request) -> None:
         if not request.prompt:
             raise ValueError("the prompt is empty")
+        if request.max_new < (0 if request.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_new must be >= 1 (>= 0 when scoring the prompt), got {request.max_new}")
         if len(request.prompt) + request.max_new > self.max_seq:
             raise ValueError(f"{len(request.prompt)} prompt tokens + max_new {request.max_new} exceed the "
                              f"batcher's {self.max_seq} positions")
@@ -112,7 +124,7 @@ class Batcher:
         r.finish = reason
         r._notify()
 
-    def _record(self, row: int, token: int) -> None:
+    def _record(self, row: int, token: int, logprobs: StepLogprobs | None) -> None:
         """Records `token` as the next of row's request, ending it at a stop token or its length."""
         r = self.running[row]
         if r.first_token_time is None:
@@ -122,6 +134,8 @@ class Batcher:
             self._end(r, "stop")
             return
         r.out.append(token)
+        if r.logprobs is not None:
+            r.out_logprobs.append(TokenLogprob.at(logprobs.sampled, row, token, r.logprobs))
         if len(r.out) >= r.max_new:
             self.running[row] = None
             self._end(r, "length")
@@ -130,12 +144,26 @@ class Batcher:
             r._notify()
 
     def _collect(self) -> None:
-        """Reads the step in flight and records its tokens for the requests still in their rows."""
-        tokens, sampled = np.asarray(self.in_flight[0])[:, 0], self.in_flight[1]
-        self.in_flight = None
-        live = [row for row, r in sampled if self.running[row] is r]  # not ended since
+        """Reads the step in flight and records its tokens (and log-probabilities) for the requests still in
+        their rows; a scoring request (max_new 0) whose prompt is in ends."""
+        step, self.in_flight = self.in_flight, None
+        tokens, logprobs = np.asarray(step.tokens)[:, 0], to_host(step.logprobs)
+        for i, (row, r, start, length) in enumerate(step.pieces):
+            if self.running[row] is not r:  # ended since
+                continue
+            if r.prompt_logprobs is not None:
+                if start == 0:
+                    r.prompt_out_logprobs.append(None)  # nothing predicts the first token
+                for pos in range(start, min(start + length, len(r.prompt) - 1)):
+                    at = i * step.piece_width + pos - start
+                    r.prompt_out_logprobs.append(TokenLogprob.at(logprobs.prompt, at, r.prompt[pos + 1],
+                                                                 r.prompt_logprobs))
+            if start + length == len(r.prompt) and r.max_new == 0:
+                self.running[row] = None
+                self._end(r, "length")
+        live = [row for row, r in step.sampling if self.running[row] is r]  # not ended since
         for row in live:
-            self._record(row, int(tokens[row]))
+            self._record(row, int(tokens[row]), logprobs)
         if self.progress:
             self.progress(len(live))
 
@@ -163,7 +191,8 @@ class Batcher:
 
     def step(self) -> None:
         """One step: decodes the running rows and prefills the next prompt pieces, in one model call."""
-        sampled = set() if self.in_flight is None else {row for row, r in self.in_flight[1] if self.running[row] is r}
+        sampled = (set() if self.in_flight is None
+                   else {row for row, r in self.in_flight.sampling if self.running[row] is r})
         decode = [row for row, r in enumerate(self.running)  # rows whose prompt is in and that need more tokens
                   if r is not None and self.position[row] >= len(r.prompt) and len(r.out) + (row in sampled) < r.max_new]
         pieces = self._pieces()
@@ -180,33 +209,52 @@ class Batcher:
             active[row] = True
             slots[row] = self.running[row].slot
             token_index[row] = len(self.running[row].out) + (row in sampled)
-        firsts = [(row, r) for row, r, start, length in pieces if start + length == len(r.prompt)]
+        firsts = [(row, r) for row, r, start, length in pieces if start + length == len(r.prompt) and r.max_new > 0]
         sampling = [(row, self.running[row]) for row in decode] + firsts  # the requests this step samples for
         for row, r in sampling:
             seeds[row], temps[row], top_ps[row] = r.seed, r.temperature, r.top_p
-        prefill = prefill_slots = prefill_last = None
+        prefill = prefill_slots = prefill_last = prefill_next = None
         if pieces:
             tokens, positions, prefill_slots, valid = pack_prompts(
                 [r.prompt[start: start + length] for _, r, start, length in pieces], [r.slot for _, r, _, _ in pieces],
                 [start for _, _, start, _ in pieces])
             # Padding requests: slot -1, no valid token (pack_prompts), so no cache write; row 0, no token.
             rows, prefill_last = np.zeros(len(tokens), np.int32), np.full(len(tokens), -1, np.int32)
+            prefill_next = np.full(tokens.shape, -1, np.int32)  # the prompt token each piece token predicts
             for i, (row, r, start, length) in enumerate(pieces):
                 rows[i] = row
-                prefill_last[i] = length - 1 if start + length == len(r.prompt) else -1
+                prefill_last[i] = length - 1 if start + length == len(r.prompt) and r.max_new > 0 else -1
+                following = r.prompt[start + 1: start + length + 1]
+                prefill_next[i, : len(following)] = following
             prefill = Group(tokens, positions, valid, rows)
+        logprobs = (any(r.logprobs is not None for _, r in sampling)
+                    or any(r.prompt_logprobs is not None for _, r, _, _ in pieces))
         # [R, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
         last = (self.runner.like_step_outputs(self.last_token[:, None]) if self.in_flight is None
-                else self.in_flight[0])
-        tokens, self.cache = self.runner.step(
+                else self.in_flight.tokens)
+        tokens, self.cache, step_logprobs = self.runner.step(
             last, np.where(active, self.position, 0)[:, None], active[:, None], self.cache, slots, seeds, token_index,
-            temps, top_ps, _nucleus(temps, top_ps), prefill, prefill_slots, prefill_last)
+            temps, top_ps, _nucleus(temps, top_ps), prefill, prefill_slots, prefill_last, prefill_next, logprobs)
         self.position[decode] += 1
         for row, _, start, length in pieces:
             self.position[row] = start + length
         if self.in_flight is not None:
             self._collect()  # while the step just dispatched runs
-        self.in_flight = (tokens, sampling)
+        self.in_flight = _InFlight(tokens, sampling, pieces, 0 if prefill is None else prefill.tokens.shape[1],
+                                   step_logprobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A dispatched step, read by `Batcher._collect`: its tokens [R, 1] on the device, the (row, request) pairs it
+    samples for, its prompt pieces (row, request, start, length), packed `piece_width` tokens apart, and its
+    log-probabilities (None: not asked for)."""
+
+    tokens: object
+    sampling: list[tuple[int, Request]]
+    pieces: list[tuple[int, Request, int, int]]
+    piece_width: int
+    logprobs: StepLogprobs | None
 
 
 def _nucleus(temps: np.ndarray, top_ps: np.ndarray) -> bool:

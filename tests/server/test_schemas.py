@@ -2,6 +2,7 @@
 refuse (CPU time of the parsing thread, which holds the interpreter lock: robust to a busy machine, where the
 wall time a client sees is not)."""
 
+import gc
 import json
 import time
 
@@ -26,16 +27,24 @@ JUNK = {  # 1 MiB (the default body limit) of the JSON that costs most, each ref
 @pytest.mark.parametrize("case", list(JUNK))
 def test_a_megabyte_body_costs_at_most_200ms_of_cpu(case):
     """About 50 ms on an idle core of this machine; `model_validate_json` took 0.9 s for the first case (it
-    builds the refused value for its error, once per member of the prompt's union)."""
+    builds the refused value for its error, once per member of the prompt's union). The collector is paused:
+    a full collection of the test worker's heap (JAX, compiled models) once cost 0.6 s here, and is not the
+    body's cost."""
     model, body = JUNK[case]
     raw = json.dumps(body).encode()
     assert len(raw) <= MB + 64
-    start = time.thread_time()
+    gc.collect()
+    gc.disable()
     try:
-        parse(model, raw)
-    except ApiError as err:
-        assert err.status == 400
-    assert time.thread_time() - start < 0.2
+        start = time.thread_time()
+        try:
+            parse(model, raw)
+        except ApiError as err:
+            assert err.status == 400
+        spent = time.thread_time() - start
+    finally:
+        gc.enable()
+    assert spent < 0.2
 
 
 @pytest.mark.parametrize("body, message", [
