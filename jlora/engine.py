@@ -68,7 +68,7 @@ def _check_prefill_chunk(n: int) -> None:
 class Generation(list):
     """A request's generated token ids (a `list[int]`), with `text` (None without a tokenizer),
     `finish_reason` ("stop": a stop token, not included; "length": max_new_tokens reached) and `logprobs`
-    (one `TokenLogprob` per token when asked for, else None)."""
+    (when asked for, one `TokenLogprob` per token, and last the stop token's when one ended it; else None)."""
 
     def __init__(self, tokens=(), text: str | None = None, finish_reason: str = "length",
                  logprobs: list[TokenLogprob] | None = None):

@@ -43,7 +43,7 @@ class Request:
     every new token and once more when the request ends.
 
     With `logprobs` = k (not None), `out_logprobs` holds each token of `out` with its log-probability and the
-    k most likely tokens. With `prompt_logprobs` = k, `prompt_out_logprobs` holds the same for each prompt
+    k most likely tokens, and last the stop token's when one ended the request. With `prompt_logprobs` = k, `prompt_out_logprobs` holds the same for each prompt
     token (None for the first, which nothing predicts), complete by the first token; then `max_new` may be 0
     (scoring: the request ends once its prompt is in)."""
 
@@ -130,12 +130,14 @@ class Batcher:
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
         if token in r.stop:
+            if r.logprobs is not None:  # the stop token's too (not in `out`): what the model gave it is asked for
+                r.out_logprobs.append(TokenLogprob.at(logprobs.sampled, row, token, r.logprobs))
             self.running[row] = None
             self._end(r, "stop")
             return
-        r.out.append(token)
-        if r.logprobs is not None:
+        if r.logprobs is not None:  # first: a reader on another thread that sees a token finds its entry
             r.out_logprobs.append(TokenLogprob.at(logprobs.sampled, row, token, r.logprobs))
+        r.out.append(token)
         if len(r.out) >= r.max_new:
             self.running[row] = None
             self._end(r, "length")

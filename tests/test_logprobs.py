@@ -84,6 +84,13 @@ def test_asking_for_logprobs_changes_no_token(engine):
     asked = engine.generate(prompts, adapters, max_new_tokens=6, temperature=0.8, seed=3, logprobs=0)
     assert [list(o) for o in plain] == [list(o) for o in asked]
     assert all(g.logprobs is None for g in plain) and all(len(g.logprobs) == len(g) for g in asked)
+    first = list(asked[0]).index(asked[0][2])  # the first of the stop token
+    stopped = engine.generate(prompts[:1], adapters[:1], max_new_tokens=6, temperature=0.8, seed=3, logprobs=0,
+                              stop_token_ids=[asked[0][2]])[0]
+    assert stopped.finish_reason == "stop" and list(stopped) == list(asked[0][:first])
+    want = asked[0].logprobs[:first + 1]  # the stop token's last
+    assert [t.token for t in stopped.logprobs] == [t.token for t in want]
+    np.testing.assert_allclose([t.logprob for t in stopped.logprobs], [t.logprob for t in want], atol=2e-5)
     assert all(t.top == () for g in asked for t in g.logprobs)
 
 

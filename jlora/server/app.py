@@ -34,10 +34,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from jlora.adapters import AdapterError, check_adapter_name
+from jlora.logprobs import TokenLogprob
+from jlora.sampling import sample_seeds
 from jlora.scheduler import Request
 from jlora.server.chat import ChatTemplate, ChatTemplateError
 from jlora.server.config import ServerConfig
 from jlora.server.errors import ApiError
+from jlora.server.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from jlora.server.online import OnlineEngine, QueueFull
 from jlora.server.schemas import ChatRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest, parse
 from jlora.server.text import StreamText
@@ -64,6 +67,7 @@ class _Api:
         longest = 0 if tokenizer is None else max(map(len, tokenizer.get_vocab()), default=0)
         self.max_prompt_chars = self.engine.max_seq_len * max(16, longest)
         self.loads_in_progress = 0
+        self.token_texts = TokenTexts(tokenizer)
 
     def authorized(self, http: HTTPRequest) -> bool:
         given = http.headers.get("authorization", "").encode("latin-1")  # as the header's bytes arrived
@@ -101,14 +105,27 @@ class _Api:
     def prepare_completion(self, body: bytes) -> _Prepared:
         request = parse(CompletionRequest, body)
         adapter = self.adapter_of(request.model)
-        prompt = self.encode_prompt(request.prompt, adapter)
-        return _Prepared(prompt, adapter, self.sampling(request, prompt, "prompt"), request.stream)
+        given = request.prompt if isinstance(request.prompt, list) and isinstance(request.prompt[0], (str, list)) \
+            else [request.prompt]
+        prompts = [self.encode_prompt(p, adapter) for p in given]
+        best_of = request.n if request.best_of is None else request.best_of
+        if best_of < request.n:
+            raise ApiError(400, f"'best_of' ({best_of}) must be at least 'n' ({request.n})", "best_of")
+        if best_of > request.n and request.stream:
+            raise ApiError(400, "'best_of' above 'n' cannot be streamed (the best are known at the end)", "best_of")
+        echo = None
+        if request.echo:
+            echo = [p if isinstance(p, str) else self.decode(ids) for p, ids in zip(given, prompts)]
+        return self.prepared(request, prompts, adapter, "prompt", best_of=best_of, logprobs=request.logprobs,
+                             echo=echo)
 
     def prepare_chat(self, body: bytes) -> _Prepared:
         request = parse(ChatRequest, body)
         adapter = self.adapter_of(request.model)
         if self.engine.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; the model directory has no tokenizer.json", "messages")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if sum(len(m["content"]) for m in request.messages) > self.max_prompt_chars:
             raise ApiError(400, f"the messages are longer than the maximum context of {self.engine.max_seq_len} "
                                 "tokens can hold", "messages")
@@ -119,7 +136,8 @@ class _Api:
         prompt = self.tokenize(text, "messages", add_special_tokens=False)
         if not prompt:
             raise ApiError(400, "the rendered chat prompt is empty", "messages")
-        return _Prepared(prompt, adapter, self.sampling(request, prompt, "messages"), request.stream)
+        return self.prepared(request, [prompt], adapter, "messages",
+                             logprobs=(request.top_logprobs or 0) if request.logprobs else None)
 
     def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > self.max_prompt_chars:
@@ -128,19 +146,31 @@ class _Api:
         # encode_batch releases the interpreter lock (encode holds it), so the event loop runs meanwhile
         return self.engine.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def sampling(self, request: CompletionRequest | ChatRequest, prompt: list[int], param: str) -> dict:
-        """Request settings, checked against the prompt: max_new, temperature, top_p, seed, stop ids, stop strings."""
-        if request.n != 1:
-            raise ApiError(400, "'n' must be 1: one choice per request is supported", "n")
-        room = self.engine.max_seq_len - len(prompt)
-        if room < 1:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens; the maximum context is "
-                                f"{self.engine.max_seq_len} tokens", param)
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids ("" without a tokenizer; an adapter's added tokens have none)."""
+        vocab = self.engine.config.vocab_size
+        return "" if self.engine.tokenizer is None else self.engine.tokenizer.decode([t for t in ids if t < vocab])
+
+    def prepared(self, request: CompletionRequest | ChatRequest, prompts: list[list[int]], adapter: str | None,
+                 param: str, *, best_of: int | None = None, logprobs: int | None = None,
+                 echo: list[str] | None = None) -> _Prepared:
+        """The request's engine settings, checked against its prompts."""
+        longest = max(map(len, prompts))
+        room = self.engine.max_seq_len - longest
         max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
         max_tokens = (room if isinstance(request, ChatRequest) else 16) if max_tokens is None else max_tokens
+        if max_tokens == 0 and echo is None:
+            raise ApiError(400, "'max_tokens' 0 needs 'echo': true (a request that scores its prompt)", "max_tokens")
+        if room < min(max_tokens, 1):
+            raise ApiError(400, f"the prompt has {longest} tokens; the maximum context is "
+                                f"{self.engine.max_seq_len} tokens", param)
         if max_tokens > room:
-            raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+            raise ApiError(400, f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                 f"maximum context of {self.engine.max_seq_len} tokens", "max_tokens")
+        best_of = best_of or request.n
+        if len(prompts) * best_of > self.online.max_waiting:
+            raise ApiError(400, f"{len(prompts)} prompt(s) x {best_of} choices are more requests than the server "
+                                f"queues ({self.online.max_waiting}, --max-waiting)", "n")
         stop = [] if request.stop is None else [request.stop] if isinstance(request.stop, str) else request.stop
         ids = frozenset(request.stop_token_ids or ()) | {s for s in stop if isinstance(s, int)}
         if not request.ignore_eos:
@@ -149,12 +179,14 @@ class _Api:
         if strings and self.engine.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer; the model directory has no tokenizer.json", "stop")
         seed = uuid.uuid4().int % 2**32 if request.seed is None else request.seed
-        return dict(max_new=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
-                    top_p=1.0 if request.top_p is None else request.top_p, seed=seed, stop=ids, strings=strings)
+        settings = dict(max_new=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
+                        top_p=1.0 if request.top_p is None else request.top_p, stop=ids,
+                        logprobs=logprobs if logprobs is not None or best_of == request.n else 0,
+                        prompt_logprobs=None if echo is None or (logprobs is None and max_tokens) else logprobs or 0)
+        return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream, request.n,
+                         logprobs, echo)
 
-    def encode_prompt(self, prompt: str | list, adapter: str | None) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one (the schema allows no more)
+    def encode_prompt(self, prompt: str | list[int], adapter: str | None) -> list[int]:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise ApiError(400, "text prompts need a tokenizer; the model directory has no tokenizer.json; "
@@ -176,8 +208,6 @@ class _Api:
     async def run(self, http: HTTPRequest, prepared: _Prepared, chat: bool) -> Response:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
-        settings = dict(prepared.settings)
-        strings = settings.pop("strings")
         woken = threading.Event()  # an update is on its way to the event loop: later ones ride along
 
         def wake() -> None:
@@ -189,92 +219,140 @@ class _Api:
                 woken.set()
                 loop.call_soon_threadsafe(wake)
 
-        request = Request(prepared.prompt, -1, **settings, on_update=on_update)
+        samples = [_Sample(i, Request(prompt, -1, seed=seed, on_update=on_update, **prepared.settings),
+                           StreamText(self.engine.tokenizer, prepared.strings))
+                   for i, prompt in enumerate(prepared.prompts) for seed in prepared.seeds]
+        requests = [s.request for s in samples]
         try:
-            self.online.submit(request, prepared.adapter)
+            self.online.submit(requests, prepared.adapter)
         except QueueFull as err:
             raise ApiError(503, f"the server is busy: {err}; retry later", kind="server_error",
                            headers={"Retry-After": "1"}) from None
-        text = StreamText(self.engine.tokenizer, strings)
         meta = dict(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, created=int(time.time()),
                     model=prepared.adapter or self.name)
         if prepared.stream:  # Starlette cancels the stream when its client disconnects
-            return StreamingResponse(self._stream(request, updates, text, meta, chat), media_type="text/event-stream")
-        watcher = asyncio.create_task(self._cancel_on_disconnect(http, request))
+            return StreamingResponse(self._stream(samples, prepared, updates, meta, chat),
+                                     media_type="text/event-stream")
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, requests))
         try:
-            while not await _finished(request, updates, text):
+            while not await self._next_update(samples, updates):
                 pass
         finally:
             watcher.cancel()
-            if request.finish is None:
-                self.online.cancel(request)  # a stop string ended it, or this handler was cancelled
-        if request.finish in ("error", "failed"):
-            raise _request_error(request)
-        finish = text.finish or _finish_reason(request)
-        usage = _usage(request)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text.final()}, "finish_reason": finish,
-                      "token_ids": list(request.out)}
-            return JSONResponse({**meta, "object": "chat.completion", "choices": [choice], "usage": usage})
-        choice = {"index": 0, "text": text.final(), "logprobs": None, "finish_reason": finish,
-                  "token_ids": list(request.out)}
-        return JSONResponse({**meta, "object": "text_completion", "choices": [choice], "usage": usage})
+            self._cancel_unfinished(requests)  # stop strings ended them, or this handler was cancelled
+        failed = next((r for r in requests if r.finish in ("error", "failed")), None)
+        if failed is not None:
+            raise _request_error(failed)
+        chosen = _most_likely(samples, len(prepared.seeds), prepared.n)
+        choices = []
+        for index, sample in enumerate(chosen):
+            choice = {"index": index, "finish_reason": sample.finish_reason(), "token_ids": list(sample.request.out)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": sample.text.final()}
+                choice["logprobs"] = (None if prepared.logprobs is None
+                                      else chat_logprobs(sample.request.out_logprobs, self.token_texts))
+            else:
+                echo = "" if prepared.echo is None else prepared.echo[sample.prompt]
+                choice["text"] = echo + sample.text.final()
+                choice["logprobs"] = self._legacy_logprobs(sample, prepared, sample.request.out_logprobs, True, 0)
+            choices.append(choice)
+        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                             "usage": _usage(prepared, samples)})
 
-    async def _cancel_on_disconnect(self, http: HTTPRequest, request: Request) -> None:
-        """Cancels `request` as soon as its client disconnects (the body is read, so the next message the
-        server gets for it is the disconnect): its row frees before the engine's next step."""
+    def _legacy_logprobs(self, sample: _Sample, prepared: _Prepared, generated: list[TokenLogprob], echo: bool,
+                         offset: int) -> dict | None:
+        """A completion choice's legacy logprobs (None unless asked for): with `echo` the prompt's tokens first
+        (when the request echoes), then `generated`'s; text offsets from `offset`."""
+        if prepared.logprobs is None:
+            return None
+        r = sample.request
+        entries = list(zip(r.prompt, r.prompt_out_logprobs)) if echo and prepared.echo is not None else []
+        return completion_logprobs(entries + [(lp.token, lp) for lp in generated], self.token_texts, offset)
+
+    def _cancel_unfinished(self, requests: list[Request]) -> None:
+        for r in requests:
+            if r.finish is None:
+                self.online.cancel(r)
+
+    async def _next_update(self, samples: list[_Sample], updates: asyncio.Queue) -> bool:
+        """Waits for the requests' next update; True once each has ended or met a stop string (a request a stop
+        string ended is cancelled: no more tokens are needed)."""
+        await updates.get()
+        while not updates.empty():
+            updates.get_nowait()
+        for sample in samples:
+            if sample.done:
+                continue
+            r = sample.request
+            ended = r.finish is not None  # before the text reads `out`: once ended, `out` is whole
+            if sample.text.update(r.out, ended) and not ended:
+                self.online.cancel(r)
+            sample.done = ended or sample.text.finish is not None
+        return all(s.done for s in samples)
+
+    async def _cancel_on_disconnect(self, http: HTTPRequest, requests: list[Request]) -> None:
+        """Cancels the requests as soon as their client disconnects (the body is read, so the next message the
+        server gets for it is the disconnect): their rows free before the engine's next step."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
-        self.online.cancel(request)
+        self._cancel_unfinished(requests)
 
-    async def _stream(self, request: Request, updates, text: StreamText, meta: dict, chat: bool
+    async def _stream(self, samples: list[_Sample], prepared: _Prepared, updates, meta: dict, chat: bool
                       ) -> AsyncIterator[str]:
+        """Server-sent events: per choice, a chunk of each update's new text and tokens (with their logprobs), an
+        echoed prompt first, and a last chunk with its finish reason; the usage rides on the last choice's."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece: str | None, finish: str | None, ids: list[int], usage: dict | None = None) -> str:
-            if chat:
-                delta = {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": ids}
-            else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish, "token_ids": ids}
+        def event(choice: dict, usage: dict | None = None) -> str:
             body = {**meta, "object": kind, "choices": [choice]}
             if usage is not None:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
+        def chunk(sample: _Sample, index: int, piece: str | None, finish: str | None, ids: list[int]) -> dict:
+            """A choice's chunk: `ids` and their logprobs, or with `finish` the stop token's (if one ended it)."""
+            r, sent = sample.request, sample.sent
+            generated = (r.out_logprobs[sent.tokens:sent.tokens + len(ids)] if finish is None
+                         else r.out_logprobs[sent.tokens:] if r.finish is not None else [])
+            if chat:
+                logprobs = None if prepared.logprobs is None else chat_logprobs(generated, self.token_texts)
+                delta = {} if piece is None else {"content": piece}
+                return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids}
+            echo = prepared.echo is not None and not sent.echo
+            text = (prepared.echo[sample.prompt] if echo else "") + (piece or "")
+            return {"index": index, "text": text,
+                    "logprobs": self._legacy_logprobs(sample, prepared, generated, echo, sent.chars),
+                    "finish_reason": finish, "token_ids": ids}
+
         try:
-            if chat:  # the first chunk names the role
-                role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
-                yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [role]})}\n\n"
-            sent = 0  # tokens reported so far
-            while True:
-                done = await _finished(request, updates, text)
-                if request.finish in ("error", "failed"):
-                    yield f"data: {json.dumps(_request_error(request).body())}\n\n"
+            if chat:  # the first chunk of each choice names the role
+                for index in range(len(samples)):
+                    role = {"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
+                    yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [role]})}\n\n"
+            open_ = set(range(len(samples)))
+            while open_:
+                await self._next_update(samples, updates)
+                failed = next((s.request for s in samples if s.request.finish in ("error", "failed")), None)
+                if failed is not None:
+                    yield f"data: {json.dumps(_request_error(failed).body())}\n\n"
                     break
-                piece, ids = text.take(), request.out[sent:]
-                sent += len(ids)
-                if piece or ids:
-                    yield chunk(piece, None, ids)
-                if done:
-                    yield chunk(None, text.finish or _finish_reason(request), [], _usage(request))
-                    break
+                for index in sorted(open_):
+                    sample = samples[index]
+                    r, sent = sample.request, sample.sent
+                    echo_due = prepared.echo is not None and not sent.echo and (r.out or sample.done)
+                    piece, ids = sample.text.take(), r.out[sent.tokens:]
+                    if piece or ids or echo_due:
+                        yield event(chunk(sample, index, piece, None, ids))
+                        sample.advance(piece, ids, prepared)
+                    if sample.done:
+                        open_.discard(index)
+                        usage = None if open_ else _usage(prepared, samples)
+                        yield event(chunk(sample, index, None, sample.finish_reason(), []), usage)
             yield "data: [DONE]\n\n"
         except Exception as err:  # the status line has gone out: the error travels as the stream's last event
             yield f"data: {json.dumps(_internal_error(err).body())}\n\n"
         finally:
-            if request.finish is None:
-                self.online.cancel(request)  # the client disconnected mid-stream: its row frees at once
-
-
-async def _finished(request: Request, updates: asyncio.Queue, text: StreamText) -> bool:
-    """Waits for the request's next update; True once it has ended, for a stop string too (then the request is
-    cancelled: no more tokens are needed)."""
-    await updates.get()
-    while not updates.empty():
-        updates.get_nowait()
-    done = request.finish is not None
-    return text.update(request.out, done) or done  # the caller cancels a request a stop string ended
+            self._cancel_unfinished([s.request for s in samples])  # a client that left mid-stream: rows free
 
 
 def _quoted(text: str) -> str:
@@ -300,23 +378,68 @@ def _request_error(request: Request) -> ApiError:
     return ApiError(500, request.error, kind="server_error")
 
 
-def _finish_reason(request: Request) -> str:
-    return "length" if request.finish == "length" else "stop"
-
-
-def _usage(request: Request) -> dict:
-    n, m = len(request.prompt), len(request.out)
+def _usage(prepared: _Prepared, samples: list[_Sample]) -> dict:
+    n = sum(map(len, prepared.prompts))
+    m = sum(len(s.request.out) for s in samples)
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def _most_likely(samples: list[_Sample], best_of: int, n: int) -> list[_Sample]:
+    """Of each prompt's best_of samples (consecutive), the n of highest log-probability (their tokens', and the
+    stop token's); all of them, in order, when best_of is n."""
+    if best_of == n:
+        return samples
+    chosen = []
+    for i in range(0, len(samples), best_of):
+        group = samples[i:i + best_of]
+        chosen += sorted(group, key=lambda s: -sum(lp.logprob for lp in s.request.out_logprobs))[:n]
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    """A generation request parsed and checked: its prompt's token ids, adapter and settings."""
+    """A generation request parsed and checked: what the engine runs and what the answer shows."""
 
-    prompt: list[int]
+    prompts: list[list[int]]
     adapter: str | None
-    settings: dict  # Request's fields (max_new, temperature, top_p, seed, stop) and the stop strings
+    settings: dict  # Request's fields shared by every sample: max_new, temperature, top_p, stop, logprobs, ...
+    seeds: list[int]  # each prompt's samples' (best_of of them)
+    strings: list[str]  # stop strings
     stream: bool
+    n: int  # choices per prompt: of its best_of samples, the n of highest log-probability
+    logprobs: int | None  # alternatives shown per token (None: no logprobs in the answer)
+    echo: list[str] | None  # with echo, each prompt's text, put before its choices' text
+
+
+@dataclasses.dataclass
+class _Sent:
+    """What a streamed choice has sent: tokens (with their logprobs), text characters, and whether its echo."""
+
+    tokens: int = 0
+    chars: int = 0
+    echo: bool = False
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One engine request of an HTTP request: the prompt it continues (an index), its text as it streams."""
+
+    prompt: int
+    request: Request
+    text: StreamText
+    sent: _Sent = dataclasses.field(default_factory=_Sent)
+    done: bool = False  # ended, or met a stop string, when the HTTP handler last looked (`_next_update`)
+
+    def finish_reason(self) -> str:
+        return self.text.finish or ("length" if self.request.finish == "length" else "stop")
+
+    def advance(self, piece: str, ids: list[int], prepared: _Prepared) -> None:
+        """Counts a chunk of `piece` and `ids` (and the echo, if it is the first) as sent."""
+        if prepared.echo is not None and not self.sent.echo:
+            self.sent.echo = True
+            self.sent.chars += len(prepared.echo[self.prompt])
+        self.sent.tokens += len(ids)
+        self.sent.chars += len(piece)
 
 
 def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jlora.admission import Admission
 from jlora.engine import Engine
@@ -61,19 +61,21 @@ class OnlineEngine:
     def num_waiting(self) -> int:
         return self._queued + len(self.admission.pending) + len(self.batcher.waiting)
 
-    def submit(self, request: Request, adapter: str | None) -> None:
-        """Queues `request` for `adapter` (None: the base model). `request.on_update` is called on the loop
-        thread; a request whose adapter is not registered by its intake ends at once with finish "error" and
-        `.error`, one whose adapter cannot be loaded with "failed".
+    def submit(self, requests: Request | Sequence[Request], adapter: str | None) -> None:
+        """Queues one request or several (all or none) for `adapter` (None: the base model). `on_update` is
+        called on the loop thread; a request whose adapter is not registered by its intake ends at once with
+        finish "error" and `.error`, one whose adapter cannot be loaded with "failed".
 
         Raises:
-          QueueFull: `max_waiting` requests are already waiting.
+          QueueFull: they would make more than `max_waiting` requests wait.
         """
+        requests = [requests] if isinstance(requests, Request) else list(requests)
         with self._lock:
-            if self.num_waiting >= self.max_waiting:
+            if self.num_waiting + len(requests) > self.max_waiting:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (max {self.max_waiting})")
-            self._queued += 1
-        self._inbox.put(("submit", request, adapter))
+            self._queued += len(requests)
+        for request in requests:
+            self._inbox.put(("submit", request, adapter))
 
     def cancel(self, request: Request) -> None:
         """Ends `request` ("cancelled") if it is still waiting or running; its row frees at once."""

@@ -2,8 +2,8 @@
 
 pydantic's JSON parser bounds nesting (200 levels) and numbers (4300 digits), and refuses invalid UTF-8 and
 lone surrogates; strict mode takes no string for a number or a boolean ("stream": "false" is an error, not
-true), and lists of token ids stop at their first bad element. Every failure becomes a 400 `ApiError` naming the field. Fields beyond OpenAI's that vLLM also takes:
-`stop_token_ids`, `ignore_eos`.
+true), and lists of token ids stop at their first bad element. Every failure becomes a 400 `ApiError` naming
+the field. Fields beyond OpenAI's that vLLM also takes: `stop_token_ids`, `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -14,16 +14,19 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from typing_extensions import TypedDict
 
+from jlora.logprobs import MAX_TOP_LOGPROBS
 from jlora.server.errors import ApiError
 
 __all__ = ["ChatRequest", "CompletionRequest", "LoadLoraRequest", "UnloadLoraRequest", "parse"]
 
+MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_N = 128  # choices per prompt (n, best_of)
 # Fields of the OpenAI request bodies we do not implement: a request that sets one (to anything but null, false
 # or 0) is refused, naming it.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice",
-               "functions", "function_call", "response_format", "presence_penalty", "frequency_penalty")
+UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format",
+               "presence_penalty", "frequency_penalty")
 # What a field of a union type must be: its message when the body's value fits none of the forms.
-_FORMS = {"prompt": "a string or a list of token ids (one prompt per request)",
+_FORMS = {"prompt": f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
           "stop": "a string or a list of at most 16 strings (of at most 1024 characters) or token ids"}
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Ids = Annotated[list[int], Field(fail_fast=True)]  # the prompt's: ranges are checked against the vocabulary
@@ -43,7 +46,7 @@ class _Generation(_Unsupported):
     """What completions and chat share: the model (or adapter) and the sampling settings."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1, lt=2**31)
+    max_tokens: int | None = Field(None, ge=0, lt=2**31)  # 0: only with echo (scoring the prompt)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**32)
@@ -51,12 +54,15 @@ class _Generation(_Unsupported):
     stop_token_ids: Annotated[list[TokenId], Field(fail_fast=True)] | None = None
     ignore_eos: bool = False
     stream: bool = False
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
 
 
 class CompletionRequest(_Generation):
-    prompt: (str | Ids | Annotated[list[str], Field(min_length=1, max_length=1)]
-             | Annotated[list[Ids], Field(min_length=1, max_length=1)])  # a batch of one prompt at most
+    prompt: (str | Ids | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Ids], Field(min_length=1, max_length=MAX_PROMPTS)])
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy form: the top k per token
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
 class ChatMessage(TypedDict):  # a dict, not a model: 3x cheaper to build per message
@@ -67,6 +73,8 @@ class ChatMessage(TypedDict):  # a dict, not a model: 3x cheaper to build per me
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class LoadLoraRequest(_Strict):

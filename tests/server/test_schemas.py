@@ -17,7 +17,7 @@ from jlora.server.schemas import ChatRequest, CompletionRequest, parse  # noqa: 
 MB = 1 << 20
 JUNK = {  # 1 MiB (the default body limit) of the JSON that costs most, each refused or ignored
     "nested lists as the prompt": (CompletionRequest, {"model": "m", "prompt": [[[]]] * (MB // 7)}),
-    "an unsupported field of objects": (CompletionRequest, {"model": "m", "prompt": "x", "logprobs": [{}] * (MB // 4)}),
+    "an unsupported field of objects": (CompletionRequest, {"model": "m", "prompt": "x", "logit_bias": [{}] * (MB // 4)}),
     "messages with bad roles": (ChatRequest, {"model": "m", "messages": [{"role": 5, "content": "", "x": [[]]}] * (MB // 41)}),
     "an unknown field of nested lists": (CompletionRequest, {"model": "m", "prompt": "x", "user": [[[]]] * (MB // 7)}),
     "token ids, the last bad": (CompletionRequest, {"model": "m", "prompt": [1] * (MB // 3) + ["x"]}),
@@ -51,10 +51,15 @@ def test_a_megabyte_body_costs_at_most_200ms_of_cpu(case):
     ({"model": "m", "prompt": "x", "stream": "false"}, "invalid 'stream'"),
     ({"model": "m", "prompt": "x", "max_tokens": 2.0}, "invalid 'max_tokens'"),
     ({"model": "m", "prompt": "x", "temperature": "1"}, "invalid 'temperature'"),
-    ({"model": "m", "prompt": [[1], [2]]}, "'prompt' must be a string or a list of token ids"),
+    ({"model": "m", "prompt": [[1], "a"]}, "'prompt' must be a string, a list of token ids, or a list of at most"),
+    ({"model": "m", "prompt": [[1]] * 1025}, "'prompt' must be"),
     ({"model": "m", "prompt": [True]}, "'prompt' must be"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "'stop' must be"),
-    ({"model": "m", "prompt": "x", "echo": True}, "'echo' is not supported"),
+    ({"model": "m", "prompt": "x", "suffix": "y"}, "'suffix' is not supported"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "invalid 'logprobs'"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "invalid 'logprobs'"),
+    ({"model": "m", "prompt": "x", "n": 0}, "invalid 'n'"),
+    ({"model": "m", "prompt": "x", "best_of": 129}, "invalid 'best_of'"),
     ({"prompt": "x"}, "'model' is required"),
 ])
 def test_strict_fields(body, message):
