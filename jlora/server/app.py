@@ -1,8 +1,12 @@
 """The OpenAI-compatible HTTP API over an `OnlineEngine` (a Starlette app, served by uvicorn).
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
-/v1/models, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with `allow_runtime_lora`), GET
-/health, GET /metrics. The OpenAI `model` field names the served base model or a loaded adapter. Errors
+/v1/models, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with `allow_runtime_lora`), vLLM's
+POST /tokenize, POST /detokenize and GET /tokenizer_info (lm-eval's remote tokenizer), GET /health, GET
+/metrics. The OpenAI `model` field names the served base model or a loaded adapter. Completions take a list
+of prompts, `n` and `best_of` choices each, `logprobs` (the top k, OpenAI's legacy format) and `echo` (the
+prompt and, with logprobs, its tokens' log-probabilities; with `max_tokens` 0 nothing is generated: scoring);
+chat takes `n`, `logprobs` and `top_logprobs`. Errors
 answer 4xx (or 503 when the queue is full) with OpenAI's error body, and the server keeps serving; an
 unexpected exception answers a JSON 500 with a request id, its traceback going only to the log.
 
@@ -42,7 +46,8 @@ from jlora.server.config import ServerConfig
 from jlora.server.errors import ApiError
 from jlora.server.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from jlora.server.online import OnlineEngine, QueueFull
-from jlora.server.schemas import ChatRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest, parse
+from jlora.server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
+                                  UnloadLoraRequest, parse)
 from jlora.server.text import StreamText
 
 __all__ = ["build_app"]
@@ -122,22 +127,56 @@ class _Api:
     def prepare_chat(self, body: bytes) -> _Prepared:
         request = parse(ChatRequest, body)
         adapter = self.adapter_of(request.model)
-        if self.engine.tokenizer is None:
-            raise ApiError(400, "chat needs a tokenizer; the model directory has no tokenizer.json", "messages")
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if sum(len(m["content"]) for m in request.messages) > self.max_prompt_chars:
-            raise ApiError(400, f"the messages are longer than the maximum context of {self.engine.max_seq_len} "
-                                "tokens can hold", "messages")
-        try:
-            text = self.chat.render(request.messages)
-        except ChatTemplateError as err:
-            raise ApiError(400, str(err), "messages") from None
-        prompt = self.tokenize(text, "messages", add_special_tokens=False)
+        prompt = self.tokenize(self.render(request.messages), "messages", add_special_tokens=False)
         if not prompt:
             raise ApiError(400, "the rendered chat prompt is empty", "messages")
         return self.prepared(request, [prompt], adapter, "messages",
                              logprobs=(request.top_logprobs or 0) if request.logprobs else None)
+
+    def render(self, messages: list[dict]) -> str:
+        """The chat prompt's text, its size bounded first."""
+        self.need_tokenizer("chat", "messages")
+        if sum(len(m["content"]) for m in messages) > self.max_prompt_chars:
+            raise ApiError(400, f"the messages are longer than the maximum context of {self.engine.max_seq_len} "
+                                "tokens can hold", "messages")
+        try:
+            return self.chat.render(messages)
+        except ChatTemplateError as err:
+            raise ApiError(400, str(err), "messages") from None
+
+    def need_tokenizer(self, what: str, param: str) -> None:
+        if self.engine.tokenizer is None:
+            raise ApiError(400, f"{what} needs a tokenizer; the model directory has no tokenizer.json", param)
+
+    # --- vLLM's tokenizer routes, which lm-eval's remote tokenizer uses ---------------------------------------
+    def tokenize_request(self, body: bytes) -> dict:
+        request = parse(TokenizeRequest, body)
+        if (request.prompt is None) == (request.messages is None):
+            raise ApiError(400, "give either 'prompt' or 'messages'", "prompt")
+        if request.messages is not None:
+            ids = self.tokenize(self.render(request.messages), "messages", add_special_tokens=False)
+        else:
+            self.need_tokenizer("tokenizing", "prompt")
+            ids = self.tokenize(request.prompt, "prompt", request.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.max_seq_len, "tokens": ids, "token_strs": None}
+
+    def detokenize_request(self, body: bytes) -> dict:
+        ids = parse(DetokenizeRequest, body).tokens
+        self.need_tokenizer("detokenizing", "tokens")
+        vocab = self.engine.tokenizer.get_vocab_size()
+        if any(t >= vocab for t in ids):
+            raise ApiError(400, f"'tokens' holds ids outside the tokenizer's [0, {vocab})", "tokens")
+        return {"prompt": self.engine.tokenizer.decode(ids)}
+
+    def tokenizer_info(self) -> dict:
+        self.need_tokenizer("tokenizer_info", "model")
+        special = dict(self.chat.special)
+        if special["eos_token"] is None and self.eos:
+            special["eos_token"] = self.engine.tokenizer.id_to_token(min(self.eos))
+        return {"tokenizer_class": "tokenizers.Tokenizer", **special, "chat_template": self.chat.source,
+                "model_max_length": self.engine.max_seq_len, "vocab_size": self.engine.tokenizer.get_vocab_size()}
 
     def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > self.max_prompt_chars:
@@ -188,9 +227,7 @@ class _Api:
 
     def encode_prompt(self, prompt: str | list[int], adapter: str | None) -> list[int]:
         if isinstance(prompt, str):
-            if self.engine.tokenizer is None:
-                raise ApiError(400, "text prompts need a tokenizer; the model directory has no tokenizer.json; "
-                                    "send token ids", "prompt")
+            self.need_tokenizer("a text prompt (send token ids)", "prompt")
             ids = self.tokenize(prompt, "prompt")
         else:
             ids = prompt
@@ -522,6 +559,15 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
             raise ApiError(409, f"{err}; retry when they finish", "lora_name", "conflict_error") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
+    async def tokenize(request: HTTPRequest) -> Response:
+        return JSONResponse(await asyncio.to_thread(api.tokenize_request, await api.read_body(request)))
+
+    async def detokenize(request: HTTPRequest) -> Response:
+        return JSONResponse(await asyncio.to_thread(api.detokenize_request, await api.read_body(request)))
+
+    async def tokenizer_info(request: HTTPRequest) -> Response:
+        return JSONResponse(api.tokenizer_info())
+
     async def health(request: HTTPRequest) -> Response:
         return PlainTextResponse("ok")
 
@@ -540,6 +586,9 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
     routes = [Route("/v1/completions", handler(completions), methods=["POST"]),
               Route("/v1/chat/completions", handler(chat_completions), methods=["POST"]),
               Route("/v1/models", handler(models), methods=["GET"]),
+              Route("/tokenize", handler(tokenize), methods=["POST"]),
+              Route("/detokenize", handler(detokenize), methods=["POST"]),
+              Route("/tokenizer_info", handler(tokenizer_info), methods=["GET"]),
               Route("/health", handler(health), methods=["GET"]),
               Route("/metrics", handler(metrics), methods=["GET"])]
     if config.allow_runtime_lora:

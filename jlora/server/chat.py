@@ -40,6 +40,7 @@ class ChatTemplate:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        self.source = template or None  # the template's text (/tokenizer_info)
         self.template = env.from_string(template) if template else None
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
                                                                             "pad_token")}

@@ -17,7 +17,8 @@ from typing_extensions import TypedDict
 from jlora.logprobs import MAX_TOP_LOGPROBS
 from jlora.server.errors import ApiError
 
-__all__ = ["ChatRequest", "CompletionRequest", "LoadLoraRequest", "UnloadLoraRequest", "parse"]
+__all__ = ["ChatRequest", "CompletionRequest", "DetokenizeRequest", "LoadLoraRequest", "TokenizeRequest",
+           "UnloadLoraRequest", "parse"]
 
 MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_N = 128  # choices per prompt (n, best_of)
@@ -75,6 +76,18 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text, or chat messages rendered by the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, fail_fast=True)
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    tokens: Ids
 
 
 class LoadLoraRequest(_Strict):

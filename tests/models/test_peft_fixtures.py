@@ -93,3 +93,34 @@ def test_added_tokens_belong_to_their_adapter(loaded):
         engine.generate([[1, v + added]], ["added"], max_new_tokens=1)
     logits = engine.prefill_logits([[1, v], [1, 2]], ["added", "plain"])
     assert logits[0].shape[1] == v + added and logits[1].shape[1] == v
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_scores_and_logprobs_of_a_mixed_batch_match_peft(loaded):
+    """Log-probabilities against log_softmax of PEFT's float32 logits, within 1e-4: of every prompt token
+    (`Engine.score` of each prompt cut after its first token, every adapter in one batch), and of the greedy
+    continuations, scored after their prompts and as generated (with the top 5 of each position)."""
+    engine, requests, cases, arrays = loaded
+    long = [r for r in requests if len(r[0]) > 1]
+    scores = engine.score([r[0][:1] for r in long], [r[0][1:] for r in long], [r[1] for r in long])
+    for (prompt, _, name, i), score in zip(long, scores):
+        lp = log_softmax(arrays[f"{name}/{i}"])
+        want = [lp[j - 1, t] for j, t in enumerate(prompt) if j]
+        np.testing.assert_allclose(score.token_logprobs, want, atol=1e-4, err_msg=f"{name}/{i}")
+        assert score.is_greedy == all(lp[j - 1].argmax() == t for j, t in enumerate(prompt) if j)
+    greedy = [cases[name]["greedy"][i] for _, _, name, i in requests]
+    scores = engine.score([r[0] for r in requests], greedy, [r[1] for r in requests])
+    out = engine.generate([r[0] for r in requests], [r[1] for r in requests], max_new_tokens=6, logprobs=5)
+    for (_, _, name, i), tokens, score, gen in zip(requests, greedy, scores, out):
+        lp = log_softmax(arrays[f"{name}/{i}/greedy"])  # the rows that chose each greedy token
+        want = lp[np.arange(len(tokens)), tokens]
+        assert score.is_greedy and list(gen) == tokens, (name, i)
+        np.testing.assert_allclose(score.token_logprobs, want, atol=1e-4, err_msg=f"{name}/{i}")
+        np.testing.assert_allclose([t.logprob for t in gen.logprobs], want, atol=1e-4, err_msg=f"{name}/{i}")
+        for row, t in zip(lp, gen.logprobs):
+            np.testing.assert_allclose([v for _, v in t.top], np.sort(row)[::-1][:5], atol=1e-4)
