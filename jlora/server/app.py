@@ -166,7 +166,7 @@ class _Api:
         ids = parse(DetokenizeRequest, body).tokens
         self.need_tokenizer("detokenizing", "tokens")
         vocab = self.engine.tokenizer.get_vocab_size()
-        if any(t >= vocab for t in ids):
+        if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"'tokens' holds ids outside the tokenizer's [0, {vocab})", "tokens")
         return {"prompt": self.engine.tokenizer.decode(ids)}
 
@@ -358,7 +358,7 @@ class _Api:
             echo = prepared.echo is not None and not sent.echo
             text = (prepared.echo[sample.prompt] if echo else "") + (piece or "")
             return {"index": index, "text": text,
-                    "logprobs": self._legacy_logprobs(sample, prepared, generated, echo, sent.chars),
+                    "logprobs": self._legacy_logprobs(sample, prepared, generated, echo, sent.offset),
                     "finish_reason": finish, "token_ids": ids}
 
         try:
@@ -379,8 +379,9 @@ class _Api:
                     echo_due = prepared.echo is not None and not sent.echo and (r.out or sample.done)
                     piece, ids = sample.text.take(), r.out[sent.tokens:]
                     if piece or ids or echo_due:
-                        yield event(chunk(sample, index, piece, None, ids))
-                        sample.advance(piece, ids, prepared)
+                        choice = chunk(sample, index, piece, None, ids)
+                        yield event(choice)
+                        sample.advance(ids, choice)
                     if sample.done:
                         open_.discard(index)
                         usage = None if open_ else _usage(prepared, samples)
@@ -450,11 +451,12 @@ class _Prepared:
 
 @dataclasses.dataclass
 class _Sent:
-    """What a streamed choice has sent: tokens (with their logprobs), text characters, and whether its echo."""
+    """What a streamed choice has sent: tokens (with their logprobs), whether its echo, and the text offset of
+    the next token in legacy logprobs (the token texts' lengths added up, as in an answer in one piece)."""
 
     tokens: int = 0
-    chars: int = 0
     echo: bool = False
+    offset: int = 0
 
 
 @dataclasses.dataclass
@@ -470,13 +472,13 @@ class _Sample:
     def finish_reason(self) -> str:
         return self.text.finish or ("length" if self.request.finish == "length" else "stop")
 
-    def advance(self, piece: str, ids: list[int], prepared: _Prepared) -> None:
-        """Counts a chunk of `piece` and `ids` (and the echo, if it is the first) as sent."""
-        if prepared.echo is not None and not self.sent.echo:
-            self.sent.echo = True
-            self.sent.chars += len(prepared.echo[self.prompt])
+    def advance(self, ids: list[int], choice: dict) -> None:
+        """Counts a chunk (`choice`, of tokens `ids`) as sent: the echo goes with the first."""
+        self.sent.echo = True
         self.sent.tokens += len(ids)
-        self.sent.chars += len(piece)
+        legacy = choice.get("logprobs")
+        if legacy and legacy.get("tokens"):
+            self.sent.offset = legacy["text_offset"][-1] + len(legacy["tokens"][-1])
 
 
 def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
