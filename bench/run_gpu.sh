@@ -14,6 +14,7 @@
 #   bash bench/run_gpu.sh chunk   # prompt throughput and decode stalls per prefill_chunk (bench/studies/prefill_chunk.py)
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
 #   bash bench/run_gpu.sh tiers   # one adapter's cost per tier on the 8B shape (bench/studies/adapter_tiers.py)
+#   bash bench/run_gpu.sh scoring [ARGS]  # Engine.score, multiple choice, base / 1 / 32 adapters (bench/scoring.py ARGS)
 #   bash bench/run_gpu.sh tenancy [ARGS]  # N adapters over 32 slots (bench/tenancy.py ARGS; needs the serving packages)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
@@ -50,6 +51,7 @@ case "${1:-}" in
         | grep -E "^#|^TP"
     done ;;
   tiers) python3 bench/studies/adapter_tiers.py --out "$out" 2>&1 | grep -E "^#|^rank" ;;
+  scoring) python3 bench/scoring.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^\||^One|Error" ;;
   tenancy) python3 bench/tenancy.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^alpha|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|tenancy" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|scoring|tenancy" >&2; exit 2 ;;
 esac
