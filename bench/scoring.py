@@ -118,7 +118,8 @@ def main() -> None:
         one = timed(lambda: engine.score(sweep_p * args.adapters, sweep_c * args.adapters,
                                          [a for a in names for _ in sweep_p]), args.repeats)
         runs = timed(lambda: [engine.score(sweep_p, sweep_c, [a] * len(sweep_p)) for a in names], args.repeats)
-        for case, seconds in ((f"{args.adapters} adapters, one run", one), (f"{args.adapters} runs of 1 adapter", runs)):
+        for case, seconds in ((f"{args.adapters} adapters, one run", one),
+                              (f"{args.adapters} runs of 1 adapter", runs)):
             rows.append(dict(case=case, requests=len(sweep_p) * args.adapters, tokens=sweep_tokens, seconds=seconds,
                              tokens_per_s=sweep_tokens / seconds))
             print(f"# {case}: {seconds:.2f} s, {sweep_tokens / seconds:.0f} tok/s", flush=True)

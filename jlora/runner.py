@@ -4,8 +4,8 @@ The model runs as one jitted pure function of (model definition, parameters, bat
 the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading
 adapters never recompiles. Prompt pieces come in power-of-two buckets (`bucket`), which bound the
 compilations: per (rows, cache length) one decode step and one mixed step per prompt bucket, each with and
-without the LoRA ops (a step of base-model tokens only skips them), and with the top-p sort only when a
-request asks for it.
+without the LoRA ops (a step of base-model tokens only skips them), with the top-p sort only when a request
+asks for it, and with log-probabilities (`jlora.logprobs`) only when a request asks for them.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from jlora.batch_info import LoRABatchInfo
 from jlora.compile_options import concurrent_graphs, step_jit
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Group, KVCache, Transformer
-from jlora.models.lora_weights import LoRAWeights
 from jlora.logprobs import StepLogprobs, top_logprobs
+from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
 from jlora.sampling import request_keys, sample_tokens
 
@@ -118,8 +118,8 @@ def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_s
                        base_first=base_first)
 
 
-@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus", "logprobs"), donate_argnames=("cache",),
-          seq_len=lambda tokens, kwargs: _seq_len(tokens, kwargs.get("prefill")))
+@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus", "logprobs"),
+          donate_argnames=("cache",), seq_len=lambda tokens, kwargs: _seq_len(tokens, kwargs.get("prefill")))
 def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, lora, token_slot, ranks, seeds,
                   token_index, temperature, top_p, *, prefill: Group | None = None, prefill_last=None,
                   prefill_next=None, block_m: int, backend: str, tp: TensorParallel | None = None,

@@ -43,9 +43,9 @@ class Request:
     every new token and once more when the request ends.
 
     With `logprobs` = k (not None), `out_logprobs` holds each token of `out` with its log-probability and the
-    k most likely tokens, and last the stop token's when one ended the request. With `prompt_logprobs` = k, `prompt_out_logprobs` holds the same for each prompt
-    token (None for the first, which nothing predicts), complete by the first token; then `max_new` may be 0
-    (scoring: the request ends once its prompt is in)."""
+    k most likely tokens, and last the stop token's when one ended the request. With `prompt_logprobs` = k,
+    `prompt_out_logprobs` holds the same for each prompt token (None for the first, which nothing predicts),
+    complete by the first token; then `max_new` may be 0 (scoring: the request ends once its prompt is in)."""
 
     prompt: list[int]
     slot: int  # adapter slot, -1 for the base model

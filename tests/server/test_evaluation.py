@@ -185,8 +185,8 @@ def test_lm_eval_scores_a_multiple_choice_task_as_peft_does(server, fixture, tmp
                 truth.append([lp[k - 1, c] for c in choices])
         data = tmp_path / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-        task = {"task": f"jlora_mc_{name}", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-                "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{context}}",
+        task = {"task": f"jlora_mc_{name}", "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{context}}",
                 "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}]}
         results = lm_eval.simple_evaluate(
             model="local-completions", tasks=[task], log_samples=True,

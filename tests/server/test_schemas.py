@@ -17,7 +17,8 @@ from jlora.server.schemas import ChatRequest, CompletionRequest, parse  # noqa: 
 MB = 1 << 20
 JUNK = {  # 1 MiB (the default body limit) of the JSON that costs most, each refused or ignored
     "nested lists as the prompt": (CompletionRequest, {"model": "m", "prompt": [[[]]] * (MB // 7)}),
-    "an unsupported field of objects": (CompletionRequest, {"model": "m", "prompt": "x", "logit_bias": [{}] * (MB // 4)}),
+    "an unsupported field of objects": (CompletionRequest,
+                                        {"model": "m", "prompt": "x", "logit_bias": [{}] * (MB // 4)}),
     "messages with bad roles": (ChatRequest, {"model": "m", "messages": [{"role": 5, "content": "", "x": [[]]}] * (MB // 41)}),
     "an unknown field of nested lists": (CompletionRequest, {"model": "m", "prompt": "x", "user": [[[]]] * (MB // 7)}),
     "token ids, the last bad": (CompletionRequest, {"model": "m", "prompt": [1] * (MB // 3) + ["x"]}),
