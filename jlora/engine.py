@@ -327,8 +327,9 @@ class Engine:
           progress: optional callable(n) told of each generated token batch (e.g. a tqdm's update).
           logprobs: k in [0, 20]: each generated token's log-probability and the k most likely tokens at its
             position (`Generation.logprobs`; see `jlora.logprobs` for what they are computed from).
-          n: samples per prompt, each its own request; sample j of a request with seed s samples with
-            `jlora.sampling.sample_seeds(s, n)[j]` (the first with s itself).
+          n: samples per prompt, each its own request sharing the first's prefill (a copy of its cache row);
+            sample j of a request with seed s samples with `jlora.sampling.sample_seeds(s, n)[j]` (the first with
+            s itself).
 
         Returns:
           n `Generation`s (lists of token ids with `.text`, `.finish_reason` and `.logprobs`) per prompt, prompt
@@ -343,10 +344,14 @@ class Engine:
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         self._check_prompts(prompts, adapters, max_new_tokens)
-        seeds = [s for sd in _request_seeds(seed, len(prompts)) for s in sample_seeds(sd, n)]
         stop = frozenset(stop_token_ids or ())
-        requests = [Request(p, -1, max_new_tokens, temperature, top_p, sd, stop, logprobs=logprobs)
-                    for p, sd in zip((p for p in prompts for _ in range(n)), seeds)]
+        requests = []
+        for prompt, request_seed in zip(prompts, _request_seeds(seed, len(prompts))):
+            first = None  # the other samples share its prefill
+            for sample_seed in sample_seeds(request_seed, n):
+                requests.append(Request(prompt, -1, max_new_tokens, temperature, top_p, sample_seed, stop,
+                                        logprobs=logprobs, fork_of=first))
+                first = first or requests[-1]
         self._run(requests, [a for a in adapters for _ in range(n)], progress)
         vocab = self.config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
         decode = ((lambda ids: self.tokenizer.decode([t for t in ids if t < vocab])) if self.tokenizer is not None

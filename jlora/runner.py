@@ -159,6 +159,12 @@ def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, 
     return next_tokens[:, None], cache, lp
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_row(cache: KVCache, source, row) -> KVCache:
+    """The cache with row `row` holding row `source`'s keys and values (every layer and position)."""
+    return jax.tree.map(lambda x: x.at[row].set(x[source]), cache)
+
+
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int] | None = None
                  ) -> tuple[np.ndarray, ...]:
     """Prompts (or pieces of prompts starting at positions `starts`, default 0) padded into power-of-two
@@ -253,6 +259,10 @@ class ModelRunner:
             self.pool.ranks.copy(), seeds, token_index, temperature, top_p, prefill=prefill, prefill_last=prefill_last,
             prefill_next=prefill_next if logprobs and prefill is not None else None,
             block_m=row_tile(token_slot.size), backend=self.backend, tp=self.tp, nucleus=nucleus, logprobs=logprobs)
+
+    def copy_row(self, cache: KVCache, source: int, row: int) -> KVCache:
+        """`copy_row` dispatched (one compilation for every pair of rows)."""
+        return copy_row(cache, np.int32(source), np.int32(row))
 
     def like_step_outputs(self, x):
         """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input

@@ -45,7 +45,12 @@ class Request:
     With `logprobs` = k (not None), `out_logprobs` holds each token of `out` with its log-probability and the
     k most likely tokens, and last the stop token's when one ended the request. With `prompt_logprobs` = k,
     `prompt_out_logprobs` holds the same for each prompt token (None for the first, which nothing predicts),
-    complete by the first token; then `max_new` may be 0 (scoring: the request ends once its prompt is in)."""
+    complete by the first token; then `max_new` may be 0 (scoring: the request ends once its prompt is in).
+
+    A request `fork_of` another with the same prompt (another sample of it) shares its prefill: once that
+    request's prompt is in the cache, and while it still holds its row, this one takes a free row as a copy of
+    that row and prefills only its last prompt token, whose logits give it its own first token. If the other
+    has ended by then, it prefills its prompt itself."""
 
     prompt: list[int]
     slot: int  # adapter slot, -1 for the base model
@@ -61,6 +66,7 @@ class Request:
     error: str | None = None
     status: int | None = None
     first_token_time: float | None = None  # time.monotonic() of its first token
+    fork_of: Request | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     out_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
@@ -95,6 +101,9 @@ class Batcher:
             raise ValueError("the prompt is empty")
         if request.max_new < (0 if request.prompt_logprobs is not None else 1):
             raise ValueError(f"max_new must be >= 1 (>= 0 when scoring the prompt), got {request.max_new}")
+        fork = request.fork_of
+        if fork is not None and (fork.prompt != request.prompt or request.prompt_logprobs is not None):
+            raise ValueError("a fork has its source's prompt and no prompt_logprobs of its own")
         if len(request.prompt) + request.max_new > self.max_seq:
             raise ValueError(f"{len(request.prompt)} prompt tokens + max_new {request.max_new} exceed the "
                              f"batcher's {self.max_seq} positions")
@@ -169,15 +178,42 @@ class Batcher:
         if self.progress:
             self.progress(len(live))
 
+    def _source_row(self, r: Request) -> int | None:
+        """The row of the request `r` forks from, when that request still holds it; None otherwise."""
+        source = r.fork_of
+        return next((row for row, s in enumerate(self.running) if s is source), None) if source is not None else None
+
+    def _start_forks(self) -> None:
+        """Waiting forks whose source's prompt is in its row take free rows as copies of it, with their last
+        prompt token left to prefill (the step after the source's last piece went out, at the earliest)."""
+        free = [row for row, r in enumerate(self.running) if r is None]
+        for r in list(self.waiting):
+            source = self._source_row(r)
+            if not free or source is None or self.position[source] < len(r.prompt):
+                continue
+            row = free.pop(0)
+            self.cache = self.runner.copy_row(self.cache, source, row)
+            self.waiting.remove(r)
+            self.running[row], self.position[row] = r, len(r.prompt) - 1
+
+    def _waits(self, r: Request) -> bool:
+        """Whether a waiting fork waits for its source's prompt (the source waits, or its prompt is going in)."""
+        if r.fork_of is None:
+            return False
+        source = self._source_row(r)
+        return r.fork_of in self.waiting or (source is not None and self.position[source] < len(r.prompt))
+
     def _pieces(self) -> list[tuple[int, Request, int, int]]:
         """The prompt pieces of the next step, (row, request, start, length): first the prompts already under
-        way, then waiting requests, each taking a free row, while the pieces padded to [bucket(n), bucket(longest)]
-        hold at most `prefill_chunk` tokens; a prompt that does not fit whole is cut to what does."""
+        way, then waiting requests (but forks that wait for their source), each taking a free row, while the
+        pieces padded to [bucket(n), bucket(longest)] hold at most `prefill_chunk` tokens; a prompt that does not
+        fit whole is cut to what does."""
+        self._start_forks()
         free = [row for row, r in enumerate(self.running) if r is None]
         under_way = [(row, r) for row, r in enumerate(self.running)
                      if r is not None and self.position[row] < len(r.prompt)]
         pieces, longest = [], 0
-        for row, r in under_way + list(zip(free, self.waiting)):
+        for row, r in under_way + list(zip(free, [r for r in self.waiting if not self._waits(r)])):
             width = self.prefill_chunk // bucket(len(pieces) + 1)  # the longest piece n + 1 pieces may have
             if width < 16 or longest > width:
                 break
@@ -187,7 +223,7 @@ class Batcher:
             longest = max(longest, length)
         for row, r, start, _ in pieces:
             if start == 0 and self.running[row] is not r:  # admitted: takes its row before the step, so that a
-                self.waiting.popleft()                      # step that raises leaves it findable
+                self.waiting.remove(r)                      # step that raises leaves it findable
                 self.running[row], self.position[row] = r, 0
         return pieces
 

@@ -94,10 +94,17 @@ def test_asking_for_logprobs_changes_no_token(engine):
     assert all(t.top == () for g in asked for t in g.logprobs)
 
 
-def test_n_samples_are_their_seeds_run_alone(engine):
-    prompts, adapters = [[3, 1, 4, 1, 5], [9, 2, 6]], ["a1", None]
+def test_n_samples_are_their_seeds_run_alone(engine, monkeypatch):
+    """Samples 1 and 2 of each prompt copy sample 0's cache row (a prompt of 40 tokens goes in over 3 steps
+    first); each equals the request run alone with its seed."""
+    copies = []
+    copy_row = engine.runner.copy_row
+    monkeypatch.setattr(engine.runner, "copy_row", lambda cache, source, row: copies.append(row) or copy_row(
+        cache, source, row))
+    prompts, adapters = [[3, 1, 4, 1, 5], list(range(2, 42))], ["a1", None]
     out = engine.generate(prompts, adapters, max_new_tokens=6, temperature=1.0, seed=[7, 8], n=3)
-    assert len(out) == 6
+    assert len(out) == 6 and len(copies) == 4
+    monkeypatch.undo()
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
         for j, s in enumerate(sample_seeds(7 + i, 3)):
             alone = engine.generate([prompt], [adapter], max_new_tokens=6, temperature=1.0, seed=s)[0]
@@ -105,6 +112,27 @@ def test_n_samples_are_their_seeds_run_alone(engine):
         assert len({tuple(o) for o in out[3 * i: 3 * i + 3]}) > 1  # the samples differ
     first = engine.generate(prompts, adapters, max_new_tokens=6, temperature=1.0, seed=[7, 8])
     assert [list(o) for o in first] == [list(out[0]), list(out[3])]  # n=1 is sample 0
+
+
+def test_a_fork_whose_source_has_ended_prefills_itself(engine):
+    """One row: the fork waits for it; by then its source has ended and the row may hold anything."""
+    prompt = [4, 8, 15, 16, 23, 42]
+    alone = list(engine.generate([prompt], ["a0"], max_new_tokens=4, temperature=1.0, seed=99)[0])
+    engine.pool.hold(["a0"])  # written into a slot by the call above
+    try:
+        slot = engine.pool.slot("a0")
+        batcher = Batcher(engine.runner, 1, 32)
+        source = Request(prompt, slot, 2, 1.0, seed=5)
+        fork = Request(prompt, slot, 4, 1.0, seed=99, fork_of=source)
+        batcher.add(source)
+        batcher.add(fork)
+        while batcher.busy:
+            batcher.step()
+    finally:
+        engine.pool.release(["a0"])
+    assert len(source.out) == 2 and fork.out == alone
+    with pytest.raises(ValueError, match="a fork has its source's prompt"):
+        batcher.add(Request(prompt[:-1], -1, 1, fork_of=source))
 
 
 def test_scoring_requests_beside_generation_in_one_batcher(engine):

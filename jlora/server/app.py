@@ -256,9 +256,16 @@ class _Api:
                 woken.set()
                 loop.call_soon_threadsafe(wake)
 
-        samples = [_Sample(i, Request(prompt, -1, seed=seed, on_update=on_update, **prepared.settings),
-                           StreamText(self.engine.tokenizer, prepared.strings))
-                   for i, prompt in enumerate(prepared.prompts) for seed in prepared.seeds]
+        settings = dict(prepared.settings)
+        prompt_logprobs = settings.pop("prompt_logprobs")
+        samples = []
+        for i, prompt in enumerate(prepared.prompts):
+            first = None  # the prompt's other samples share its prefill, and its prompt's log-probabilities
+            for seed in prepared.seeds:
+                request = Request(prompt, -1, seed=seed, on_update=on_update, fork_of=first,
+                                  prompt_logprobs=None if first else prompt_logprobs, **settings)
+                samples.append(_Sample(i, request, StreamText(self.engine.tokenizer, prepared.strings)))
+                first = first or request
         requests = [s.request for s in samples]
         try:
             self.online.submit(requests, prepared.adapter)
@@ -302,8 +309,8 @@ class _Api:
         (when the request echoes), then `generated`'s; text offsets from `offset`."""
         if prepared.logprobs is None:
             return None
-        r = sample.request
-        entries = list(zip(r.prompt, r.prompt_out_logprobs)) if echo and prepared.echo is not None else []
+        first = sample.request.fork_of or sample.request
+        entries = list(zip(first.prompt, first.prompt_out_logprobs)) if echo and prepared.echo is not None else []
         return completion_logprobs(entries + [(lp.token, lp) for lp in generated], self.token_texts, offset)
 
     def _cancel_unfinished(self, requests: list[Request]) -> None:
