@@ -110,10 +110,27 @@ def _serve(args) -> int:
     missing = [d for d in args.lora_dir if not os.path.isdir(d)]
     if missing:
         raise ValueError(f"--lora-dir {missing[0]!r} is not a directory")
-    serve(args.model, config, loras=args.lora, lora_dirs=args.lora_dir, max_loras=args.max_loras,
-          max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
-          max_batch=args.max_batch, max_seq_len=args.max_seq_len, dtype=args.dtype,
-          tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab, prefill_chunk=args.prefill_chunk)
+    engine_options = dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+                          max_batch=args.max_batch, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                          tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab,
+                          prefill_chunk=args.prefill_chunk)
+    if args.replicas is None and args.ray_replica_options is None:
+        serve(args.model, config, loras=args.lora, lora_dirs=args.lora_dir, **engine_options)
+        return 0
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    try:
+        options = json.loads(args.ray_replica_options or "{}")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--ray-replica-options is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise ValueError("--ray-replica-options must be a JSON object of Ray Serve deployment options")
+    try:
+        from jlora.ray import ReplicaSpec, run
+    except ImportError as err:
+        raise RuntimeError(f"--replicas needs Ray Serve: pip install 'jlora[ray]' ({err})") from None
+    run(ReplicaSpec(args.model, config, tuple(args.lora), tuple(args.lora_dir), engine_options),
+        replicas=args.replicas or 1, replica_options=options)
     return 0
 
 
@@ -194,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                           "longer prompts go in pieces")
     srv.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N")
+    srv.add_argument("--replicas", type=int, metavar="N",
+                     help="serve N engines on Ray Serve (RAY_ADDRESS's cluster, else a local one), routed by adapter")
+    srv.add_argument("--ray-replica-options", metavar="JSON",
+                     help="Ray Serve deployment options of the replicas, e.g. '{\"autoscaling_config\": "
+                          "{\"min_replicas\": 1, \"max_replicas\": 4}}'")
 
     bench = sub.add_parser("bench", help="run a benchmark script from bench/ (kernels or model)")
     bench.add_argument("which", choices=sorted(BENCH_SCRIPTS))

@@ -120,3 +120,17 @@ def test_console_entry_point_help():
 def test_bench_without_a_gpu_says_so(capsys):
     assert cli.main(["bench", "kernels", "--quick"]) == 1
     assert "need an NVIDIA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--ray-replica-options", "{oops"], "--ray-replica-options is not valid JSON"),
+    (["--ray-replica-options", "[1]"], "must be a JSON object"),
+    (["--replicas", "2", "--allow-runtime-lora", "--lora-root", "."], "runtime adapter loads would reach one replica"),
+])
+def test_serve_on_ray_refuses_bad_options_before_starting_ray(args, message, capsys, tmp_path):
+    pytest.importorskip("ray")
+    testing.write_model(str(tmp_path), testing.tiny_config("llama"))
+    assert cli.main(["serve", "--model", str(tmp_path), *args]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

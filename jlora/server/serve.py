@@ -7,11 +7,12 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Sequence
 
 from jlora.adapters.config import check_adapter_name
 from jlora.server.config import ServerConfig
 
-__all__ = ["ServerConfig", "eos_token_ids", "serve"]
+__all__ = ["ServerConfig", "build", "eos_token_ids", "serve", "served_name"]
 
 
 def eos_token_ids(model_dir: str) -> frozenset[int]:
@@ -26,9 +27,15 @@ def eos_token_ids(model_dir: str) -> frozenset[int]:
     return frozenset()
 
 
-def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] = (), lora_dirs: list[str] = (),
-          **engine_options) -> None:
-    """Loads the model and adapters and serves them until interrupted (`jlora serve`).
+def served_name(model_dir: str, config: ServerConfig) -> str:
+    """The base model's name in the API: the config's, else the model directory's name."""
+    return config.served_model_name or os.path.basename(os.path.normpath(model_dir))
+
+
+def build(model_dir: str, config: ServerConfig, *, loras: Sequence[tuple[str, str]] = (),
+          lora_dirs: Sequence[str] = (), **engine_options):
+    """Loads the model and adapters: (the Starlette app, its `OnlineEngine`, the config with
+    `served_model_name` set). The app starts and stops the engine's loop with its lifespan.
 
     Args:
       model_dir: the HF model directory.
@@ -39,16 +46,12 @@ def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] 
         them: read when a request first needs them.
       engine_options: `Engine.from_pretrained`'s options (max_loras, max_lora_rank, max_batch, prefill_chunk, ...).
     """
-    import uvicorn
-
     from jlora.engine import Engine
     from jlora.server.app import build_app
     from jlora.server.chat import ChatTemplate
     from jlora.server.online import OnlineEngine
-    from jlora.server.protocol import header_deadline_protocol
 
-    if config.served_model_name is None:
-        config = dataclasses.replace(config, served_model_name=os.path.basename(os.path.normpath(model_dir)))
+    config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
     for name, _ in loras:  # before the minutes a large checkpoint takes to load
         check_adapter_name(name)
     engine = Engine.from_pretrained(model_dir, **engine_options)
@@ -61,7 +64,19 @@ def serve(model_dir: str, config: ServerConfig, *, loras: list[tuple[str, str]] 
     app = build_app(online, config, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir))
     gc.collect()  # the objects alive after loading (JAX's, the model's) left out of later collections, which a
     gc.freeze()   # large request's parse triggers while it holds the interpreter lock
-    shown = engine.adapters if len(engine.adapters) <= 16 else f"{len(engine.adapters)} adapters"
+    return app, online, config
+
+
+def serve(model_dir: str, config: ServerConfig, *, loras: Sequence[tuple[str, str]] = (),
+          lora_dirs: Sequence[str] = (), **engine_options) -> None:
+    """Loads the model and adapters (`build`'s arguments) and serves them until interrupted (`jlora serve`)."""
+    import uvicorn
+
+    from jlora.server.protocol import header_deadline_protocol
+
+    app, online, config = build(model_dir, config, loras=loras, lora_dirs=lora_dirs, **engine_options)
+    adapters = online.engine.adapters
+    shown = adapters if len(adapters) <= 16 else f"{len(adapters)} adapters"
     print(f"jlora: serving {config.served_model_name!r} and adapters {shown} on "
           f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
     if config.allow_runtime_lora:

@@ -1,0 +1,262 @@
+"""jlora on Ray Serve: replicas of the online engine behind one OpenAI-compatible endpoint, routed by adapter.
+
+- `Replica`: one engine (one GPU, or one tensor-parallel group) with `jlora serve`'s app in the same process:
+  every request runs through that app's handling (validation, errors, streaming, metrics), called over ASGI.
+  Each replica keeps its own slots and host tier and registers every adapter of the `--lora` /
+  `--lora-dir` registry at start.
+- The adapter is Ray Serve's multiplexed model id. A replica's `get_adapter` (`@serve.multiplexed`) reads an
+  adapter into its host tier the first time it is asked for it, and Ray then routes that adapter's requests
+  to the replicas that hold it, loading it elsewhere only when none does (LRU within
+  `max_num_models_per_replica`, the replica's host tier).
+- `Router`: the HTTP ingress. It reads the body's `model`, forwards the request to a replica with it as the
+  multiplexed id, and streams the replica's answer back (`x-jlora-replica` names the replica).
+
+A replica that dies fails the requests it held: one not yet answered gets a 503 to retry; a stream already
+under way ends with an error event. Ray Serve replaces the replica and does not retry a request once it runs.
+
+    jlora serve --model DIR --lora-dir ADAPTERS --replicas 2      # a local Ray cluster, or RAY_ADDRESS's
+    serve run jlora.ray:app model=DIR lora_dir=ADAPTERS replicas=2
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+
+import pydantic_core
+import ray
+from ray import serve
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response, StreamingResponse
+
+from jlora.server.config import ServerConfig
+from jlora.server.errors import ApiError
+
+__all__ = ["ReplicaSpec", "Replica", "Router", "app", "deployment", "run"]
+
+_ROUTED = ("/v1/completions", "/v1/chat/completions")  # the routes whose body names an adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica loads: `jlora.server.serve.build`'s arguments."""
+
+    model_dir: str
+    config: ServerConfig = ServerConfig()
+    loras: tuple[tuple[str, str], ...] = ()
+    lora_dirs: tuple[str, ...] = ()
+    engine_options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            raise ValueError(f"{self.model_dir!r} is not a Hugging Face model directory (no config.json)")
+        if self.config.allow_runtime_lora:
+            raise ValueError("runtime adapter loads would reach one replica only; register adapters with --lora "
+                             "or --lora-dir under --replicas")
+
+
+@serve.deployment
+class Replica:
+    """One engine and its app; requests arrive through `handle` with the adapter as the multiplexed id."""
+
+    def __init__(self, spec: ReplicaSpec):
+        from jlora.server.serve import build
+
+        self.app, self.online, config = build(spec.model_dir, spec.config, loras=spec.loras,
+                                              lora_dirs=spec.lora_dirs, **spec.engine_options)
+        self.online.start()  # the app's lifespan is not run here: ASGI calls go to its routes directly
+        self.base = config.served_model_name
+        self.id = serve.get_replica_context().replica_id.unique_id
+        self.loads = 0  # adapters this replica was asked to take (the multiplexed loads)
+        engine = self.online.engine
+        capacity = max(engine.host.capacity, engine.pool.num_slots)
+
+        async def load(name: str) -> str:  # a function: Ray Serve's wrapper keeps its cache on it
+            return await self._load(name)
+
+        self.get_adapter = serve.multiplexed(max_num_models_per_replica=capacity)(load)
+
+    async def _load(self, name: str) -> str:
+        """Reads adapter `name` into the host tier (a failure is left to the request's own load to report)."""
+        engine = self.online.engine
+        entry = engine.registry.get(name)
+        self.loads += 1
+        if entry is not None and engine.host.get(entry.generation) is None:
+            try:
+                engine.host.put(entry.generation, await asyncio.to_thread(engine.pool.prepare, entry.adapter_dir))
+            except Exception:  # noqa: BLE001 - AdapterError and OS errors alike: the request reports them
+                pass
+        return name
+
+    async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+                     body: bytes) -> AsyncIterator[dict | bytes]:
+        """The request through this replica's app: yields {"status", "headers"}, then the body's chunks."""
+        model = serve.get_multiplexed_model_id()
+        if model and model != self.base:
+            await self.get_adapter(model)
+        async for item in _asgi(self.app, method, path, query, headers, body):
+            if isinstance(item, dict):
+                item["headers"].append(("x-jlora-replica", self.id))
+                item["headers"].append(("x-jlora-replica-loads", str(self.loads)))
+            yield item
+
+    def __del__(self):
+        self.online.stop()
+
+
+async def _asgi(app, method: str, path: str, query: bytes, headers: list, body: bytes) -> AsyncIterator[dict | bytes]:
+    """Calls the ASGI `app` with one HTTP request; yields the response's status and headers, then its body's
+    chunks. When the caller stops reading (its client left), the app's next receive() is a disconnect."""
+    messages: asyncio.Queue = asyncio.Queue()
+    left = asyncio.Event()
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if pending:
+            return pending.pop()
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    task = asyncio.create_task(app(scope, receive, messages.put))
+    try:
+        while True:
+            getter = asyncio.create_task(messages.get())
+            await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():  # the app returned without finishing its response
+                getter.cancel()
+                task.result()
+                raise RuntimeError(f"the app ended {method} {path} without a complete response")
+            message = getter.result()
+            if message["type"] == "http.response.start":
+                yield {"status": message["status"],
+                       "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body"):
+                    break
+    finally:
+        left.set()
+        await asyncio.wait([task], timeout=5)
+
+
+@serve.deployment
+class Router:
+    """The HTTP ingress: forwards each request to a replica, choosing by the adapter its body names."""
+
+    def __init__(self, replica, config: ServerConfig):
+        self.replica = replica
+        self.base = config.served_model_name
+        self.max_body_bytes = config.max_body_bytes
+
+    async def __call__(self, http: HTTPRequest) -> Response:
+        try:
+            body = await self._body(http)
+        except ApiError as err:
+            return err.response()
+        model = _model_of(body) if http.method == "POST" and http.url.path in _ROUTED else None
+        handle = self.replica.options(stream=True, multiplexed_model_id=model if model and model != self.base else "")
+        stream = handle.handle.remote(http.method, http.url.path, http.url.query.encode(), list(http.headers.raw), body)
+        try:
+            head = await stream.__anext__()
+        except ray.exceptions.RayError as err:
+            stream.cancel()
+            return ApiError(503, f"the replica serving this request failed ({type(err).__name__}); retry",
+                            kind="server_error", headers={"Retry-After": "1"}).response()
+        headers = {k: v for k, v in head["headers"] if k.lower() != "content-length"}
+        events = headers.get("content-type", "").startswith("text/event-stream")
+
+        async def rest() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except ray.exceptions.RayError as err:  # the status line has gone out
+                error = ApiError(500, f"the replica serving this request failed mid-answer ({type(err).__name__})",
+                                 kind="server_error")
+                yield (f"data: {json.dumps(error.body())}\n\n" if events else json.dumps(error.body())).encode()
+            finally:
+                stream.cancel()  # a client that left: the replica's app sees a disconnect and frees the row
+
+        return StreamingResponse(rest(), status_code=head["status"], headers=headers)
+
+    async def _body(self, http: HTTPRequest) -> bytes:
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _model_of(body: bytes) -> str | None:
+    """The body's `model` when it is a JSON object naming one (else the replica's app answers the error)."""
+    try:
+        value = pydantic_core.from_json(body)
+    except ValueError:
+        return None
+    model = value.get("model") if isinstance(value, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def deployment(spec: ReplicaSpec, *, replicas: int = 1, replica_options: dict | None = None) -> serve.Application:
+    """The Ray Serve application: a `Router` over `replicas` `Replica`s of `spec`. `replica_options` go to
+    `Replica.options` as they are (e.g. `{"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}`, which
+    takes the place of `replicas`, or `ray_actor_options`); by default a replica takes
+    `tensor_parallel` GPUs when the cluster has GPUs."""
+    from jlora.server.serve import served_name
+
+    config = dataclasses.replace(spec.config, served_model_name=served_name(spec.model_dir, spec.config))
+    spec = dataclasses.replace(spec, config=config)
+    gpus = spec.engine_options.get("tensor_parallel", 1) if ray.is_initialized() and ray.cluster_resources().get(
+        "GPU") else 0
+    options = {"num_replicas": replicas, "max_ongoing_requests": config.max_waiting + 64,
+               "ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}, **(replica_options or {})}
+    if "autoscaling_config" in options:
+        options.pop("num_replicas")
+    replica = Replica.options(**options).bind(spec)
+    return Router.options(max_ongoing_requests=config.max_connections,
+                          ray_actor_options={"num_cpus": 0}).bind(replica, config)
+
+
+def app(args: dict[str, str]) -> serve.Application:
+    """`serve run jlora.ray:app model=DIR [lora_dir=DIR] [lora=NAME=DIR,...] [replicas=N] [KEY=VALUE ...]`:
+    other keys are `Engine.from_pretrained`'s options (max_loras=8, max_batch=32, ...), integers where they
+    parse as one."""
+    args = dict(args)
+    if "model" not in args:
+        raise ValueError("serve run jlora.ray:app needs model=DIR")
+    model = args.pop("model")
+    lora_dirs = tuple(d for d in args.pop("lora_dir", "").split(",") if d)
+    loras = tuple(tuple(item.split("=", 1)) for item in args.pop("lora", "").split(",") if item)
+    replicas = int(args.pop("replicas", 1))
+    config = ServerConfig(served_model_name=args.pop("served_model_name", None))
+    options = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in args.items()}
+    return deployment(ReplicaSpec(model, config, loras, lora_dirs, options), replicas=replicas)
+
+
+def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None) -> None:
+    """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
+    Ray Serve's HTTP proxy on the config's host and port, until interrupted."""
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    serve.start(http_options={"host": spec.config.host, "port": spec.config.port})
+    serve.run(deployment(spec, replicas=replicas, replica_options=replica_options), name="jlora", route_prefix="/")
+    print(f"jlora: {replicas} replica(s) on Ray Serve at http://{spec.config.host}:{spec.config.port}/v1",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("jlora: shutting down", flush=True)
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):  # a second interrupt leaves the rest to Ray's exit hooks
+            serve.shutdown()
+            ray.shutdown()

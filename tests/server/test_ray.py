@@ -1,0 +1,157 @@
+"""jlora on Ray Serve (`jlora.ray`): a local Ray cluster with 2 replicas of a tiny model behind the router, driven
+over HTTP as a client would. Requests for 7 adapters and the base model from concurrent clients return what
+`Engine.generate` gives each alone; an adapter's requests stay on the replica that loaded it; bad input gets
+the server's 4xx through the router; a replica killed mid-answer fails its requests with a clear error, not a
+hang, and Ray Serve replaces it."""
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+from jlora import testing  # noqa: E402
+from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
+from jlora.engine import Engine  # noqa: E402
+from jlora.server.config import ServerConfig  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ray")
+CFG = testing.tiny_config("llama", vocab_size=120)
+TARGETS = [["q_proj", "v_proj"], LINEAR_MODULES, ["o_proj", "down_proj"], ["gate_proj", "up_proj"]]
+NAMES = [f"t{i}" for i in range(7)]
+OPTIONS = dict(dtype="float32", max_loras=4, max_lora_rank=8, max_batch=8, max_seq_len=160, progress=False)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray")
+    testing.write_model(str(root / "m"), CFG, seed=9)
+    testing.write_tokenizer(str(root / "m"), CFG["vocab_size"])
+    for i, name in enumerate(NAMES):
+        r = (2, 4, 8)[i % 3]
+        testing.write_adapter(str(root / "adapters" / name), CFG, r=r, alpha=2 * r, seed=60 + i,
+                              target_modules=TARGETS[i % len(TARGETS)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(root):
+    from jlora.ray import ReplicaSpec, deployment
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        spec = ReplicaSpec(str(root / "m"), ServerConfig(served_model_name="tiny"),
+                           lora_dirs=(str(root / "adapters"),), engine_options=OPTIONS)
+        serve.run(deployment(spec, replicas=2), name="jlora", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(root):
+    eng = Engine.from_pretrained(str(root / "m"), **OPTIONS)
+    eng.registry.scan(str(root / "adapters"))
+    return eng
+
+
+def body(model: str, i: int) -> dict:
+    """Request i for `model`: greedy for even i, seeded sampling for odd."""
+    return {"model": model, "prompt": [1 + i, 2 + 3 * i, 5, 8 + i], "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0.0 if i % 2 == 0 else 1.0, "seed": 100 + i}
+
+
+async def send_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        return await asyncio.gather(*(client.post(url + "/v1/completions", json=b) for b in bodies))
+
+
+def test_many_adapters_from_concurrent_clients_and_affinity(url, engine):
+    """Each adapter's first request (one at a time) loads it on one replica; then 4 requests per adapter at
+    once. Every answer equals `Engine.generate` of the request alone; all of an adapter's requests went to the
+    replica that loaded it, and no adapter was loaded twice."""
+    models = ["tiny", *NAMES]
+    first = [httpx.post(url + "/v1/completions", json=body(m, 0), timeout=300) for m in models]
+    time.sleep(5)  # the replicas' adapters reach the routers' routing tables (pushed through the controller)
+    bodies = [body(m, i) for m in models for i in range(1, 5)]
+    responses = first + asyncio.run(send_all(url, bodies))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    replica_of: dict[str, set[str]] = {}
+    loads: dict[str, int] = {}
+    for b, r in zip([body(m, 0) for m in models] + bodies, responses):
+        adapter = None if b["model"] == "tiny" else b["model"]
+        alone = engine.generate([b["prompt"]], [adapter], max_new_tokens=6, temperature=b["temperature"],
+                                seed=b["seed"])[0]
+        assert r.json()["choices"][0]["token_ids"] == list(alone), b
+        replica = r.headers["x-jlora-replica"]
+        loads[replica] = max(loads.get(replica, 0), int(r.headers["x-jlora-replica-loads"]))
+        if adapter is not None:
+            replica_of.setdefault(adapter, set()).add(replica)
+    assert all(len(replicas) == 1 for replicas in replica_of.values()), replica_of
+    assert len(set().union(*replica_of.values())) == 2  # both replicas serve
+    assert sum(loads.values()) == len(NAMES)
+
+
+def test_streams_and_bad_input_through_the_router(url):
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+                      json={"model": "t1", "messages": [{"role": "user", "content": "the dog"}], "max_tokens": 4,
+                            "stream": True, "logprobs": True}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 4
+    for path, payload, status, match in [
+            ("/v1/completions", b"{not json", 400, "not valid JSON"),
+            ("/v1/completions", {"model": "nope", "prompt": "the"}, 404, "does not exist"),
+            ("/v1/completions", {"model": "t2", "prompt": "the", "max_tokens": 10**4}, 400, "maximum context"),
+            ("/v1/chat/completions", {"model": "t3", "messages": "hi"}, 400, "messages"),
+            ("/v1/nothing", {}, 404, "no route")]:
+        kw = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
+        response = httpx.post(url + path, timeout=120, **kw)
+        assert response.status_code == status and match in response.json()["error"]["message"], response.text
+    assert {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]} == {"tiny", *NAMES}
+
+
+def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(url):
+    long = {"model": "t4", "prompt": [3, 4, 5], "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+    replica = httpx.post(url + "/v1/completions", json={**long, "max_tokens": 1}, timeout=120).headers["x-jlora-replica"]
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if replica in a["name"]]
+    assert len(actors) == 1, actors
+
+    async def run() -> tuple[list[str], httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            waiting = asyncio.create_task(client.post(url + "/v1/completions", json=long))
+            async with client.stream("POST", url + "/v1/completions", json={**long, "stream": True}) as stream:
+                events = []
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                        if len(events) == 3:  # mid-answer
+                            ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]))
+            return events, await waiting
+
+    events, answer = asyncio.run(asyncio.wait_for(run(), 120))
+    assert "failed mid-answer" in events[-1] and "[DONE]" not in events[-1]
+    if answer.status_code == 200:  # routed to the other replica
+        assert answer.headers["x-jlora-replica"] != replica
+    else:  # held by the killed replica, its answer not begun
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1", answer.text
+        assert "failed (ActorDiedError); retry" in answer.json()["error"]["message"]
+    deadline = time.time() + 180
+    while time.time() < deadline:  # Ray Serve starts a new replica; t4's requests go on
+        response = httpx.post(url + "/v1/completions", json={**long, "max_tokens": 2}, timeout=120)
+        if response.status_code == 200 and response.headers["x-jlora-replica"] != replica:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("no replica answered after the kill")
+    status = serve.status().applications["jlora"].deployments["Replica"]
+    assert sum(status.replica_states.values()) >= 2 or status.status == "HEALTHY"
