@@ -6,9 +6,9 @@ POST /tokenize, POST /detokenize and GET /tokenizer_info (lm-eval's remote token
 /metrics. The OpenAI `model` field names the served base model or a loaded adapter. Completions take a list
 of prompts, `n` and `best_of` choices each, `logprobs` (the top k, OpenAI's legacy format) and `echo` (the
 prompt and, with logprobs, its tokens' log-probabilities; with `max_tokens` 0 nothing is generated: scoring);
-chat takes `n`, `logprobs` and `top_logprobs`. Errors
-answer 4xx (or 503 when the queue is full) with OpenAI's error body, and the server keeps serving; an
-unexpected exception answers a JSON 500 with a request id, its traceback going only to the log.
+chat takes `n`, `logprobs` and `top_logprobs`. Errors answer 4xx (or 503 when the queue is full) with OpenAI's
+error body, and the server keeps serving; an unexpected exception answers a JSON 500 with a request id, its
+traceback going only to the log.
 
 A request's cost is bounded before any heavy work: its body by `max_body_bytes` while it is read, a text
 prompt by its characters before it is tokenized; parsing, chat rendering and tokenizing run on worker
@@ -218,10 +218,13 @@ class _Api:
         if strings and self.engine.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer; the model directory has no tokenizer.json", "stop")
         seed = uuid.uuid4().int % 2**32 if request.seed is None else request.seed
+        # best_of ranks samples by log-probability: computed then even when the answer does not show them
+        sample_logprobs = logprobs if logprobs is not None or best_of == request.n else 0
+        # echo shows the prompt's with logprobs; a scoring request (max_tokens 0) asks for them to run at all
+        prompt_logprobs = (logprobs or 0) if echo is not None and (logprobs is not None or max_tokens == 0) else None
         settings = dict(max_new=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
-                        top_p=1.0 if request.top_p is None else request.top_p, stop=ids,
-                        logprobs=logprobs if logprobs is not None or best_of == request.n else 0,
-                        prompt_logprobs=None if echo is None or (logprobs is None and max_tokens) else logprobs or 0)
+                        top_p=1.0 if request.top_p is None else request.top_p, stop=ids, logprobs=sample_logprobs,
+                        prompt_logprobs=prompt_logprobs)
         return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream, request.n,
                          logprobs, echo)
 
@@ -356,8 +359,9 @@ class _Api:
         def chunk(sample: _Sample, index: int, piece: str | None, finish: str | None, ids: list[int]) -> dict:
             """A choice's chunk: `ids` and their logprobs, or with `finish` the stop token's (if one ended it)."""
             r, sent = sample.request, sample.sent
+            stop_token = r.finish == "stop" and sample.text.finish is None  # not a stop string
             generated = (r.out_logprobs[sent.tokens:sent.tokens + len(ids)] if finish is None
-                         else r.out_logprobs[sent.tokens:] if r.finish is not None else [])
+                         else r.out_logprobs[sent.tokens:] if stop_token else [])
             if chat:
                 logprobs = None if prepared.logprobs is None else chat_logprobs(generated, self.token_texts)
                 delta = {} if piece is None else {"content": piece}
@@ -447,7 +451,7 @@ class _Prepared:
 
     prompts: list[list[int]]
     adapter: str | None
-    settings: dict  # Request's fields shared by every sample: max_new, temperature, top_p, stop, logprobs, ...
+    settings: dict  # Request's fields: max_new, temperature, top_p, stop, logprobs; prompt_logprobs (the first's)
     seeds: list[int]  # each prompt's samples' (best_of of them)
     strings: list[str]  # stop strings
     stream: bool
