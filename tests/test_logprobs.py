@@ -173,3 +173,73 @@ def test_a_scoring_request_needs_prompt_logprobs(engine):
     batcher = Batcher(engine.runner, 2, 32)
     with pytest.raises(ValueError, match="max_new must be >= 1"):
         batcher.add(Request([1, 2], -1, 0))
+
+
+def clone(r: Request) -> Request:
+    """A fresh copy of a request's settings, no fork: what it is run alone."""
+    return Request(r.prompt, r.slot, r.max_new, r.temperature, r.top_p, r.seed, r.stop, logprobs=r.logprobs,
+                   prompt_logprobs=r.prompt_logprobs)
+
+
+def run_batcher(engine, requests, arrivals=None, cancels=()) -> None:
+    """Runs requests in a 4-row batcher: request i added before step arrivals[i], cancels (request, step)."""
+    batcher = Batcher(engine.runner, 4, 96, prefill_chunk=16)
+    arrivals = arrivals or [0] * len(requests)
+    step = 0
+    while step <= max(arrivals) or batcher.busy:
+        for r, at in zip(requests, arrivals):
+            if at == step:
+                batcher.add(r)
+        for r, at in cancels:
+            if at == step and r.finish is None:
+                batcher.cancel(r)
+        if batcher.busy:
+            batcher.step()
+        step += 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_random_mix_matches_each_request_alone(engine, seed):
+    """Generation with and without log-probabilities, scoring requests and forks of other requests, over the
+    base model and two adapters, arriving over time into 4 rows, some cancelled: each request that was not
+    cancelled gets the tokens it gets alone, and log-probabilities within 2e-5 of its own run alone."""
+    rng = np.random.default_rng(seed)
+    names = ["a0", "a1"]
+    engine._make_resident(names)
+    engine.pool.hold(names)
+    try:
+        slots = [-1] + [engine.pool.slot(a) for a in names]
+        requests = []
+        for _ in range(14):
+            kind = rng.choice(["gen", "logprobs", "score", "fork"])
+            sources = [r for r in requests if r.max_new > 0 and r.fork_of is None]
+            if kind == "fork" and sources:
+                source = sources[int(rng.integers(len(sources)))]
+                requests.append(Request(source.prompt, source.slot, int(rng.integers(1, 8)), 0.9,
+                                        seed=int(rng.integers(2**31)), logprobs=int(rng.integers(0, 3)),
+                                        fork_of=source))
+                continue
+            prompt = rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 41))).tolist()
+            slot = int(rng.choice(slots))
+            if kind == "score":
+                requests.append(Request(prompt, slot, 0, prompt_logprobs=2))
+            else:
+                requests.append(Request(prompt, slot, int(rng.integers(1, 9)), float(rng.choice([0.0, 0.9])),
+                                        seed=int(rng.integers(2**31)),
+                                        logprobs=3 if kind == "logprobs" else None))
+        arrivals = sorted(int(a) for a in rng.integers(0, 12, len(requests)))
+        arrivals = [max(a, arrivals[requests.index(r.fork_of)]) if r.fork_of else a  # a fork after its source
+                    for r, a in zip(requests, arrivals)]
+        cancelled = [requests[int(i)] for i in rng.choice(len(requests), 2, replace=False)]
+        run_batcher(engine, requests, arrivals, [(r, int(rng.integers(0, 15))) for r in cancelled])
+        for r in requests:
+            if r.finish == "cancelled":
+                continue
+            alone = clone(r)
+            run_batcher(engine, [alone])
+            assert r.out == alone.out and r.finish == alone.finish, r
+            for got, want in ((r.out_logprobs, alone.out_logprobs), (r.prompt_out_logprobs, alone.prompt_out_logprobs)):
+                assert [None if t is None else t.token for t in got] == [None if t is None else t.token for t in want]
+                np.testing.assert_allclose([t.logprob for t in got if t], [t.logprob for t in want if t], atol=2e-5)
+    finally:
+        engine.pool.release(names)
