@@ -131,16 +131,20 @@ class TensorParallel:
         row-parallel layers split along K; the rest replicated."""
         columns = P(None, AXIS)  # no trailing None: the spec an adapter write's jit returns, so loads never recompile
         split = {"qkv": columns, "o": P(), "gate_up": columns, "down": P()}
+        inputs = {"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)}
         layers = []
         for i in range(self.config.num_layers):
             layer = None if like is None else like.layers[i]
+            kept = lambda specs, parts: None if parts is None else {g: specs[g] for g in parts}  # like's groups
             layers.append(LayerLoRA(
-                a={"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)}, b=split,
-                scale=None if layer is None or layer.scale is None else split,
-                shift=None if layer is None or layer.shift is None else split))
+                a=inputs if layer is None else kept(inputs, layer.a), b=split if layer is None else kept(split, layer.b),
+                scale=None if layer is None else kept(split, layer.scale),
+                shift=None if layer is None else kept(split, layer.shift)))
         lm_columns = columns if self.vocab_parallel else P()
+        held = lambda part, spec: spec if like is None or getattr(like, part) is not None else None
         optional = lambda part, spec: None if like is None or getattr(like, part) is None else spec
-        return LoRAWeights(layers=tuple(layers), embed_a=P(), embed_b=P(), lm_head_a=P(), lm_head_b=lm_columns,
+        return LoRAWeights(layers=tuple(layers), embed_a=held("embed_a", P()), embed_b=held("embed_b", P()),
+                           lm_head_a=held("lm_head_a", P()), lm_head_b=held("lm_head_b", lm_columns),
                            lm_head_scale=optional("lm_head_scale", lm_columns),
                            lm_head_shift=optional("lm_head_shift", lm_columns),
                            rows=optional("rows", RowOverrides(P(), P(), P(), P())),

@@ -1,8 +1,8 @@
 """`ModelRunner`: the compiled model steps over a KV cache, and what they need on the host.
 
 The model runs as one jitted pure function of (model definition, parameters, batch, cache, adapter weights);
-the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix or loading
-adapters never recompiles. Prompt pieces come in power-of-two buckets (`bucket`), which bound the
+the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix never
+recompiles, nor does loading an adapter unless it targets a part no earlier adapter did (`step_weights`). Prompt pieces come in power-of-two buckets (`bucket`), which bound the
 compilations: per (rows, cache length) one decode step and one mixed step per prompt bucket, each with and
 without the LoRA ops (a step of base-model tokens only skips them), with the top-p sort only when a request
 asks for it, and with log-probabilities (`jlora.logprobs`) only when a request asks for them.

@@ -190,8 +190,9 @@ def write_tokenizer(path: str, vocab_size: int, chat_template: str | None = CHAT
 
 def compile_prefill(engine, prompts: list[list[int]]) -> None:
     """Runs `engine`'s prefill of `prompts` with and without the LoRA ops (the two variants `prefill_logits`
-    compiles per shape), the LoRA one with every token on slot 0 whether or not an adapter is loaded there:
-    what a test compiles before it loads adapters and checks that nothing recompiles."""
+    compiles per shape), the LoRA one with every token on slot 0 whether or not an adapter is loaded there: what
+    a test compiles before it loads more adapters and checks that nothing recompiles. The LoRA variant holds the
+    parts the adapters installed so far target (`AdapterPool.step_weights`): load one of each kind first."""
     from jlora.runner import pack_prompts
 
     engine.prefill_logits(prompts, [None] * len(prompts))

@@ -160,7 +160,7 @@ def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):
     seen.clear()
     engine.prefill_logits([[1, 2], [3]], [None, "a1"])
     engine.generate([[1, 2], [3]], [None, "a1"], max_new_tokens=3)
-    assert seen and all(w is not None and w.embed_a is engine.pool.weights.embed_a for w in seen)
+    assert seen and all(w is not None and w is engine.pool.step_weights for w in seen)
 
 
 def test_generation_errors(engine):

@@ -2,7 +2,7 @@
 
 A load is two calls: `prepare` parses and validates the adapter on the host (`read_adapter`; any thread), and
 `install` writes its slot with one jitted update of fixed shapes, so a failed load leaves every slot as it was
-and a successful one never recompiles the model. `stage`, on any thread in between, copies the prepared
+and a successful one recompiles the model only when it is the first to target a part (`step_weights`). `stage`, on any thread in between, copies the prepared
 adapter to the device, so that the update only writes device memory. When the pool is full, `install` evicts the least recently
 used adapter that no running request holds, or refuses (`evict="refuse"`).
 """
@@ -51,6 +51,9 @@ class BaseWeights(Protocol):
 
     def linear(self, layer: int | None, group: str) -> tuple[jax.Array, jax.Array | None]:
         """(weight [K, N], bias [N] or None) of a layer's fused group; layer None, group "lm_head": [H, V]."""
+
+
+_GROUP = "group:"  # a slot's feature per fused group its adapter targets ("group:qkv", ...)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -130,6 +133,9 @@ class AdapterPool:
         self.ranks = np.zeros(max_loras, np.int32)
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
+        # The groups (and embedding, lm_head) any adapter installed so far targeted: kept in the step after it
+        # leaves, so that residency churn never brings back a variant without them.
+        self._targeted: set[str] = set()
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
         self._generation: dict[str, int] = {}  # name -> the registration generation installed under it
         self.evictions = 0  # adapters evicted to make room, so far
@@ -140,22 +146,31 @@ class AdapterPool:
 
     @property
     def step_weights(self) -> LoRAWeights:
-        """The weights a step takes: the optional parts that no loaded adapter uses left out (None), so such a
-        step compiles and runs as if they did not exist. Built once per change of the weights or the loaded
-        adapters' features, not on every step."""
-        used = frozenset().union(*(self._features[s] for s in self._slots.values()))
+        """The weights a step takes: the optional parts that no loaded adapter uses left out (None), and the
+        groups, embedding and lm_head that no adapter installed so far targeted (all but q|k|v, for adapters of
+        q_proj and v_proj only), so such a step compiles and runs as if they did not exist: no LoRA op for them.
+        Built once per change of the weights or the loaded adapters' features, not on every step."""
+        used = frozenset().union(*(self._features[s] for s in self._slots.values()), self._targeted)
         if self._step_cache is None or self._step_cache[0] is not self.weights or self._step_cache[1] != used:
             self._step_cache = (self.weights, used, self._without_unused(self.weights, used))
         return self._step_cache[2]
 
     @staticmethod
     def _without_unused(w: LoRAWeights, used: frozenset[str]) -> LoRAWeights:
+        def targeted(parts: dict | None, on: bool = True) -> dict | None:
+            return None if parts is None or not on else {g: x for g, x in parts.items() if _GROUP + g in used}
+
+        lm_head = "lm_head" in used
         return dataclasses.replace(
             w,
-            layers=tuple(dataclasses.replace(layer, scale=layer.scale if "scale" in used else None,
-                                             shift=layer.shift if "shift" in used else None) for layer in w.layers),
-            lm_head_scale=w.lm_head_scale if "scale" in used else None,
-            lm_head_shift=w.lm_head_shift if "shift" in used else None,
+            layers=tuple(LayerLoRA(targeted(layer.a), targeted(layer.b), targeted(layer.scale, "scale" in used),
+                                   targeted(layer.shift, "shift" in used)) for layer in w.layers),
+            embed_a=w.embed_a if "embed" in used else None,
+            embed_b=w.embed_b if "embed" in used else None,
+            lm_head_a=w.lm_head_a if lm_head else None,
+            lm_head_b=w.lm_head_b if lm_head else None,
+            lm_head_scale=w.lm_head_scale if lm_head and "scale" in used else None,
+            lm_head_shift=w.lm_head_shift if lm_head and "shift" in used else None,
             rows=w.rows if "rows" in used else None,
             rope_factor=w.rope_factor if "rope" in used else None,
         )
@@ -242,7 +257,10 @@ class AdapterPool:
         host, scale, shift = prepared.host, prepared.scale, prepared.shift
         features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
                                              ("rows", host.embed_rows or host.lm_head_rows),
-                                             ("rope", host.rope_factor != 1.0)] if on)
+                                             ("rope", host.rope_factor != 1.0), ("embed", host.embed is not None),
+                                             ("lm_head", host.lm_head is not None)] if on)
+        features |= {_GROUP + g for layer in host.layers for g in layer}
+        self._targeted |= {f for f in features if f.startswith(_GROUP) or f in ("embed", "lm_head")}
         slot = self._free_slot(name)
         self._allocate(features)
         self.weights = _write_slot(self.weights, np.int32(slot), self._slot_values(host, scale, shift))

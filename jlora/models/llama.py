@@ -142,7 +142,7 @@ def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: Laye
     GEMM goes before the LoRA kernels in XLA's schedule (see `Transformer.__call__`).
     """
     out = proj(x)
-    if lora is not None:
+    if lora is not None and name in group.a:  # a group no loaded adapter targets is left out of the weights
         if ordered and lora.base_first:
             out, x = jax.lax.optimization_barrier((out, x))
         scale = None if group.scale is None else group.scale[name]
@@ -366,7 +366,8 @@ class Transformer(nnx.Module):
         x = embed[ids]  # [T, H]
         factor = None
         if ctx is not None:
-            x = lora_embedding(ids, lora.embed_a, lora.embed_b, info, x, backend=backend)
+            if lora.embed_a is not None:  # None: no loaded adapter targets the embedding
+                x = lora_embedding(ids, lora.embed_a, lora.embed_b, info, x, backend=backend)
             if lora.rows is not None:
                 x = _override_rows(x, flat, info.token_slot, lora.rows.embed_ids, lora.rows.embed_rows)
             if lora.rope_factor is not None:  # LongLoRA: linear RoPE scaling by each token's adapter's factor
@@ -397,7 +398,7 @@ class Transformer(nnx.Module):
                                 precision=dot_precision(x.dtype)).astype(x.dtype)
         else:
             logits = self.lm_head(x)
-        if ctx is not None:  # no barrier (base_first) here: see its docstring
+        if ctx is not None and lora.lm_head_a is not None:  # no barrier (base_first) here: see its docstring
             logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, ctx.info,
                                  slice_sizes=(self.config.vocab_size,), backend=backend, scale=lora.lm_head_scale,
                                  shift=lora.lm_head_shift)

@@ -184,12 +184,41 @@ def test_loads_and_mixes_do_not_recompile(tmp_path, model_dir):
         testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=2 + i, alpha=8, seed=i, target_modules=["q_proj", "down_proj"])
     rng = np.random.default_rng(0)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    engine.load_adapter("a0", str(tmp_path / "a0"))  # the parts every later adapter targets: in the variant
     testing.compile_prefill(engine, prompts)
     compiled = forward._cache_size()
-    for i in range(5):
+    for i in range(1, 5):
         if len(engine.adapters) == 3:
             engine.unload_adapter(engine.adapters[0])
         engine.load_adapter(f"a{i}", str(tmp_path / f"a{i}"))
         names = engine.adapters + [None]
         engine.prefill_logits(prompts, [names[j] for j in rng.integers(0, len(names), 3)])
     assert forward._cache_size() == compiled
+
+
+def test_a_step_runs_only_the_parts_adapters_target(tmp_path, model_dir):
+    """Adapters of q_proj and v_proj: the step's weights hold the q|k|v group only (no other group, embedding or
+    lm_head), and a request's logits are those of a step that holds every part (beside an adapter of every
+    module, the embedding and the lm_head). A part stays in the step after the adapter that brought it leaves."""
+    from jlora.adapters.peft import LINEAR_MODULES
+
+    engine = _engine(model_dir)
+    testing.write_adapter(str(tmp_path / "qv"), CFG, r=4, alpha=8, seed=1, target_modules=["q_proj", "v_proj"])
+    testing.write_adapter(str(tmp_path / "all"), CFG, r=4, alpha=8, seed=2, target_modules=LINEAR_MODULES,
+                          embeddings=True, lm_head=True)
+    engine.load_adapter("qv", str(tmp_path / "qv"))
+    w = engine.pool.step_weights
+    assert all(set(layer.a) == set(layer.b) == {"qkv"} for layer in w.layers)
+    assert w.embed_a is None and w.lm_head_a is None
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    alone = engine.prefill_logits(prompts, ["qv", "qv"])
+    engine.load_adapter("all", str(tmp_path / "all"))
+    w = engine.pool.step_weights
+    assert all(set(layer.a) == {"qkv", "o", "gate_up", "down"} for layer in w.layers)
+    assert w.embed_a is not None and w.lm_head_a is not None
+    mixed = engine.prefill_logits(prompts + prompts, ["qv", "qv", "all", "all"])
+    for a, b in zip(alone, mixed[:2]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(mixed[2], alone[0])
+    engine.unload_adapter("all")
+    assert engine.pool.step_weights.lm_head_a is not None
