@@ -122,7 +122,8 @@ def test_streams_and_bad_input_through_the_router(url):
 
 def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(url):
     long = {"model": "t4", "prompt": [3, 4, 5], "max_tokens": 150, "ignore_eos": True, "temperature": 0}
-    replica = httpx.post(url + "/v1/completions", json={**long, "max_tokens": 1}, timeout=120).headers["x-jlora-replica"]
+    first = httpx.post(url + "/v1/completions", json={**long, "max_tokens": 1}, timeout=120)
+    replica = first.headers["x-jlora-replica"]
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if replica in a["name"]]
     assert len(actors) == 1, actors
 
