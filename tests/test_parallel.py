@@ -1,5 +1,5 @@
-"""Tensor parallelism on 4 virtual CPU devices: TP logits and generations (greedy and sampled) equal
-single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
+"""Tensor parallelism on 4 virtual CPU devices: TP logits, generations (greedy and sampled), scores and
+log-probabilities equal single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
 split along the vocabulary or replicated; adapter loads do not recompile and steps copy nothing between
 devices. Each case runs in a subprocess, since the device count must be set before JAX starts."""
 
@@ -53,10 +53,17 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
                          engine.generate(prompts, adapters, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=5)]
         if size > 1:  # a prefill and a decode step per variant (one device also keys host tokens apart, uncompiled)
             assert generate_step._cache_size() - compiled == 4, "a decode step compiled twice"
-        results.append((engine.prefill_logits(prompts, adapters), generated))
-    (logits_1, gen_1), (logits_tp, gen_tp) = results
+        scores = engine.score(prompts, [[7, 8, 9]] * len(prompts), adapters)  # log_softmax over split logits
+        with_logprobs = engine.generate(prompts, adapters, max_new_tokens=4, logprobs=3)
+        results.append((engine.prefill_logits(prompts, adapters), generated, scores, with_logprobs))
+    (logits_1, gen_1, scores_1, lp_1), (logits_tp, gen_tp, scores_tp, lp_tp) = results
     for one, many in zip(logits_1, logits_tp):
         np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-4)
+    for one, many in zip(scores_1, scores_tp):
+        np.testing.assert_allclose(many.token_logprobs, one.token_logprobs, atol=1e-4)
+    for one, many in zip(lp_1, lp_tp):
+        assert list(many) == list(one) and [t.top[0][0] for t in many.logprobs] == [t.top[0][0] for t in one.logprobs]
+        np.testing.assert_allclose([t.logprob for t in many.logprobs], [t.logprob for t in one.logprobs], atol=1e-4)
     # Sampling on vocabulary-split logits draws what one device draws (JAX's random bits ignore sharding).
     assert [[list(g) for g in run] for run in gen_1] == [[list(g) for g in run] for run in gen_tp]
     print("ok")
