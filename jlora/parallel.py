@@ -132,12 +132,13 @@ class TensorParallel:
         columns = P(None, AXIS)  # no trailing None: the spec an adapter write's jit returns, so loads never recompile
         split = {"qkv": columns, "o": P(), "gate_up": columns, "down": P()}
         inputs = {"qkv": P(), "o": P(None, None, AXIS), "gate_up": P(), "down": P(None, None, AXIS)}
+        kept = lambda specs, parts: None if parts is None else {g: specs[g] for g in parts}  # like's groups
         layers = []
         for i in range(self.config.num_layers):
             layer = None if like is None else like.layers[i]
-            kept = lambda specs, parts: None if parts is None else {g: specs[g] for g in parts}  # like's groups
             layers.append(LayerLoRA(
-                a=inputs if layer is None else kept(inputs, layer.a), b=split if layer is None else kept(split, layer.b),
+                a=inputs if layer is None else kept(inputs, layer.a),
+                b=split if layer is None else kept(split, layer.b),
                 scale=None if layer is None else kept(split, layer.scale),
                 shift=None if layer is None else kept(split, layer.shift)))
         lm_columns = columns if self.vocab_parallel else P()

@@ -35,6 +35,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
 from jlora.server.config import ServerConfig
+from jlora.server.app import read_body
 from jlora.server.errors import ApiError
 
 __all__ = ["ReplicaSpec", "Replica", "Router", "app", "deployment", "run"]
@@ -155,11 +156,11 @@ class Router:
     def __init__(self, replica, config: ServerConfig):
         self.replica = replica
         self.base = config.served_model_name
-        self.max_body_bytes = config.max_body_bytes
+        self.config = config
 
     async def __call__(self, http: HTTPRequest) -> Response:
         try:
-            body = await self._body(http)
+            body = await read_body(http, self.config)
         except ApiError as err:
             return err.response()
         model = _model_of(body) if http.method == "POST" and http.url.path in _ROUTED else None
@@ -186,15 +187,6 @@ class Router:
                 stream.cancel()  # a client that left: the replica's app sees a disconnect and frees the row
 
         return StreamingResponse(rest(), status_code=head["status"], headers=headers)
-
-    async def _body(self, http: HTTPRequest) -> bytes:
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
 
 def _model_of(body: bytes) -> str | None:

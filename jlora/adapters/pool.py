@@ -2,9 +2,10 @@
 
 A load is two calls: `prepare` parses and validates the adapter on the host (`read_adapter`; any thread), and
 `install` writes its slot with one jitted update of fixed shapes, so a failed load leaves every slot as it was
-and a successful one recompiles the model only when it is the first to target a part (`step_weights`). `stage`, on any thread in between, copies the prepared
-adapter to the device, so that the update only writes device memory. When the pool is full, `install` evicts the least recently
-used adapter that no running request holds, or refuses (`evict="refuse"`).
+and a successful one recompiles the model only when it is the first to target a part (`step_weights`).
+`stage`, on any thread in between, copies the prepared adapter to the device, so that the update only writes
+device memory. When the pool is full, `install` evicts the least recently used adapter that no running request
+holds, or refuses (`evict="refuse"`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class BaseWeights(Protocol):
         """(weight [K, N], bias [N] or None) of a layer's fused group; layer None, group "lm_head": [H, V]."""
 
 
-_GROUP = "group:"  # a slot's feature per fused group its adapter targets ("group:qkv", ...)
+_GROUP = "group:"  # a fused group g an adapter targets is `_GROUP + g` in `AdapterPool._targeted`
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -257,10 +258,10 @@ class AdapterPool:
         host, scale, shift = prepared.host, prepared.scale, prepared.shift
         features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
                                              ("rows", host.embed_rows or host.lm_head_rows),
-                                             ("rope", host.rope_factor != 1.0), ("embed", host.embed is not None),
-                                             ("lm_head", host.lm_head is not None)] if on)
-        features |= {_GROUP + g for layer in host.layers for g in layer}
-        self._targeted |= {f for f in features if f.startswith(_GROUP) or f in ("embed", "lm_head")}
+                                             ("rope", host.rope_factor != 1.0)] if on)
+        self._targeted |= {_GROUP + g for layer in host.layers for g in layer}
+        self._targeted |= {name for name, part in [("embed", host.embed), ("lm_head", host.lm_head)]
+                           if part is not None}
         slot = self._free_slot(name)
         self._allocate(features)
         self.weights = _write_slot(self.weights, np.int32(slot), self._slot_values(host, scale, shift))

@@ -50,7 +50,7 @@ from jlora.server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequ
                                   UnloadLoraRequest, parse)
 from jlora.server.text import StreamText
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "read_body"]
 
 logger = logging.getLogger("jlora.server")
 
@@ -80,24 +80,7 @@ class _Api:
 
     # --- request parsing (off the event loop but for the body's reading) -----------------------------------
     async def read_body(self, http: HTTPRequest) -> bytes:
-        """The request's body, refused (413) once it passes max_body_bytes and (408) after body_timeout."""
-        limit = self.config.max_body_bytes
-        declared = http.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or len(declared) > 18 or int(declared) > limit):
-            raise ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)")
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.config.body_timeout):
-                async for chunk in http.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)")
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} s") from None
-        except ClientDisconnect:  # nobody hears the answer; it only keeps the log free of a traceback
-            raise ApiError(400, "the client disconnected while sending the body") from None
-        return b"".join(chunks)
+        return await read_body(http, self.config)
 
     def adapter_of(self, model: str) -> str | None:
         if model == self.name:
@@ -402,6 +385,27 @@ class _Api:
             yield f"data: {json.dumps(_internal_error(err).body())}\n\n"
         finally:
             self._cancel_unfinished([s.request for s in samples])  # a client that left mid-stream: rows free
+
+
+async def read_body(http: HTTPRequest, config: ServerConfig) -> bytes:
+    """The request's body, refused (413) once it passes max_body_bytes and (408) after body_timeout."""
+    limit = config.max_body_bytes
+    declared = http.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or len(declared) > 18 or int(declared) > limit):
+        raise ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(config.body_timeout):
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {config.body_timeout:g} s") from None
+    except ClientDisconnect:  # nobody hears the answer; it only keeps the log free of a traceback
+        raise ApiError(400, "the client disconnected while sending the body") from None
+    return b"".join(chunks)
 
 
 def _quoted(text: str) -> str:
