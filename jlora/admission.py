@@ -233,7 +233,10 @@ class Admission:
                     user_update(r)
 
             request.on_update = on_update
-        add(request)
+        try:
+            add(request)
+        except ValueError as err:  # the batcher refuses it: it ends alone (and gives back its adapter)
+            _end(request, "error", str(err), 400)
 
 
 def _end(request: Request, finish: str, error: str | None = None, status: int | None = None) -> None:

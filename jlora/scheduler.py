@@ -45,7 +45,8 @@ class Request:
     With `logprobs` = k (not None), `out_logprobs` holds each token of `out` with its log-probability and the
     k most likely tokens, and last the stop token's when one ended the request. With `prompt_logprobs` = k,
     `prompt_out_logprobs` holds the same for each prompt token (None for the first, which nothing predicts),
-    complete by the first token; then `max_new` may be 0 (scoring: the request ends once its prompt is in).
+    complete by the first token; then `max_new` may be 0 (scoring: the request ends once its prompt is in), and
+    so for a fork of such a request.
 
     A request `fork_of` another with the same prompt (another sample of it) shares its prefill: once that
     request's prompt is in the cache, and while it still holds its row, this one takes a free row as a copy of
@@ -99,7 +100,8 @@ class Batcher:
     def add(self, request: Request) -> None:
         if not request.prompt:
             raise ValueError("the prompt is empty")
-        if request.max_new < (0 if request.prompt_logprobs is not None else 1):
+        scoring = request.prompt_logprobs is not None or request.fork_of is not None  # a fork: its source scores
+        if request.max_new < (0 if scoring else 1):
             raise ValueError(f"max_new must be >= 1 (>= 0 when scoring the prompt), got {request.max_new}")
         fork = request.fork_of
         if fork is not None and (fork.prompt != request.prompt or request.prompt_logprobs is not None):

@@ -96,6 +96,10 @@ def test_scoring_requests_through_the_openai_client(server, fixture):
     want = [log_softmax(arrays["dora/0"])[j - 1, t] for j, t in enumerate(prompt) if j]
     np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], want, atol=1e-4)
     assert choice.finish_reason == "length"
+    both = post(server, "/v1/completions", {"model": "dora", "prompt": prompt, "echo": True, "logprobs": 1,
+                                            "max_tokens": 0, "n": 2})  # the second a fork of the first
+    assert [c["logprobs"] for c in both["choices"]] == [both["choices"][0]["logprobs"]] * 2
+    np.testing.assert_allclose(both["choices"][0]["logprobs"]["token_logprobs"][1:], want, atol=1e-4)
 
 
 def test_streamed_logprobs_are_the_whole_answers(server):

@@ -22,6 +22,7 @@ def engine(tmp_path_factory):
     testing.write_adapter(str(root / "a"), cfg, r=4, alpha=8, seed=4)
     eng = Engine.from_pretrained(str(root / "m"), dtype="float32", max_batch=2, max_seq_len=32, progress=False)
     eng.load_adapter("a", str(root / "a"))
+    eng.root_a = str(root / "a")
     return eng
 
 
@@ -47,5 +48,22 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypa
         assert run(online, [1, 2, 3], "a", 5).out == want[0]
         assert run(online, [1], "gone", 5).finish == "error"  # an adapter not loaded: refused at intake
         online.call(lambda: engine.unload_adapter("a")).result(timeout=10)  # no hold leaked by the failed request
+    finally:
+        online.stop()
+
+
+def test_a_request_the_batcher_refuses_ends_alone_and_the_loop_goes_on(engine):
+    """Before: a request that `Batcher.add` refused (max_new 0 without scoring, a prompt longer than the rows)
+    raised on the loop thread and stopped it, hanging every request after it."""
+    if "a" not in engine.adapters:  # unloaded by the test before
+        engine.load_adapter("a", engine.root_a)
+    online = OnlineEngine(engine)
+    online.start()
+    try:
+        for prompt, adapter, max_new in [([1, 2], "a", 0), ([1] * 40, None, 4)]:
+            refused = run(online, prompt, adapter, max_new)
+            assert refused.finish == "error" and refused.status == 400 and refused.error
+        assert run(online, [1, 2, 3], "a", 5).out == list(engine.generate([[1, 2, 3]], ["a"], max_new_tokens=5)[0])
+        online.call(lambda: engine.unload_adapter("a")).result(timeout=10)  # the refused request gave "a" back
     finally:
         online.stop()
