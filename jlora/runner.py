@@ -123,7 +123,7 @@ def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_s
 def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, lora, token_slot, ranks, seeds,
                   token_index, temperature, top_p, *, prefill: Group | None = None, prefill_last=None,
                   prefill_next=None, block_m: int, backend: str, tp: TensorParallel | None = None,
-                  nucleus: bool = False, logprobs: bool = False):
+                  nucleus: bool = False, logprobs: int = 0):
     """One step of the engine over its R cache rows: every row's decode token (tokens, positions, valid
     [R, 1]; rows that do not decode are not valid), and, when given, the `prefill` group: prompt pieces
     written into other rows, `prefill_last` [Bp] the index in its piece of the token whose logits give that
@@ -132,7 +132,7 @@ def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, 
 
     Row r samples its next token with its own key, `request_keys(seeds, token_index)` ([R] each; `nucleus`:
     see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's `tokens`, the cache,
-    and with `logprobs` a `StepLogprobs`, else None): with a prefill group the logits of every piece token
+    and with `logprobs` (a `top_width`; 0: none) a `StepLogprobs`, else None): with a prefill group the logits of every piece token
     are computed, and `prefill_next` [Bp, Sp] names the prompt token each one predicts (-1: none). The key
     folding and that layout live here so the engine's pipelined loop dispatches nothing else per step.
     """
@@ -154,8 +154,8 @@ def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, 
     next_tokens = sample_tokens(logits, keys, temperature, top_p, nucleus=nucleus)
     lp = None
     if logprobs:
-        lp = StepLogprobs(top_logprobs(logits, next_tokens),
-                          None if prefill is None else top_logprobs(pieces, prefill_next.reshape(-1)))
+        lp = StepLogprobs(top_logprobs(logits, next_tokens, logprobs),
+                          None if prefill is None else top_logprobs(pieces, prefill_next.reshape(-1), logprobs))
     return next_tokens[:, None], cache, lp
 
 
@@ -247,7 +247,7 @@ class ModelRunner:
 
     def step(self, tokens, positions, valid, cache, token_slot, seeds, token_index, temperature, top_p,
              nucleus: bool, prefill: Group | None = None, prefill_slots: np.ndarray | None = None,
-             prefill_last: np.ndarray | None = None, prefill_next: np.ndarray | None = None, logprobs: bool = False):
+             prefill_last: np.ndarray | None = None, prefill_next: np.ndarray | None = None, logprobs: int = 0):
         """Dispatches one `generate_step` (token_slot [R]: the decode tokens' slots; prefill_slots [Bp, Sp]: the
         pieces'); returns (next tokens [R, 1] on the device, cache, `StepLogprobs` or None)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 import numpy as np
 
-from jlora.logprobs import StepLogprobs, TokenLogprob, to_host
+from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
 from jlora.models.llama import Group
 from jlora.runner import ModelRunner, bucket, pack_prompts
 
@@ -267,8 +267,9 @@ class Batcher:
                 following = r.prompt[start + 1: start + length + 1]
                 prefill_next[i, : len(following)] = following
             prefill = Group(tokens, positions, valid, rows)
-        logprobs = (any(r.logprobs is not None for _, r in sampling)
-                    or any(r.prompt_logprobs is not None for _, r, _, _ in pieces))
+        asked = ([r.logprobs for _, r in sampling if r.logprobs is not None]
+                 + [r.prompt_logprobs for _, r, _, _ in pieces if r.prompt_logprobs is not None])
+        logprobs = top_width(max(asked)) if asked else 0
         # [R, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
         last = (self.runner.like_step_outputs(self.last_token[:, None]) if self.in_flight is None
                 else self.in_flight.tokens)

@@ -175,6 +175,9 @@ def test_a_scoring_request_needs_prompt_logprobs(engine):
         batcher.add(Request([1, 2], -1, 0))
 
 
+KS = (0, 1, 3, 7, 20)  # alternatives asked: every `top_width` bucket, and its edges
+
+
 def clone(r: Request) -> Request:
     """A fresh copy of a request's settings, no fork: what it is run alone."""
     return Request(r.prompt, r.slot, r.max_new, r.temperature, r.top_p, r.seed, r.stop, logprobs=r.logprobs,
@@ -202,7 +205,8 @@ def run_batcher(engine, requests, arrivals=None, cancels=()) -> None:
 def test_a_random_mix_matches_each_request_alone(engine, seed):
     """Generation with and without log-probabilities, scoring requests and forks of other requests, over the
     base model and two adapters, arriving over time into 4 rows, some cancelled: each request that was not
-    cancelled gets the tokens it gets alone, and log-probabilities within 2e-5 of its own run alone."""
+    cancelled gets the tokens it gets alone, and log-probabilities (and the k alternatives it asks for, the k
+    of one step's requests falling in different `top_width`s) within 2e-5 of its own run alone."""
     rng = np.random.default_rng(seed)
     names = ["a0", "a1"]
     engine._make_resident(names)
@@ -216,17 +220,17 @@ def test_a_random_mix_matches_each_request_alone(engine, seed):
             if kind == "fork" and sources:
                 source = sources[int(rng.integers(len(sources)))]
                 requests.append(Request(source.prompt, source.slot, int(rng.integers(1, 8)), 0.9,
-                                        seed=int(rng.integers(2**31)), logprobs=int(rng.integers(0, 3)),
+                                        seed=int(rng.integers(2**31)), logprobs=int(rng.choice(KS)),
                                         fork_of=source))
                 continue
             prompt = rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 41))).tolist()
             slot = int(rng.choice(slots))
             if kind == "score":
-                requests.append(Request(prompt, slot, 0, prompt_logprobs=2))
+                requests.append(Request(prompt, slot, 0, prompt_logprobs=int(rng.choice(KS[1:]))))
             else:
                 requests.append(Request(prompt, slot, int(rng.integers(1, 9)), float(rng.choice([0.0, 0.9])),
                                         seed=int(rng.integers(2**31)),
-                                        logprobs=3 if kind == "logprobs" else None))
+                                        logprobs=int(rng.choice(KS)) if kind == "logprobs" else None))
         arrivals = sorted(int(a) for a in rng.integers(0, 12, len(requests)))
         arrivals = [max(a, arrivals[requests.index(r.fork_of)]) if r.fork_of else a  # a fork after its source
                     for r, a in zip(requests, arrivals)]
@@ -235,11 +239,16 @@ def test_a_random_mix_matches_each_request_alone(engine, seed):
         for r in requests:
             if r.finish == "cancelled":
                 continue
+            assert all(len(t.top) == r.logprobs for t in r.out_logprobs)
+            assert all(len(t.top) == r.prompt_logprobs for t in r.prompt_out_logprobs if t)
             alone = clone(r)
             run_batcher(engine, [alone])
             assert r.out == alone.out and r.finish == alone.finish, r
             for got, want in ((r.out_logprobs, alone.out_logprobs), (r.prompt_out_logprobs, alone.prompt_out_logprobs)):
                 assert [None if t is None else t.token for t in got] == [None if t is None else t.token for t in want]
                 np.testing.assert_allclose([t.logprob for t in got if t], [t.logprob for t in want if t], atol=2e-5)
+                assert [[i for i, _ in t.top] for t in got if t] == [[i for i, _ in t.top] for t in want if t]
+                np.testing.assert_allclose([v for t in got if t for _, v in t.top],
+                                           [v for t in want if t for _, v in t.top], atol=2e-5)
     finally:
         engine.pool.release(names)
