@@ -54,3 +54,19 @@ def worst_row_err(out, ref) -> float:
     bound that the global `rel_err` of a large T would let through (one row in 8192 moves it by about 1 %)."""
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float((np.linalg.norm(out - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)).max())
+
+
+def paged_attention_np(q, k_pages, v_pages, positions, tables, window=None):
+    """[B, KV, G, D] float64: each request's query against its positions 0..position (those in the window),
+    gathered one by one from the blocks its table names (position p: block tables[b, p // S], offset p % S)."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    size = k_pages.shape[2]
+    out = np.zeros(q.shape)
+    for b, pos in enumerate(np.asarray(positions)):
+        seen = [p for p in range(int(pos) + 1) if window is None or p > pos - window]
+        keys = np.stack([k_pages[tables[b][p // size], :, p % size] for p in seen], axis=1)  # [KV, T, D]
+        values = np.stack([v_pages[tables[b][p // size], :, p % size] for p in seen], axis=1)
+        scores = np.einsum("kgd,ktd->kgt", q[b], keys) / np.sqrt(q.shape[-1])
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        out[b] = np.einsum("kgt,ktd->kgd", weights / weights.sum(axis=-1, keepdims=True), values)
+    return out

@@ -2,7 +2,7 @@
 with `interpret=True`."""
 
 from jlora.pallas.config import ExpandConfig, ShrinkConfig, expand_config, shrink_config
-from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
+from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
 from jlora.pallas.dispatch import expand, kernel_rank, linear, shrink, supported
 from jlora.pallas.shrink import shrink_partials
 
@@ -15,6 +15,7 @@ __all__ = [
     "expand_config",
     "kernel_rank",
     "linear",
+    "paged_decode_attention",
     "shrink",
     "shrink_config",
     "shrink_partials",

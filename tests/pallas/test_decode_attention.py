@@ -1,11 +1,13 @@
-"""The Pallas decode-attention kernel (interpret mode on CPU) against a plain masked-softmax reference."""
+"""The Pallas decode-attention kernels (interpret mode on CPU) against a plain masked-softmax reference, and
+the paged one against a float64 oracle that gathers each position from its block."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
+from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
+from tests import oracle
 
 
 def _reference(q, k, v, positions, rows, window):
@@ -60,3 +62,51 @@ def test_supported_shapes():
     assert decode_attention_supported(128, 1024) and decode_attention_supported(64, 48)
     assert not decode_attention_supported(96, 1024)  # head_dim not a power of two
     assert not decode_attention_supported(128, 100)  # max_seq not a multiple of 16
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("seed, block_size, groups, window", [
+    (0, 16, 4, None), (1, 32, 1, None), (2, 16, 7, 20), (3, 16, 8, 50), (4, 64, 4, None)])
+def test_paged_matches_the_float64_oracle_on_random_tables(dtype, tol, seed, block_size, groups, window):
+    """Random block tables out of order, blocks shared by several requests (a common prefix), positions at a
+    block's first and last offsets; every block no request may read is NaN."""
+    rng = np.random.default_rng(seed)
+    batch, kv, d, num_blocks, max_blocks = 5, 2, 32, 24, 6
+    q = rng.standard_normal((batch, kv, groups, d))
+    k = rng.standard_normal((num_blocks, kv, block_size, d))
+    v = rng.standard_normal((num_blocks, kv, block_size, d))
+    order = rng.permutation(num_blocks)
+    shared = order[:2]  # the first two blocks of requests 0-2: a shared prefix
+    tables = np.zeros((batch, max_blocks), np.int32)
+    tables[:, :] = -1  # never read: an out-of-range block id would fault
+    positions = np.array([2 * block_size, 2 * block_size - 1, 3 * block_size + 5, 0, max_blocks * block_size - 1])
+    rest = iter(order[2:])
+    for b, pos in enumerate(positions):
+        used = pos // block_size + 1
+        own = [next(rest) for _ in range(used)]
+        tables[b, :used] = np.concatenate([shared, own[2:]]) if b < 3 and used >= 2 else own
+    tables = np.where(tables < 0, num_blocks - 1, tables)  # a real block id, NaN below, if it were read
+    read = {int(tables[b, j]) for b, pos in enumerate(positions) for j in range(pos // block_size + 1)}
+    unread = [i for i in range(num_blocks) if i not in read]
+    assert unread
+    want = oracle.paged_attention_np(q, k, v, positions, tables, window)
+    k[unread], v[unread] = np.nan, np.nan
+    out = paged_decode_attention(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                 jnp.asarray(positions), jnp.asarray(tables), window=window)
+    assert out.shape == q.shape and out.dtype == dtype
+    err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+    assert err < tol
+
+
+def test_paged_masks_the_rest_of_the_last_block():
+    """Positions past the query's in its own last block hold garbage; they are masked, not read as keys."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 1, 2, 16))
+    k, v = rng.standard_normal((3, 1, 16, 16)), rng.standard_normal((3, 1, 16, 16))
+    tables, positions = np.array([[2, 0]]), np.array([20])
+    want = oracle.paged_attention_np(q, k, v, positions, tables)
+    k[0, :, 5:], v[0, :, 5:] = 1e4, -1e4
+    k[1], v[1] = np.nan, np.nan
+    out = paged_decode_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(positions),
+                                 jnp.asarray(tables))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
