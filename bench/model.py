@@ -33,9 +33,10 @@ from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.runner import ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
-from jlora.models.llama import KVCache, Transformer
+from jlora.models.llama import Batch, KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights, RowOverrides, module_shapes
 from jlora.parallel import TensorParallel
+from jlora.step import Call, StepOptions
 from jlora.testing import tiny_config, write_adapter
 
 SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512
@@ -78,8 +79,8 @@ def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
 
 def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp=None):
     """cache -> (logits, cache): one jitted model call on these inputs."""
-    return lambda c: forward(model_def, params, tokens, positions, c, lora, token_slot, ranks, block_m=block_m,
-                             backend=BACKEND, tp=tp)
+    call, options = Call(Batch.of(tokens, positions), token_slot, ranks), StepOptions(block_m, BACKEND, tp)
+    return lambda c: forward(model_def, params, call, c, lora, options)
 
 
 def time_steps(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):

@@ -69,7 +69,7 @@ def build_engine(tiny: bool, max_batch: int, prefill_chunk: int, root: str) -> t
 
 def bare_loop(engine: Engine, batch: int, rng) -> dict:
     """`Engine.generate`'s decode step for `batch` requests on distinct adapters: ms per step and tok/s."""
-    prompts = rng.integers(0, engine.config.vocab_size, (batch, 96)).tolist()
+    prompts = rng.integers(0, engine.model_config.vocab_size, (batch, 96)).tolist()
     adapters = [f"a{i % ADAPTERS}" for i in range(batch)]
     run = lambda n: (lambda t0: (engine.generate(prompts, adapters, max_new_tokens=n), time.perf_counter() - t0)[1])(
         time.perf_counter())
@@ -205,7 +205,7 @@ def main() -> None:
               f"{bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s", flush=True)
         online = OnlineEngine(engine, max_waiting=100_000)
         server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
-        vocab = engine.config.vocab_size
+        vocab = engine.model_config.vocab_size
         client = multiprocessing.get_context("spawn").Pool(1)
         compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])  # with and without LoRA
         rows = []

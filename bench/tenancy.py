@@ -169,7 +169,7 @@ def main() -> None:
             engine.register_adapter(f"a{i}", path)
         online = OnlineEngine(engine, max_waiting=100_000)
         server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
-        vocab, stats, registry = engine.config.vocab_size, online.admission.stats, online.metrics.registry
+        vocab, stats, registry = engine.model_config.vocab_size, online.admission.stats, online.metrics.registry
         client = multiprocessing.get_context("spawn").Pool(1)
         compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])
         touched = {"a0"}

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jlora import LoRABatchInfo, testing
-from jlora.models.llama import KVCache
+from jlora.models.llama import Batch, KVCache, LoRAInput
 from jlora.models.loading import load_model
 from jlora.models.lora_weights import LoRAWeights
 
@@ -39,7 +39,7 @@ graphdef, state = nnx.split(model)
 def step(state, tokens, positions, cache, token_slot):
     """tokens/positions [B, S], token_slot [B·S] -> (next tokens [B], cache)."""
     info = LoRABatchInfo.build(token_slot, ranks, scalings, block_m=16)  # built inside the jitted step
-    logits, cache = nnx.merge(graphdef, state)(tokens, positions, cache, lora, info)
+    logits, cache = nnx.merge(graphdef, state)(Batch.of(tokens, positions), cache, LoRAInput(lora, info))
     return jnp.argmax(logits[:, -1], axis=-1), cache
 
 

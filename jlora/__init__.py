@@ -7,7 +7,7 @@ One base model serves many LoRA adapters in the same batch, each token using its
 - `lora_shrink`, `lora_expand`, `lora_linear`, `lora_embedding`: the multi-LoRA ops, each with
   `backend=` in {"auto", "reference", "ragged", "gather", "pallas"}.
 - `Engine`: a Hugging Face Llama-family checkpoint plus PEFT adapters: `generate` (`Generation`s, with
-  `TokenLogprob`s when asked) and `score` (`Score`s).
+  `TokenLogprob`s when asked) and `score` (`Score`s); its options are one `EngineConfig`.
 - `step_compiler_options`: the XLA options the engine compiles a model step with (for your own `jax.jit`).
 """
 
@@ -15,6 +15,7 @@ from jlora.adapters import AdapterError, PoolFullError, check_adapter_name
 from jlora.batch_info import LoRABatchInfo, num_segments, token_slots_from_requests
 from jlora.compile_options import step_compiler_options
 from jlora.engine import Engine, Generation
+from jlora.engine_config import EngineConfig
 from jlora.logprobs import Score, TokenLogprob
 from jlora.models.config import ModelConfig
 from jlora.ops import BACKENDS, Backend, lora_embedding, lora_expand, lora_linear, lora_shrink
@@ -26,6 +27,7 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "Engine",
+    "EngineConfig",
     "Generation",
     "LoRABatchInfo",
     "ModelConfig",

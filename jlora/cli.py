@@ -11,6 +11,8 @@ import tempfile
 
 import jax
 
+from jlora.engine_config import EngineConfig
+
 __all__ = ["main"]
 
 BENCH_SCRIPTS = {"kernels": "kernels.py", "model": "model.py"}
@@ -56,10 +58,8 @@ def _generate(args) -> int:
     from jlora.engine import Engine
 
     requests = _read_requests(args)
-    engine = Engine.from_pretrained(args.model, max_loras=max(1, len(args.lora)), max_lora_rank=args.max_lora_rank,
-                                    dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                    tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab,
-                                    prefill_chunk=args.prefill_chunk)
+    config = EngineConfig.from_args(args, max_loras=max(1, len(args.lora)))  # one slot per adapter named
+    engine = Engine.from_pretrained(args.model, config)
     for name, path in args.lora:
         engine.load_adapter(name, path)
     with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
@@ -110,12 +110,9 @@ def _serve(args) -> int:
     missing = [d for d in args.lora_dir if not os.path.isdir(d)]
     if missing:
         raise ValueError(f"--lora-dir {missing[0]!r} is not a directory")
-    engine_options = dict(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
-                          max_batch=args.max_batch, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                          tensor_parallel=args.tensor_parallel, max_extra_vocab=args.max_extra_vocab,
-                          prefill_chunk=args.prefill_chunk)
+    engine_config = EngineConfig.from_args(args)
     if args.replicas is None and args.ray_replica_options is None:
-        serve(args.model, config, loras=args.lora, lora_dirs=args.lora_dir, **engine_options)
+        serve(args.model, config, engine_config, loras=args.lora, lora_dirs=args.lora_dir)
         return 0
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
@@ -129,7 +126,7 @@ def _serve(args) -> int:
         from jlora.ray import ReplicaSpec, run
     except ImportError as err:
         raise RuntimeError(f"--replicas needs Ray Serve: pip install 'jlora[ray]' ({err})") from None
-    run(ReplicaSpec(args.model, config, tuple(args.lora), tuple(args.lora_dir), engine_options),
+    run(ReplicaSpec(args.model, config, tuple(args.lora), tuple(args.lora_dir), engine_config),
         replicas=args.replicas or 1, replica_options=options)
     return 0
 
@@ -154,18 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--stop", type=int, action="append", help="stop token id (repeatable)")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
-    gen.add_argument("--max-lora-rank", type=int, default=64)
-    gen.add_argument("--max-batch", type=int, default=32)
-    gen.add_argument("--max-seq-len", type=int, default=2048)
-    gen.add_argument("--max-extra-vocab", type=int, default=256, metavar="E",
-                     help="per adapter, embedding and lm_head rows that may differ from the base model's "
-                          "(added tokens, trainable tokens)")
-    gen.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
-                     help="prompt tokens prefilled per step at most, beside the decoding rows; "
-                          "longer prompts go in pieces")
-    gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                     help="split the model over the first N GPUs (Megatron-style; see docs/design.md)")
+    EngineConfig.add_arguments(gen.add_argument_group("engine options"), skip=("max_loras", "max_cpu_loras", "evict"))
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
     gen.add_argument("--output", help="write results to this file (atomically) instead of stdout")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -196,21 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="time a connection may take to send a request's headers before it is closed")
     srv.add_argument("--max-connections", type=int, default=1024,
                      help="open connections beyond which new requests get 503")
-    srv.add_argument("--max-loras", type=int, default=8,
-                     help="adapter slots on the device (any number of adapters may be served)")
-    srv.add_argument("--max-cpu-loras", type=int, metavar="N",
-                     help="adapters kept read and converted in host memory (default: --max-loras)")
-    srv.add_argument("--max-lora-rank", type=int, default=64)
-    srv.add_argument("--max-batch", type=int, default=32, help="requests decoding together")
-    srv.add_argument("--max-seq-len", type=int, default=2048, help="the longest prompt + completion")
-    srv.add_argument("--max-extra-vocab", type=int, default=256, metavar="E",
-                     help="per adapter, embedding and lm_head rows that may differ from the base model's "
-                          "(added tokens, trainable tokens)")
-    srv.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
-                     help="prompt tokens prefilled per step at most, beside the decoding rows; "
-                          "longer prompts go in pieces")
-    srv.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
-    srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N")
+    EngineConfig.add_arguments(srv.add_argument_group("engine options"))
     srv.add_argument("--replicas", type=int, metavar="N",
                      help="serve N engines on Ray Serve (RAY_ADDRESS's cluster, else a local one), routed by adapter")
     srv.add_argument("--ray-replica-options", metavar="JSON",

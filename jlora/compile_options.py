@@ -33,8 +33,8 @@ def _flag_mode() -> str | None:
 def concurrent_graphs(seq_len: int) -> bool:
     """Whether a model step of seq_len tokens per request runs CONCURRENT CUDA graphs: decode steps (seq_len 1)
     do, at every batch size (module doc), unless XLA_FLAGS sets the mode itself (then whether it sets CONCURRENT).
-    The engine's steps then order the gate|up base GEMM before its LoRA kernels (`Transformer.__call__`'s
-    `base_first`), which pays only under these graphs."""
+    The engine's steps then order the gate|up base GEMM before its LoRA kernels (`CallOptions.base_first`),
+    which pays only under these graphs."""
     mode = _flag_mode()
     return seq_len == 1 if mode is None else mode == "CONCURRENT"
 
@@ -48,10 +48,9 @@ def step_compiler_options(seq_len: int) -> dict[str, str]:
     return {_SCHEDULING: "CONCURRENT"}
 
 
-def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...] = (),
-             seq_len: Callable[[jax.Array, dict], int] = lambda tokens, kwargs: tokens.shape[1]):
-    """`jax.jit` for a model step `fn(model_def, params, tokens [B, S], ...)` that compiles each shape with
-    `step_compiler_options(seq_len(tokens, keyword arguments))` (default S). `with_options(options)` is the
+def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...] = ()):
+    """`jax.jit` for a model step `fn(model_def, params, inputs, ...)` (inputs: a `jlora.step.Call` or `Step`)
+    that compiles each shape with `step_compiler_options(inputs.seq_len)`. `with_options(options)` is the
     step's `jax.jit` under given options, and `_cache_size()` counts the compilations under all of them."""
 
     def wrap(fn):
@@ -65,9 +64,8 @@ def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ..
             return jits[key]
 
         @functools.wraps(fn)
-        def step(model_def, params, tokens, *args, **kwargs):
-            options = step_compiler_options(seq_len(tokens, kwargs))
-            return with_options(options)(model_def, params, tokens, *args, **kwargs)
+        def step(model_def, params, inputs, *args, **kwargs):
+            return with_options(step_compiler_options(inputs.seq_len))(model_def, params, inputs, *args, **kwargs)
 
         step.with_options = with_options
         step._cache_size = lambda: sum(j._cache_size() for j in jits.values())

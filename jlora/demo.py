@@ -90,6 +90,7 @@ def run_demo(max_new_tokens: int = 16, out_dir: str | None = None) -> bool:
                   f"{'ok' if passed else 'FAIL':5s}  {out.text[:48]!r}")
         new_tokens = sum(len(o) for o in outputs)
         print(f"\n{len(PROMPTS)} requests, {new_tokens} tokens in {elapsed:.2f} s: {new_tokens / elapsed:.0f} tokens/s "
-              f"on {jax.devices()[0].device_kind} ({engine.runner.backend} backend, max_batch={engine.max_batch})")
+              f"on {jax.devices()[0].device_kind} ({engine.runner.backend} backend, "
+              f"max_batch={engine.config.max_batch})")
         print("all requests match their merged-weight models" if ok else "MISMATCH against merged weights")
         return ok

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import numpy as np
 from jlora.adapters import AdapterError, AdapterPool, PoolFullError, check_adapter_name
 from jlora.adapters.registry import AdapterRegistry, HostTier
 from jlora.admission import Admission
+from jlora.engine_config import EngineConfig
 from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
@@ -55,14 +57,16 @@ def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     return seeds
 
 
+def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
+    """`config`, or an `EngineConfig` of `options` (not both)."""
+    if config is not None and options:
+        raise TypeError(f"give an EngineConfig or its fields as keywords, not both (got {sorted(options)})")
+    return config if config is not None else EngineConfig(**options)
+
+
 def _check_logprobs(k: int | None) -> None:
     if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_TOP_LOGPROBS):
         raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
-
-
-def _check_prefill_chunk(n: int) -> None:
-    if n < 16 or n & (n - 1):
-        raise ValueError(f"prefill_chunk must be a power of two >= 16, got {n}")
 
 
 class Generation(list):
@@ -81,69 +85,49 @@ class Generation(list):
 class Engine:
     """A base model and its adapter slots.
 
-    Build with `Engine.from_pretrained(model_dir, max_loras=8, max_lora_rank=64, dtype="float32")`.
+    Build with `Engine.from_pretrained(model_dir, max_loras=8, max_lora_rank=64, dtype="float32")`; the
+    options are `EngineConfig`'s (`engine.config`; the model's own is `engine.model_config`). `max_batch` and
+    `prefill_chunk` may change between calls (`engine.config = dataclasses.replace(engine.config, ...)`).
     """
 
-    def __init__(self, model: Transformer, *, max_loras: int, max_lora_rank: int, dtype, backend: str = "auto",
-                 evict: str = "lru", max_batch: int = 32, max_seq_len: int = 2048, tokenizer=None,
-                 tensor_parallel: int = 1, max_extra_vocab: int = 256, prefill_chunk: int = 512,
-                 max_cpu_loras: int | None = None):
-        _check_prefill_chunk(prefill_chunk)
-        self.config: ModelConfig = model.config
-        self.prefill_chunk = prefill_chunk
-        self.max_batch = max_batch
-        self.max_seq_len = max_seq_len
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None, **options):
+        """`model` in the dtype `config.dtype` names (None: the model's); `config`, or its fields as `options`."""
+        config = _config(config, options)
+        self.config = config
+        self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
-        tp = TensorParallel.create(self.config, tensor_parallel) if tensor_parallel > 1 else None
-        self.pool = AdapterPool(self.config, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
-                                evict=evict, tp=tp, max_extra_vocab=max_extra_vocab, max_seq_len=max_seq_len)
-        self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=backend, tp=tp)
+        dtype = jnp.dtype(config.dtype) if config.dtype else model.embed[...].dtype
+        tp = TensorParallel.create(self.model_config, config.tensor_parallel) if config.tensor_parallel > 1 else None
+        self.pool = AdapterPool(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                dtype=dtype, evict=config.evict, tp=tp, max_extra_vocab=config.max_extra_vocab,
+                                max_seq_len=config.max_seq_len)
+        self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp)
         self.registry = AdapterRegistry()
-        self.host = HostTier(max_loras if max_cpu_loras is None else max_cpu_loras)
+        self.host = HostTier(config.host_capacity)
         self.loader = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="jlora-adapter-load")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, max_loras: int = 8, max_lora_rank: int = 64,
-                        dtype: str | None = None, backend: str = "auto", evict: str = "lru",
-                        max_batch: int = 32, max_seq_len: int = 2048, tensor_parallel: int = 1,
-                        max_extra_vocab: int = 256, prefill_chunk: int = 512, max_cpu_loras: int | None = None,
-                        progress: bool = True) -> Engine:
+    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None, *, progress: bool = True,
+                        **options) -> Engine:
         """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present).
 
         Args:
           model_dir: the HF model directory.
-          max_loras: adapter slots on the device (any number of adapters may be registered).
-          max_lora_rank: the largest adapter rank accepted.
-          dtype: "bfloat16", "float16" or "float32"; default bfloat16 on GPU, float32 elsewhere.
-          backend: the LoRA ops' backend ("auto": on GPU gather for small calls, tokens x rank <= 1024,
-            i.e. decode, and pallas above; reference elsewhere).
-          evict: when the pool is full, "lru" evicts the least recently used idle adapter; "refuse" raises.
-          max_batch: cache rows decoding together in `generate`.
-          max_seq_len: the longest prompt + generation accepted (a LongLoRA adapter's context_length at most).
-          tensor_parallel: devices to split the model over (Megatron-style, see `jlora.parallel`).
-          max_extra_vocab: per adapter, the embedding and lm_head rows that may differ from the base model's:
-            tokens it adds past the base vocabulary, trainable tokens, rows it changed (vLLM's default, 256).
-            Held on the device only once an adapter has such rows.
-          prefill_chunk: prompt tokens prefilled per step at most (a power of two >= 16), in the same model
-            call as the rows that decode; a longer prompt is prefilled in pieces over several steps. Larger:
-            fewer steps per prompt; smaller: a step that takes a prompt delays the decoding rows less.
-          max_cpu_loras: adapters kept read and converted in host memory, least recently used evicted
-            (default: max_loras), so an adapter evicted from its slot comes back without reading its files.
+          config: the engine's options (`EngineConfig`), or give its fields as keyword `options`
+            (`max_loras=4, dtype="bfloat16"`); dtype None: bfloat16 on GPU, float32 elsewhere.
           progress: show a progress bar while loading.
         """
-        _check_prefill_chunk(prefill_chunk)  # before the minutes a large checkpoint takes to load
-        dtype = jnp.dtype(dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
-        with _host_staging(tensor_parallel):
-            model = load_model(model_dir, dtype, progress=progress)
+        config = _config(config, options)  # checked before the minutes a large checkpoint takes to load
+        if config.dtype is None:
+            config = dataclasses.replace(config, dtype="bfloat16" if jax.default_backend() == "gpu" else "float32")
+        with _host_staging(config.tensor_parallel):
+            model = load_model(model_dir, jnp.dtype(config.dtype), progress=progress)
         tokenizer = None
         if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-        return cls(model, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, backend=backend,
-                   evict=evict, max_batch=max_batch, max_seq_len=max_seq_len, tokenizer=tokenizer,
-                   tensor_parallel=tensor_parallel, max_extra_vocab=max_extra_vocab, prefill_chunk=prefill_chunk,
-                   max_cpu_loras=max_cpu_loras)
+        return cls(model, config, tokenizer=tokenizer)
 
     def register_adapter(self, name: str, adapter_dir: str) -> None:
         """Registers a PEFT adapter directory under `name` without reading it: it is read, checked and given a
@@ -247,7 +231,7 @@ class Engine:
           KeyError: the adapter is not registered.
         """
         if adapter is None:
-            return self.config.vocab_size
+            return self.model_config.vocab_size
         entry = self.registry.get(adapter)
         if entry is None:
             raise KeyError(f"adapter {adapter!r} is not registered")
@@ -255,7 +239,7 @@ class Engine:
         if slot is not None and self.pool.generation(adapter) == entry.generation:
             return self.pool.vocab_size(slot)
         prepared = self.host.get(entry.generation)
-        return self.config.vocab_size + (self.pool.max_extra_vocab if prepared is None else prepared.host.added)
+        return self.model_config.vocab_size + (self.pool.max_extra_vocab if prepared is None else prepared.host.added)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
                        max_new_tokens: int = 0) -> None:
@@ -274,9 +258,9 @@ class Engine:
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (its adapter's vocabulary): "
                                  f"{bad[:5]}")
-            if len(p) + max_new_tokens > self.max_seq_len:
+            if len(p) + max_new_tokens > self.config.max_seq_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
-                                 f"max_seq_len={self.max_seq_len}")
+                                 f"max_seq_len={self.config.max_seq_len}")
 
     def prefill_logits(self, prompts: Sequence[str | Sequence[int]], adapters: Sequence[str | None]) -> list[np.ndarray]:
         """Logits of every prompt position, each request with its own adapter (None: the base model), the
@@ -353,7 +337,7 @@ class Engine:
                                         logprobs=logprobs, fork_of=first))
                 first = first or requests[-1]
         self._run(requests, [a for a in adapters for _ in range(n)], progress)
-        vocab = self.config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
+        vocab = self.model_config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
         decode = ((lambda ids: self.tokenizer.decode([t for t in ids if t < vocab])) if self.tokenizer is not None
                   else (lambda ids: None))
         return [Generation(r.out, decode(r.out), r.finish, None if logprobs is None else r.out_logprobs)
@@ -400,8 +384,8 @@ class Engine:
         """Runs requests to their end, each with its adapter: through `Admission` (adapters written into slots
         as rows free) and a `Batcher` of up to max_batch rows, `progress(n)` told of generated tokens."""
         longest = max(len(r.prompt) + r.max_new for r in requests)
-        batcher = Batcher(self.runner, bucket(min(len(requests), self.max_batch)), bucket(longest, 16), progress,
-                          self.prefill_chunk)
+        rows = bucket(min(len(requests), self.config.max_batch))
+        batcher = Batcher(self.runner, rows, bucket(longest, 16), progress, self.config.prefill_chunk)
         loaded = threading.Event()
         admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set)
         for r, a in zip(requests, adapters):

@@ -34,6 +34,7 @@ from ray import serve
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
+from jlora.engine_config import EngineConfig
 from jlora.server.config import ServerConfig
 from jlora.server.app import read_body
 from jlora.server.errors import ApiError
@@ -51,7 +52,7 @@ class ReplicaSpec:
     config: ServerConfig = ServerConfig()
     loras: tuple[tuple[str, str], ...] = ()
     lora_dirs: tuple[str, ...] = ()
-    engine_options: dict = dataclasses.field(default_factory=dict)
+    engine: EngineConfig = EngineConfig()
 
     def __post_init__(self):
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -68,8 +69,8 @@ class Replica:
     def __init__(self, spec: ReplicaSpec):
         from jlora.server.serve import build
 
-        self.app, self.online, config = build(spec.model_dir, spec.config, loras=spec.loras,
-                                              lora_dirs=spec.lora_dirs, **spec.engine_options)
+        self.app, self.online, config = build(spec.model_dir, spec.config, spec.engine, loras=spec.loras,
+                                              lora_dirs=spec.lora_dirs)
         self.online.start()  # the app's lifespan is not run here: ASGI calls go to its routes directly
         self.base = config.served_model_name
         self.id = serve.get_replica_context().replica_id.unique_id
@@ -208,8 +209,7 @@ def deployment(spec: ReplicaSpec, *, replicas: int = 1, replica_options: dict | 
 
     config = dataclasses.replace(spec.config, served_model_name=served_name(spec.model_dir, spec.config))
     spec = dataclasses.replace(spec, config=config)
-    gpus = spec.engine_options.get("tensor_parallel", 1) if ray.is_initialized() and ray.cluster_resources().get(
-        "GPU") else 0
+    gpus = spec.engine.tensor_parallel if ray.is_initialized() and ray.cluster_resources().get("GPU") else 0
     options = {"num_replicas": replicas, "max_ongoing_requests": config.max_waiting + 64,
                "ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}, **(replica_options or {})}
     if "autoscaling_config" in options:

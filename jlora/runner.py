@@ -1,8 +1,9 @@
 """`ModelRunner`: the compiled model steps over a KV cache, and what they need on the host.
 
-The model runs as one jitted pure function of (model definition, parameters, batch, cache, adapter weights);
-the batch's `LoRABatchInfo` is built inside it from per-token slots, so changing the adapter mix never
-recompiles, nor does loading an adapter unless it targets a part no earlier adapter did (`step_weights`). Prompt pieces come in power-of-two buckets (`bucket`), which bound the
+The model runs as one jitted pure function of (model definition, parameters, a `Call` or `Step`, cache, adapter
+weights, static `StepOptions`); the batch's `LoRABatchInfo` is built inside it from per-token slots, so
+changing the adapter mix never recompiles, nor does loading an adapter unless it targets a part no earlier
+adapter did (`step_weights`). Prompt pieces come in power-of-two buckets (`bucket`), which bound the
 compilations: per (rows, cache length) one decode step and one mixed step per prompt bucket, each with and
 without the LoRA ops (a step of base-model tokens only skips them), with the top-p sort only when a request
 asks for it, and with log-probabilities (`jlora.logprobs`) only when a request asks for them.
@@ -26,11 +27,12 @@ from jlora.adapters.peft import BaseRows
 from jlora.batch_info import LoRABatchInfo
 from jlora.compile_options import concurrent_graphs, step_jit
 from jlora.models.config import ModelConfig
-from jlora.models.llama import Group, KVCache, Transformer
+from jlora.models.llama import Batch, CallOptions, KVCache, LoRAInput, Transformer
 from jlora.logprobs import StepLogprobs, top_logprobs
 from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
 from jlora.sampling import request_keys, sample_tokens
+from jlora.step import Call, Step, StepOptions
 
 __all__ = ["ModelDef", "ModelRunner", "bucket", "forward", "generate_step", "pack_prompts", "row_tile"]
 
@@ -74,88 +76,74 @@ class ModelDef:
         return nnx.merge(self.graphdef, self.state(params))
 
 
-def _seq_len(tokens, then: Group | None) -> int:
-    """Tokens per request of a step's widest group: what its compile options and `base_first` go by."""
-    return max(tokens.shape[1], 0 if then is None else then.tokens.shape[1])
+def _model_call(model_def: ModelDef, params, call: Call, cache: KVCache, lora: LoRAWeights | None,
+                options: StepOptions):
+    """The model on one device, or under `shard_map` over the tensor-parallel mesh; `lora` None: the base model
+    alone. Builds the call's `LoRABatchInfo` from its token slots (and that of its `logits_at` tokens)."""
+    tp = options.tp
+    base_first = concurrent_graphs(call.seq_len) if options.base_first is None else options.base_first
+    model_options = CallOptions(options.backend, None if tp is None else parallel.AXIS, base_first)
 
+    def run(params, call, cache, lora):
+        lora_input = None
+        if lora is not None:
+            scalings = jnp.ones(call.ranks.shape, jnp.float32)
+            at = call.batch.logits_at
+            info = LoRABatchInfo.build(call.token_slot, call.ranks, scalings, block_m=options.block_m)
+            head_info = None if at is None else LoRABatchInfo.build(call.token_slot[at], call.ranks, scalings,
+                                                                    block_m=row_tile(at.shape[0]))
+            lora_input = LoRAInput(lora, info, head_info)
+        return model_def.merge(params)(call.batch, cache, lora_input, model_options)
 
-def _model_call(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend,
-                valid=None, rows=None, tp: TensorParallel | None = None, base_first: bool | None = None,
-                then: Group | None = None, logits_at=None):
-    """The model on one device, or under `shard_map` over the tensor-parallel mesh. `base_first` (None: whether
-    the step runs concurrent CUDA graphs, `concurrent_graphs`): see `Transformer.__call__`."""
-    base_first = concurrent_graphs(_seq_len(tokens, then)) if base_first is None else base_first
-
-    def run(params, tokens, positions, cache, lora, token_slot, ranks, valid, rows, then, logits_at):
-        scalings = jnp.ones(ranks.shape, jnp.float32)
-        info = LoRABatchInfo.build(token_slot, ranks, scalings, block_m=block_m)
-        head_info = None if logits_at is None else LoRABatchInfo.build(
-            token_slot[logits_at], ranks, scalings, block_m=row_tile(logits_at.shape[0]))
-        return model_def.merge(params)(tokens, positions, cache, lora, info, valid=valid, rows=rows, then=then,
-                                       logits_at=logits_at, head_info=head_info, backend=backend,
-                                       reduce_axis=None if tp is None else parallel.AXIS, base_first=base_first)
-
-    args = (params, tokens, positions, cache, lora, token_slot, ranks, valid, rows, then, logits_at)
     if tp is None:
-        return run(*args)
-    rep = P()
+        return run(params, call, cache, lora)
     cache_spec = KVCache(tp.cache_spec, tp.cache_spec)
     param_specs = jax.tree.leaves(tp.state_specs(model_def.state(params)), is_leaf=lambda x: isinstance(x, P))
-    optional = lambda x: None if x is None else rep
-    in_specs = (param_specs, rep, rep, cache_spec, None if lora is None else tp.lora_specs(lora), rep, rep,
-                optional(valid), optional(rows), optional(then), optional(logits_at))
-    logits_rank = 2 if logits_at is not None else 3
+    in_specs = (param_specs, P(), cache_spec, None if lora is None else tp.lora_specs(lora))
+    logits_rank = 2 if call.batch.logits_at is not None else 3
     return jax.shard_map(run, mesh=tp.mesh, in_specs=in_specs, out_specs=(tp.logits_spec(logits_rank), cache_spec),
-                         check_vma=False)(*args)
+                         check_vma=False)(params, call, cache, lora)
 
 
-@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "base_first"), donate_argnames=("cache",))
-def forward(model_def: ModelDef, params, tokens, positions, cache, lora, token_slot, ranks, *, block_m: int,
-            backend: str, tp: TensorParallel | None = None, base_first: bool | None = None):
-    """One jitted model call: tokens/positions [B, S], token_slot [B·S] -> (logits [B, S, V] f32, cache).
-    `base_first` overrides the scheduling rule of `_model_call` (for benchmarks compiled under other options)."""
-    return _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, backend, tp=tp,
-                       base_first=base_first)
+@step_jit(static_argnames=("model_def", "options"), donate_argnames=("cache",))
+def forward(model_def: ModelDef, params, call: Call, cache: KVCache, lora: LoRAWeights | None,
+            options: StepOptions):
+    """One jitted model call: (logits [B, S, V] f32 of a one-group call, or [N, V] at its `logits_at`, cache)."""
+    return _model_call(model_def, params, call, cache, lora, options)
 
 
-@step_jit(static_argnames=("model_def", "block_m", "backend", "tp", "nucleus", "logprobs"),
-          donate_argnames=("cache",), seq_len=lambda tokens, kwargs: _seq_len(tokens, kwargs.get("prefill")))
-def generate_step(model_def: ModelDef, params, tokens, positions, valid, cache, lora, token_slot, ranks, seeds,
-                  token_index, temperature, top_p, *, prefill: Group | None = None, prefill_last=None,
-                  prefill_next=None, block_m: int, backend: str, tp: TensorParallel | None = None,
-                  nucleus: bool = False, logprobs: int = 0):
-    """One step of the engine over its R cache rows: every row's decode token (tokens, positions, valid
-    [R, 1]; rows that do not decode are not valid), and, when given, the `prefill` group: prompt pieces
-    written into other rows, `prefill_last` [Bp] the index in its piece of the token whose logits give that
-    row its first token (-1: none, the prompt goes on in a later step, or a padding request). token_slot
-    [R + Bp·Sp]: the decode tokens' slots, then the pieces'.
-
-    Row r samples its next token with its own key, `request_keys(seeds, token_index)` ([R] each; `nucleus`:
-    see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's `tokens`, the cache,
-    and with `logprobs` (a `top_width`; 0: none) a `StepLogprobs`, else None): with a prefill group the logits of every piece token
-    are computed, and `prefill_next` [Bp, Sp] names the prompt token each one predicts (-1: none). The key
-    folding and that layout live here so the engine's pipelined loop dispatches nothing else per step.
+@step_jit(static_argnames=("model_def", "options"), donate_argnames=("cache",))
+def generate_step(model_def: ModelDef, params, step: Step, cache: KVCache, lora: LoRAWeights | None,
+                  options: StepOptions):
+    """One `Step` of the engine over its R cache rows: every row's decode token and the prompt pieces, in one
+    model call. Row r samples its next token with its own key (`request_keys` of its seed and token index;
+    `step.nucleus`: see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's decode
+    tokens, the cache, and with `step.logprobs` a `StepLogprobs`, else None): with prompt pieces the logits of
+    every piece token are computed, scored against `step.prefill_next`. The key folding and that layout live
+    here so the engine's pipelined loop dispatches nothing else per step.
     """
-    r = tokens.shape[0]
-    at = None  # decode alone: every token's logits
+    r, prefill, width = step.decode.tokens.shape[0], step.prefill, step.logprobs
+    at, groups = None, (step.decode,)  # decode alone: every token's logits
     if prefill is not None:  # the R decode tokens' logits, then each piece's last token's (or all its tokens')
         bp, sp = prefill.tokens.shape
-        last = jnp.arange(bp) * sp + jnp.maximum(prefill_last, 0)
-        at = jnp.concatenate([jnp.arange(r), r + (jnp.arange(bp * sp) if logprobs else last)])
-    logits, cache = _model_call(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m,
-                                backend, valid, None, tp, then=prefill, logits_at=at)
+        last = jnp.arange(bp) * sp + jnp.maximum(step.prefill_last, 0)
+        at = jnp.concatenate([jnp.arange(r), r + (jnp.arange(bp * sp) if width else last)])
+        groups = (step.decode, prefill)
+    call = Call(Batch(groups, at), step.token_slot, step.ranks)
+    logits, cache = _model_call(model_def, params, call, cache, lora, options)
     logits = logits.reshape(-1, logits.shape[-1])  # [R (+ Bp or Bp·Sp), V]
     pieces = None
     if prefill is not None:  # a finished piece's row takes its logits
         pieces = logits[r:]
-        target = jnp.where(prefill_last >= 0, prefill.rows, r)  # r: out of range, dropped
-        logits = logits[:r].at[target].set(pieces[last] if logprobs else pieces, mode="drop")
-    keys = request_keys(seeds, token_index)
-    next_tokens = sample_tokens(logits, keys, temperature, top_p, nucleus=nucleus)
+        target = jnp.where(step.prefill_last >= 0, prefill.rows, r)  # r: out of range, dropped
+        logits = logits[:r].at[target].set(pieces[last] if width else pieces, mode="drop")
+    sampling = step.sampling
+    keys = request_keys(sampling.seeds, sampling.token_index)
+    next_tokens = sample_tokens(logits, keys, sampling.temperature, sampling.top_p, nucleus=step.nucleus)
     lp = None
-    if logprobs:
-        lp = StepLogprobs(top_logprobs(logits, next_tokens, logprobs),
-                          None if prefill is None else top_logprobs(pieces, prefill_next.reshape(-1), logprobs))
+    if width:
+        lp = StepLogprobs(top_logprobs(logits, next_tokens, width),
+                          None if prefill is None else top_logprobs(pieces, step.prefill_next.reshape(-1), width))
     return next_tokens[:, None], cache, lp
 
 
@@ -239,26 +227,23 @@ class ModelRunner:
         shape), which with every slot -1 would add nothing at full cost."""
         return self.pool.step_weights if (token_slot >= 0).any() else None
 
+    def options(self, num_tokens: int) -> StepOptions:
+        """The static options of a call of `num_tokens` tokens."""
+        return StepOptions(row_tile(num_tokens), self.backend, self.tp)
+
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays [B, S] (token_slot [B·S]); returns (logits [B, S, V] f32,
         cache)."""
-        return forward(self.model_def, self.params, tokens, positions, cache, self.lora_for(token_slot), token_slot,
-                       self.pool.ranks.copy(), block_m=row_tile(tokens.size), backend=self.backend, tp=self.tp)
+        call = Call(Batch.of(tokens, positions), token_slot, self.pool.ranks.copy())
+        return forward(self.model_def, self.params, call, cache, self.lora_for(token_slot), self.options(tokens.size))
 
-    def step(self, tokens, positions, valid, cache, token_slot, seeds, token_index, temperature, top_p,
-             nucleus: bool, prefill: Group | None = None, prefill_slots: np.ndarray | None = None,
-             prefill_last: np.ndarray | None = None, prefill_next: np.ndarray | None = None, logprobs: int = 0):
-        """Dispatches one `generate_step` (token_slot [R]: the decode tokens' slots; prefill_slots [Bp, Sp]: the
-        pieces'); returns (next tokens [R, 1] on the device, cache, `StepLogprobs` or None)."""
+    def step(self, step: Step, cache: KVCache):
+        """Dispatches one `generate_step`; returns (next tokens [R, 1] on the device, cache, `StepLogprobs` or
+        None)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first).
-        if prefill is not None:
-            token_slot = np.concatenate([token_slot, prefill_slots.reshape(-1)])
-        return generate_step(
-            self.model_def, self.params, tokens, positions, valid, cache, self.lora_for(token_slot), token_slot,
-            self.pool.ranks.copy(), seeds, token_index, temperature, top_p, prefill=prefill, prefill_last=prefill_last,
-            prefill_next=prefill_next if logprobs and prefill is not None else None,
-            block_m=row_tile(token_slot.size), backend=self.backend, tp=self.tp, nucleus=nucleus, logprobs=logprobs)
+        return generate_step(self.model_def, self.params, step, cache, self.lora_for(step.token_slot),
+                             self.options(step.token_slot.size))
 
     def copy_row(self, cache: KVCache, source: int, row: int) -> KVCache:
         """`copy_row` dispatched (one compilation for every pair of rows)."""

@@ -30,6 +30,7 @@ import numpy as np
 from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
 from jlora.models.llama import Group
 from jlora.runner import ModelRunner, bucket, pack_prompts
+from jlora.step import Sampling, Step
 
 __all__ = ["Batcher", "Request"]
 
@@ -240,6 +241,22 @@ class Batcher:
             if self.in_flight is not None:
                 self._collect()
             return
+        firsts = [(row, r) for row, r, start, length in pieces if start + length == len(r.prompt) and r.max_new > 0]
+        sampling = [(row, self.running[row]) for row in decode] + firsts  # the requests this step samples for
+        step = self._build(decode, sampled, pieces, sampling)
+        tokens, self.cache, step_logprobs = self.runner.step(step, self.cache)
+        self.position[decode] += 1
+        for row, _, start, length in pieces:
+            self.position[row] = start + length
+        if self.in_flight is not None:
+            self._collect()  # while the step just dispatched runs
+        width = 0 if step.prefill is None else step.prefill.tokens.shape[1]
+        self.in_flight = _InFlight(tokens, sampling, pieces, width, step_logprobs)
+
+    def _build(self, decode: list[int], sampled: set[int], pieces: list[tuple[int, Request, int, int]],
+               sampling: list[tuple[int, Request]]) -> Step:
+        """The `Step` that decodes rows `decode` (those in `sampled` have a token in flight), prefills `pieces`
+        and samples for `sampling`, computing log-probabilities of the width its requests ask for."""
         n = self.num_rows
         slots, seeds = np.full(n, -1, np.int32), np.zeros(n, np.uint32)
         temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
@@ -249,40 +266,39 @@ class Batcher:
             active[row] = True
             slots[row] = self.running[row].slot
             token_index[row] = len(self.running[row].out) + (row in sampled)
-        firsts = [(row, r) for row, r, start, length in pieces if start + length == len(r.prompt) and r.max_new > 0]
-        sampling = [(row, self.running[row]) for row in decode] + firsts  # the requests this step samples for
         for row, r in sampling:
             seeds[row], temps[row], top_ps[row] = r.seed, r.temperature, r.top_p
-        prefill = prefill_slots = prefill_last = prefill_next = None
-        if pieces:
-            tokens, positions, prefill_slots, valid = pack_prompts(
-                [r.prompt[start: start + length] for _, r, start, length in pieces], [r.slot for _, r, _, _ in pieces],
-                [start for _, _, start, _ in pieces])
-            # Padding requests: slot -1, no valid token (pack_prompts), so no cache write; row 0, no token.
-            rows, prefill_last = np.zeros(len(tokens), np.int32), np.full(len(tokens), -1, np.int32)
-            prefill_next = np.full(tokens.shape, -1, np.int32)  # the prompt token each piece token predicts
-            for i, (row, r, start, length) in enumerate(pieces):
-                rows[i] = row
-                prefill_last[i] = length - 1 if start + length == len(r.prompt) and r.max_new > 0 else -1
-                following = r.prompt[start + 1: start + length + 1]
-                prefill_next[i, : len(following)] = following
-            prefill = Group(tokens, positions, valid, rows)
         asked = ([r.logprobs for _, r in sampling if r.logprobs is not None]
                  + [r.prompt_logprobs for _, r, _, _ in pieces if r.prompt_logprobs is not None])
-        logprobs = top_width(max(asked)) if asked else 0
+        width = top_width(max(asked)) if asked else 0
         # [R, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
         last = (self.runner.like_step_outputs(self.last_token[:, None]) if self.in_flight is None
                 else self.in_flight.tokens)
-        tokens, self.cache, step_logprobs = self.runner.step(
-            last, np.where(active, self.position, 0)[:, None], active[:, None], self.cache, slots, seeds, token_index,
-            temps, top_ps, _nucleus(temps, top_ps), prefill, prefill_slots, prefill_last, prefill_next, logprobs)
-        self.position[decode] += 1
-        for row, _, start, length in pieces:
-            self.position[row] = start + length
-        if self.in_flight is not None:
-            self._collect()  # while the step just dispatched runs
-        self.in_flight = _InFlight(tokens, sampling, pieces, 0 if prefill is None else prefill.tokens.shape[1],
-                                   step_logprobs)
+        decode_group = Group(last, np.where(active, self.position, 0)[:, None], active[:, None])
+        prefill = prefill_last = prefill_next = None
+        if pieces:
+            prefill, prefill_slots, prefill_last, prefill_next = self._pack(pieces)
+            slots = np.concatenate([slots, prefill_slots.reshape(-1)])
+        return Step(decode_group, prefill, slots, self.runner.pool.ranks.copy(),
+                    Sampling(seeds, token_index, temps, top_ps), prefill_last, prefill_next if width else None,
+                    nucleus=_nucleus(temps, top_ps), logprobs=width)
+
+    @staticmethod
+    def _pack(pieces: list[tuple[int, Request, int, int]]) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
+        """The prompt pieces as a padded group [Bp, Sp] (padding requests: slot -1, no valid token, so no cache
+        write; row 0), their slots [Bp, Sp], each piece's `prefill_last` [Bp] and the prompt token each piece
+        token predicts [Bp, Sp] (-1: none)."""
+        tokens, positions, slots, valid = pack_prompts(
+            [r.prompt[start: start + length] for _, r, start, length in pieces], [r.slot for _, r, _, _ in pieces],
+            [start for _, _, start, _ in pieces])
+        rows, last = np.zeros(len(tokens), np.int32), np.full(len(tokens), -1, np.int32)
+        following = np.full(tokens.shape, -1, np.int32)
+        for i, (row, r, start, length) in enumerate(pieces):
+            rows[i] = row
+            last[i] = length - 1 if start + length == len(r.prompt) and r.max_new > 0 else -1
+            after = r.prompt[start + 1: start + length + 1]
+            following[i, : len(after)] = after
+        return Group(tokens, positions, valid, rows), slots, last, following
 
 
 @dataclasses.dataclass(frozen=True)

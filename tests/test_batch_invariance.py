@@ -9,6 +9,8 @@ request run alone on the same engine, its prompt prefilled whole, token for toke
 exactly, sampled ones too, since a request's key depends on its seed and token index only.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -46,8 +48,8 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
             engine.unload_adapter(out)
             new = str(rng.choice(sorted(set(ADAPTERS) - set(engine.adapters))))
             engine.load_adapter(new, str(root / new))
-        engine.max_batch = int(rng.choice([1, 2, 3, 4, 8]))
-        n = int(rng.integers(1, engine.max_batch + 4))
+        max_batch = int(rng.choice([1, 2, 3, 4, 8]))
+        n = int(rng.integers(1, max_batch + 4))
         max_new = int(rng.integers(1, 7))
         prompts = [rng.integers(0, CFG["vocab_size"], int(rng.integers(1, MAX_SEQ - max_new + 1))).tolist()
                    for _ in range(n)]
@@ -56,14 +58,15 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
         stop = rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 4))).tolist()
         sampling = dict(temperature=0.9, top_p=float(rng.choice([1.0, 0.8]))) if rng.random() < 0.4 else {}
         seeds = rng.integers(0, 2**32, n).tolist()
-        engine.prefill_chunk = chunk = int(rng.choice([16, 32, 64, 512]))
+        chunk = int(rng.choice([16, 32, 64, 512]))
+        engine.config = dataclasses.replace(engine.config, max_batch=max_batch, prefill_chunk=chunk)
         batched = engine.generate(prompts, adapters, max_new_tokens=max_new, stop_token_ids=stop, seed=seeds,
                                   **sampling)
-        engine.prefill_chunk = 512
+        engine.config = dataclasses.replace(engine.config, prefill_chunk=512)
         for i in range(n):
             (alone,) = engine.generate([prompts[i]], [adapters[i]], max_new_tokens=max_new, stop_token_ids=stop,
                                        seed=[seeds[i]], **sampling)
-            context = (f"request {i} of {n} (max_batch {engine.max_batch}, chunk {chunk}, adapter {adapters[i]}, "
+            context = (f"request {i} of {n} (max_batch {max_batch}, chunk {chunk}, adapter {adapters[i]}, "
                        f"{len(prompts[i])} prompt tokens, {sampling or 'greedy'})")
             assert list(batched[i]) == list(alone), context
             assert batched[i].finish_reason == alone.finish_reason, context

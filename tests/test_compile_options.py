@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from jlora.compile_options import concurrent_graphs, step_compiler_options, step_jit
+from jlora.models.llama import Batch
+from jlora.step import Call
 
 CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
@@ -28,13 +30,14 @@ def test_step_jit_compiles_each_shape_under_its_options(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
 
     @step_jit(static_argnames=("model_def",))
-    def step(model_def, params, tokens):
-        return tokens * params + model_def
+    def step(model_def, params, call):
+        return call.batch.groups[0].tokens * params + model_def
 
     params = jnp.float32(3.0)
     for seq in (1, 16, 1):  # decode: CONCURRENT; 16 tokens: the default; the second decode reuses the first compile
         tokens = jnp.asarray(np.random.default_rng(seq).normal(size=(8, seq)), jnp.float32)
-        np.testing.assert_allclose(step(2, params, tokens), tokens * 3 + 2, rtol=1e-6)
+        call = Call(Batch.of(tokens, tokens), jnp.zeros(8 * seq, jnp.int32), jnp.zeros(2, jnp.int32))
+        np.testing.assert_allclose(step(2, params, call), tokens * 3 + 2, rtol=1e-6)
     assert step.with_options(CONCURRENT)._cache_size() == 1
     assert step.with_options({})._cache_size() == 1
     assert step._cache_size() == 2

@@ -49,7 +49,7 @@ def test_copies_of_one_request_generate_what_it_generates_alone(engine):
     p = [5, 17, 42, 9, 3]
     for adapter in (None, "a1"):
         alone = list(engine.generate([p], [adapter], max_new_tokens=6)[0])
-        for n in range(1, 3 * engine.max_batch + 1):
+        for n in range(1, 3 * engine.config.max_batch + 1):
             assert [list(o) for o in engine.generate([p] * n, [adapter] * n, max_new_tokens=6)] == [alone] * n, n
 
 
@@ -149,11 +149,11 @@ def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):
 
     seen = []
 
-    def recording(step, lora_arg):  # records the LoRA weights each step is given, then runs it
-        return lambda *args, **kwargs: seen.append(args[lora_arg]) or step(*args, **kwargs)
+    def recording(step):  # records the LoRA weights each call is given (model_def, params, inputs, cache, lora, ...)
+        return lambda *args: seen.append(args[4]) or step(*args)
 
-    monkeypatch.setattr(runner_module, "forward", recording(runner_module.forward, 5))
-    monkeypatch.setattr(runner_module, "generate_step", recording(runner_module.generate_step, 6))
+    monkeypatch.setattr(runner_module, "forward", recording(runner_module.forward))
+    monkeypatch.setattr(runner_module, "generate_step", recording(runner_module.generate_step))
     engine.prefill_logits([[1, 2]], [None])
     engine.generate([[1, 2]], [None], max_new_tokens=3)
     assert seen and all(w is None for w in seen)

@@ -25,6 +25,7 @@ import model as mb  # noqa: E402
 import jlora.models.llama as llama  # noqa: E402
 from jlora import ops, reference  # noqa: E402
 from jlora.runner import forward, row_tile  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
 
 _F32 = jnp.float32
 
@@ -97,8 +98,9 @@ def model(rounds: int = 6) -> None:
     lora = mb.random_lora(config, 16)
     slots = jnp.arange(batch, dtype=jnp.int32) % mb.SLOTS
     ranks = jnp.full(mb.SLOTS, 16, jnp.int32)
-    runs = {name: lambda c, name=name: forward(model_def, params, tokens, positions, c, lora, slots, ranks,
-                                               block_m=16, backend=name) for name in FORMS}
+    call = Call(llama.Batch.of(tokens, positions), slots, ranks)
+    runs = {name: lambda c, name=name: forward(model_def, params, call, c, lora, StepOptions(16, name))
+            for name in FORMS}
     times, cache = mb.time_alternating(runs, cache, rounds=rounds)
     for name, t in times.items():
         print(f"model batch 32, 32 r=16 adapters, {name}: median {statistics.median(t) * 1e3:.3f} ms "

@@ -12,6 +12,7 @@ alone before it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -35,7 +36,7 @@ ADAPTERS, RANK, ROWS, LONG = 32, 16, 32, 2048
 
 def prefill_rate(engine: Engine, batch: int, length: int, rng) -> float:
     """Prompt tokens per second of generate(max_new_tokens=1) for `batch` prompts of `length` tokens."""
-    prompts = rng.integers(0, engine.config.vocab_size, (batch, length)).tolist()
+    prompts = rng.integers(0, engine.model_config.vocab_size, (batch, length)).tolist()
     adapters = [f"a{i % ADAPTERS}" for i in range(batch)]
     run = lambda: (lambda t0: (engine.generate(prompts, adapters, max_new_tokens=1), time.perf_counter() - t0)[1])(
         time.perf_counter())
@@ -45,7 +46,7 @@ def prefill_rate(engine: Engine, batch: int, length: int, rng) -> float:
 
 def step_times(engine: Engine, chunk: int, rng) -> tuple[float, float]:
     """(mean decode step of 31 rows, mean step while a LONG-token prompt goes in beside them), seconds."""
-    vocab = engine.config.vocab_size
+    vocab = engine.model_config.vocab_size
     batcher = Batcher(engine.runner, ROWS, 4096, prefill_chunk=chunk)
     for i in range(ROWS - 1):
         batcher.add(Request(rng.integers(0, vocab, 128).tolist(), engine.pool.slot(f"a{i}"), 1024))
@@ -84,7 +85,7 @@ def main() -> None:
     rows = []
     print(f"# {device}: 8B shape, {ADAPTERS} r={RANK} adapters", flush=True)
     for chunk in (int(c) for c in args.chunks.split(",")):
-        engine.prefill_chunk = chunk
+        engine.config = dataclasses.replace(engine.config, prefill_chunk=chunk)
         short, long = prefill_rate(engine, 32, 128, rng), prefill_rate(engine, 4, LONG, rng)
         decode, mixed = step_times(engine, chunk, rng)
         rows.append({"chunk": chunk, "prefill_32x128_tok_s": short, "prefill_4x2048_tok_s": long,

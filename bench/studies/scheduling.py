@@ -19,7 +19,10 @@ import sys
 
 import jax
 
+from jlora.models.llama import Batch
 from jlora.runner import forward
+from jlora.step import Call, StepOptions
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from model import CONTEXT, llama3_8b, random_model, setup, time_alternating  # noqa: E402
 
@@ -45,14 +48,14 @@ def main() -> None:
         _, _, cache, tokens, positions, cases, _ = setup(config, model_def, params, 1, 16, batch)
         for weights, slots, ranks in cases.values():
             case = "base" if weights is None else "r=16"
-            step_args = (params, tokens, positions, cache, weights, slots, ranks)
+            call = Call(Batch.of(tokens, positions), slots, ranks)
             modes = {m: v for m, v in MODES.items() if weights is not None or not v[1]}  # no LoRA: no barrier
-            compiled = {mode: forward.with_options(options).lower(model_def, *step_args, block_m=16, backend="auto",
-                                                                  base_first=base_first).compile()
+            compiled = {mode: forward.with_options(options).lower(
+                model_def, params, call, cache, weights, StepOptions(16, "auto", base_first=base_first)).compile()
                         for mode, (options, base_first) in modes.items()}
 
             def bound(run):  # cache -> (logits, cache) on this case's inputs
-                return lambda c: run(params, tokens, positions, c, weights, slots, ranks)
+                return lambda c: run(params, call, c, weights)
 
             times, cache = time_alternating({mode: bound(run) for mode, run in compiled.items()}, cache, ROUNDS, STEPS)
             times = {mode: [sec * 1e3 for sec in t] for mode, t in times.items()}

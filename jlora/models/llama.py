@@ -27,12 +27,12 @@ from flax import nnx
 
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
-from jlora.models.lora_weights import LayerLoRA, LoRAWeights
+from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
 from jlora.precision import dot_precision
 
-__all__ = ["Group", "KVCache", "Transformer", "rope_frequencies"]
+__all__ = ["Batch", "CallOptions", "Group", "KVCache", "LoRAInput", "Transformer", "rope_frequencies"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -55,13 +55,71 @@ class KVCache:
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """B requests of S tokens each, run in one call beside the call's first group (`Transformer.__call__`'s
-    `then`): tokens, positions and valid [B, S] (valid None: all), cache rows [B] (None: row b)."""
+    """B requests of S tokens each of a `Batch`: tokens, positions and valid [B, S] (valid None: all), cache rows
+    [B] (None: row b)."""
 
     tokens: jax.Array
     positions: jax.Array
     valid: jax.Array | None = None
     rows: jax.Array | None = None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["groups", "logits_at"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """What a model call runs: one or two groups of requests, whose tokens go through the projections one
+    after another (the engine's mixed steps: every row's decode token, then prompt pieces into other rows),
+    and `logits_at` [N], indices into the call's tokens (all groups, flat) whose logits are computed (None:
+    every token's; needed with two groups)."""
+
+    groups: tuple[Group, ...]
+    logits_at: jax.Array | None = None
+
+    @staticmethod
+    def of(tokens, positions, valid=None, rows=None, logits_at=None) -> Batch:
+        """A batch of one group."""
+        return Batch((Group(tokens, positions, valid, rows),), logits_at)
+
+    @property
+    def tokens(self) -> jax.Array:
+        """[T] every group's tokens, flat, in the call's token order."""
+        flat = [g.tokens.reshape(-1) for g in self.groups]
+        return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["weights", "info", "head_info"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LoRAInput:
+    """A call's adapters: the slots' weights, the `LoRABatchInfo` of its T tokens and, with `logits_at`, that
+    of those N tokens (`head_info`, for the lm_head)."""
+
+    weights: LoRAWeights
+    info: LoRABatchInfo
+    head_info: LoRABatchInfo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOptions:
+    """A call's static options.
+
+    Attributes:
+      backend: the LoRA ops' backend; on GPU (and under an explicit "pallas") decode groups (S = 1) also run
+        attention in the Pallas decode-attention kernel.
+      reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
+        row-parallel over (`jlora.parallel`); None on one device.
+      base_first: put each layer's gate|up base GEMM before its LoRA kernels in XLA's schedule (an
+        optimization barrier on the GEMM's output and x). Under CONCURRENT CUDA graphs (which
+        `jlora.step_compiler_options` asks for decode steps; the engine sets this for them) the first node
+        after a fork keeps the graph's stream, and left to itself XLA scheduled the LoRA shrink first, so the
+        GEMM started late on a second stream. The barrier orders nothing at run time: the LoRA kernels still
+        run beside the GEMM. The other projections and the lm_head keep none (their split-K GEMMs end in
+        reductions XLA fuses into the consumers, which a barrier would split off). Off by default: under
+        XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
+    """
+
+    backend: str = "auto"
+    reduce_axis: str | None = None
+    base_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +139,14 @@ class _Part:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRAContext:
-    """What the layers need for LoRA: the slot weights, the batch info, the backend and whether the gate|up
-    base GEMM is scheduled before its LoRA kernels (`Transformer.__call__`'s `base_first`)."""
+class _Context:
+    """What every layer of a call reads: its groups as `_Part`s, the RoPE frequencies, the adapters (None:
+    the base model alone) and the options."""
 
-    weights: LoRAWeights
-    info: LoRABatchInfo
-    backend: str
-    base_first: bool
+    parts: tuple[_Part, ...]
+    inv_freq: jax.Array
+    lora: LoRAInput | None
+    options: CallOptions
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -131,26 +189,28 @@ class Linear(nnx.Module):
         return y.astype(x.dtype)
 
 
-def _with_lora(proj: Linear, x: jax.Array, lora: LoRAContext | None, group: LayerLoRA | None, name: str,
-               slice_sizes: tuple[int, ...], reduce_axis: str | None = None, ordered: bool = False) -> jax.Array:
+def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | None, name: str,
+               slice_sizes: tuple[int, ...], row_parallel: bool = False, ordered: bool = False) -> jax.Array:
     """The projection's output [T, N], plus its adapters' deltas when LoRA is on.
 
-    With `reduce_axis` the layer is row-parallel under tensor parallelism: x, the weight's input rows and A's
-    input columns are this device's shard. The expand is linear in the shrink, so each device expands its
+    `row_parallel` (o and down): under tensor parallelism (the options' `reduce_axis`) x, the weight's input
+    rows and A's input columns are this device's shard. The expand is linear in the shrink, so each device expands its
     partial [T, R] shrink (B is replicated) into its partial output, and the layer's one all-reduce sums
     base and deltas together: LoRA adds no collective. `ordered`: under the context's `base_first`, the base
-    GEMM goes before the LoRA kernels in XLA's schedule (see `Transformer.__call__`).
+    GEMM goes before the LoRA kernels in XLA's schedule (see `CallOptions`).
     """
+    lora, options = ctx.lora, ctx.options
+    reduce_axis = options.reduce_axis if row_parallel else None
     out = proj(x)
     if lora is not None and name in group.a:  # a group no loaded adapter targets is left out of the weights
-        if ordered and lora.base_first:
+        if ordered and options.base_first:
             out, x = jax.lax.optimization_barrier((out, x))
         scale = None if group.scale is None else group.scale[name]
         shift = None if group.shift is None else group.shift[name]
         if shift is not None and reduce_axis is not None:  # the partial outputs are summed: add it on one device
             shift = jnp.where(jax.lax.axis_index(reduce_axis) == 0, shift, 0)
         out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
-                          backend=lora.backend, scale=scale, shift=shift)
+                          backend=options.backend, scale=scale, shift=shift)
     return out if reduce_axis is None else jax.lax.psum(out, reduce_axis)
 
 
@@ -163,14 +223,14 @@ def _override_rows(x: jax.Array, tokens: jax.Array, token_slot: jax.Array, ids: 
     return jnp.where(match.any(axis=1)[:, None], row.astype(x.dtype), x)
 
 
-def _override_logits(logits: jax.Array, x: jax.Array, lora: LoRAContext) -> jax.Array:
+def _override_logits(logits: jax.Array, x: jax.Array, rows: RowOverrides, info: LoRABatchInfo,
+                     backend: str) -> jax.Array:
     """logits [T, V] f32 widened to [T, V + E]: each token's slot's override rows (their logits through the
     segmented shrink, the rows as A of rank E) replace the base's columns and fill the added tokens' columns;
     every other added column is -inf, so a request can sample only the tokens its adapter defines."""
-    rows, info = lora.weights.rows, lora.info
     e, (t, v) = rows.extra_vocab, logits.shape
     info = dataclasses.replace(info, ranks=jnp.full_like(info.ranks, e), scalings=jnp.ones_like(info.scalings))
-    values = lora_shrink(x, rows.lm_head_rows, info, backend=lora.backend).astype(jnp.float32)  # [T, E]
+    values = lora_shrink(x, rows.lm_head_rows, info, backend=backend).astype(jnp.float32)  # [T, E]
     ids = rows.lm_head_ids[jnp.maximum(info.token_slot, 0)]  # [T, E]
     column = jnp.where((ids >= 0) & (info.token_slot >= 0)[:, None], ids, v + e)  # out of range: dropped
     logits = jnp.concatenate([logits, jnp.full((t, e), -jnp.inf, logits.dtype)], axis=1)
@@ -219,9 +279,9 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, parts, inv_freq, k_cache, v_cache, lora, group, reduce_axis):
+    def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
         """x [T, H] (the parts' tokens one after another, each part's B·S in row-major order), caches
-        [R, kv_heads, max_seq, D] -> ([T, H], caches).
+        [R, kv_heads, max_seq, D], the layer's adapter weights -> ([T, H], caches).
 
         Each part's request b reads and writes cache row `rows[b]`; tokens with `valid` False leave the cache
         untouched. A part with `kernel` (decode, S = 1) runs attention in the Pallas decode-attention kernel,
@@ -230,16 +290,16 @@ class Attention(nnx.Module):
         updates the donated cache in place.
         """
         c = self.config
-        qkv = _with_lora(self.qkv, x, lora, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
+        qkv = _with_lora(self.qkv, x, ctx, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
         queries, start = [], 0
-        for p in parts:
-            q, k_cache, v_cache = self._write(qkv[start: start + p.b * p.s], p, inv_freq, k_cache, v_cache)
+        for p in ctx.parts:
+            q, k_cache, v_cache = self._write(qkv[start: start + p.b * p.s], p, ctx.inv_freq, k_cache, v_cache)
             queries.append(q)
             start += p.b * p.s
         outs = [self._attend(q, p, k_cache, v_cache).reshape(p.b * p.s, c.q_size).astype(x.dtype)
-                for q, p in zip(queries, parts)]
+                for q, p in zip(queries, ctx.parts)]
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-        return _with_lora(self.o, out, lora, group, "o", (c.hidden_size,), reduce_axis), k_cache, v_cache
+        return _with_lora(self.o, out, ctx, group, "o", (c.hidden_size,), row_parallel=True), k_cache, v_cache
 
     def _write(self, qkv, p: _Part, inv_freq, k_cache, v_cache):
         """One part's q|k|v [B·S, ·]: k and v rotated and written to the cache; q rotated [B, S, KV, G, D]."""
@@ -271,11 +331,12 @@ class MLP(nnx.Module):
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, lora, group, reduce_axis):
+    def __call__(self, x, ctx: _Context, group: LayerLoRA | None):
         i = self.config.intermediate_size
-        gate_up = _with_lora(self.gate_up, x, lora, group, "gate_up", (i, i), ordered=True)
+        gate_up = _with_lora(self.gate_up, x, ctx, group, "gate_up", (i, i), ordered=True)
         h = jax.nn.silu(gate_up[:, :i].astype(jnp.float32)) * gate_up[:, i:].astype(jnp.float32)
-        return _with_lora(self.down, h.astype(x.dtype), lora, group, "down", (self.config.hidden_size,), reduce_axis)
+        return _with_lora(self.down, h.astype(x.dtype), ctx, group, "down", (self.config.hidden_size,),
+                          row_parallel=True)
 
 
 class DecoderLayer(nnx.Module):
@@ -285,11 +346,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, parts, inv_freq, k_cache, v_cache, lora, group, reduce_axis):
-        h, k_cache, v_cache = self.attn(self.input_norm(x), parts, inv_freq, k_cache, v_cache, lora, group,
-                                        reduce_axis)
+    def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
+        h, k_cache, v_cache = self.attn(self.input_norm(x), ctx, k_cache, v_cache, group)
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x), lora, group, reduce_axis), k_cache, v_cache
+        return x + self.mlp(self.post_attn_norm(x), ctx, group), k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -306,74 +366,57 @@ class Transformer(nnx.Module):
             else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        cache: KVCache,
-        lora: LoRAWeights | None = None,
-        info: LoRABatchInfo | None = None,
-        *,
-        valid: jax.Array | None = None,
-        rows: jax.Array | None = None,
-        then: Group | None = None,
-        logits_at: jax.Array | None = None,
-        head_info: LoRABatchInfo | None = None,
-        backend: str = "auto",
-        reduce_axis: str | None = None,
-        base_first: bool = False,
-    ) -> tuple[jax.Array, KVCache]:
-        """Runs B requests of S tokens each (and the requests of `then` in the same call).
+    def __call__(self, batch: Batch, cache: KVCache, lora: LoRAInput | None = None,
+                 options: CallOptions = CallOptions()) -> tuple[jax.Array, KVCache]:
+        """Runs the batch's groups of requests, B requests of S tokens each per group.
 
         Args:
-          tokens: [B, S] int token ids.
-          positions: [B, S] int positions (cache indices) of the tokens, each < max_seq.
+          batch: each group's tokens and positions [B, S] (positions are cache indices, < max_seq), which
+            tokens write the cache (`valid`; padding leaves it untouched) and each request's cache row (`rows`,
+            default row b, with R = B); `logits_at` when only some tokens' logits are wanted (the final norm
+            and the lm_head run on those N tokens only).
           cache: the KV cache, per layer [R, kv_heads, max_seq, head_dim] keys and values.
-          lora: the adapter slots' weights, or None for the base model alone.
-          info: `LoRABatchInfo` over the T = B·S tokens in row-major order (needed with `lora`).
-          valid: [B, S] bool, tokens that write the cache (default all); padding leaves it untouched.
-          rows: [B] int cache row of each request (default: row b, with R = B).
-          then: a second group of requests in the same call, so that the projections read their weights once
-            for both (the engine's mixed steps: every row's decode token, then prompts being prefilled into
-            other rows); its tokens follow the first group's in `info`'s token order. Needs `logits_at`.
-          logits_at: [N] int indices into the call's tokens (both groups, flat) whose logits are computed: the
-            final norm and the lm_head run on those N tokens only.
-          head_info: with `lora` and `logits_at`, the `LoRABatchInfo` of those N tokens.
-          backend: the LoRA ops' backend; on GPU (and under an explicit "pallas") decode calls (S = 1)
-            also run attention in the Pallas decode-attention kernel.
-          reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
-            row-parallel over (`jlora.parallel`); None on one device.
-          base_first: put each layer's gate|up base GEMM before its LoRA kernels in XLA's schedule (an
-            optimization barrier on the GEMM's output and x). Under CONCURRENT CUDA graphs (which
-            `jlora.step_compiler_options` asks for decode steps; the engine sets this for them) the first
-            node after a fork keeps the graph's stream, and left to itself XLA scheduled the LoRA shrink
-            first, so the GEMM started late on a second stream. The barrier orders nothing at run time: the
-            LoRA kernels still run beside the GEMM. The other projections and the lm_head keep none (their
-            split-K GEMMs end in reductions XLA fuses into the consumers, which a barrier would split off).
-            Off by default: under XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
+          lora: the adapter slots' weights and the batch's `LoRABatchInfo` (its tokens in the batch's flat
+            order), or None for the base model alone.
+          options: the static options (`CallOptions`).
 
         Returns:
-          logits [B, S, V] f32, or [N, V] at `logits_at` (with the adapters' row overrides V + E columns: see
-          `_override_logits`), and the updated cache.
+          logits [B, S, V] f32 (a one-group batch without `logits_at`), or [N, V] at `logits_at` (with the
+          adapters' row overrides V + E columns: see `_override_logits`), and the updated cache.
         """
-        if then is not None and logits_at is None:
-            raise ValueError("a call with a second group (then) needs logits_at")
-        groups = [Group(tokens, positions, valid, rows)] + ([] if then is None else [then])
-        ctx = None if lora is None else LoRAContext(lora, info, backend, base_first)
-        flat = jnp.concatenate([g.tokens.reshape(-1) for g in groups]) if then is not None else tokens.reshape(-1)
+        if len(batch.groups) > 1 and batch.logits_at is None:
+            raise ValueError("a call with two groups needs logits_at")
+        flat = batch.tokens
         embed = self.embed[...]
         ids = jnp.minimum(flat, embed.shape[0] - 1)  # an adapter's added tokens: their override row replaces it
         x = embed[ids]  # [T, H]
-        factor = None
-        if ctx is not None:
-            if lora.embed_a is not None:  # None: no loaded adapter targets the embedding
-                x = lora_embedding(ids, lora.embed_a, lora.embed_b, info, x, backend=backend)
-            if lora.rows is not None:
-                x = _override_rows(x, flat, info.token_slot, lora.rows.embed_ids, lora.rows.embed_rows)
-            if lora.rope_factor is not None:  # LongLoRA: linear RoPE scaling by each token's adapter's factor
-                factor = jnp.where(info.token_slot >= 0, lora.rope_factor[jnp.maximum(info.token_slot, 0)], 1.0)
+        factor, weights = None, None if lora is None else lora.weights
+        if lora is not None:
+            if weights.embed_a is not None:  # None: no loaded adapter targets the embedding
+                x = lora_embedding(ids, weights.embed_a, weights.embed_b, lora.info, x, backend=options.backend)
+            if weights.rows is not None:
+                x = _override_rows(x, flat, lora.info.token_slot, weights.rows.embed_ids, weights.rows.embed_rows)
+            if weights.rope_factor is not None:  # LongLoRA: linear RoPE scaling by each token's adapter's factor
+                slot = lora.info.token_slot
+                factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
+        ctx = _Context(self._parts(batch, factor, cache, options.backend), rope_frequencies(self.config), lora,
+                       options)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, ctx, cache.k[i], cache.v[i], None if lora is None else weights.layers[i])
+            ks.append(k)
+            vs.append(v)
+        info = None if lora is None else lora.info
+        if batch.logits_at is not None:
+            x, info = x[batch.logits_at], None if lora is None else lora.head_info
+        logits = self._head(self.norm(x), weights, info, options.backend)
+        cache = KVCache(tuple(ks), tuple(vs))
+        return (logits if batch.logits_at is not None else logits.reshape(*batch.groups[0].tokens.shape, -1)), cache
+
+    def _parts(self, batch: Batch, factor: jax.Array | None, cache: KVCache, backend: str) -> tuple[_Part, ...]:
+        """Each group as the layers see it; `factor` [T]: each token's RoPE position divisor (LongLoRA)."""
         parts, start = [], 0
-        for g in groups:
+        for g in batch.groups:
             b, s = g.tokens.shape
             rope_positions = g.positions if factor is None else g.positions / factor[start:start + b * s].reshape(b, s)
             kernel = (s == 1 and _kernel_attention(backend)
@@ -382,28 +425,21 @@ class Transformer(nnx.Module):
             at_rows = jnp.arange(b) if g.rows is None else g.rows  # once for all layers: an iota per layer is a kernel
             parts.append(_Part(b, s, g.positions, rope_positions, writes, at_rows, g.rows is None, kernel))
             start += b * s
-        inv_freq = rope_frequencies(self.config)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            group = None if ctx is None else lora.layers[i]
-            x, k, v = layer(x, parts, inv_freq, cache.k[i], cache.v[i], ctx, group, reduce_axis)
-            ks.append(k)
-            vs.append(v)
-        if logits_at is not None:
-            x = x[logits_at]
-            ctx = None if ctx is None else dataclasses.replace(ctx, info=head_info)
-        x = self.norm(x)
+        return tuple(parts)
+
+    def _head(self, x: jax.Array, weights: LoRAWeights | None, info: LoRABatchInfo | None,
+              backend: str) -> jax.Array:
+        """The lm_head's logits [N, V] f32 of normed x [N, H], with the adapters' lm_head LoRA and row overrides."""
         if self.lm_head is None:
-            logits = jnp.einsum("TH,VH->TV", x, embed, preferred_element_type=jnp.float32,
+            logits = jnp.einsum("TH,VH->TV", x, self.embed[...], preferred_element_type=jnp.float32,
                                 precision=dot_precision(x.dtype)).astype(x.dtype)
         else:
             logits = self.lm_head(x)
-        if ctx is not None and lora.lm_head_a is not None:  # no barrier (base_first) here: see its docstring
-            logits = lora_linear(x, logits, lora.lm_head_a, lora.lm_head_b, ctx.info,
-                                 slice_sizes=(self.config.vocab_size,), backend=backend, scale=lora.lm_head_scale,
-                                 shift=lora.lm_head_shift)
+        if weights is not None and weights.lm_head_a is not None:  # no barrier (base_first): see CallOptions
+            logits = lora_linear(x, logits, weights.lm_head_a, weights.lm_head_b, info,
+                                 slice_sizes=(self.config.vocab_size,), backend=backend, scale=weights.lm_head_scale,
+                                 shift=weights.lm_head_shift)
         logits = logits.astype(jnp.float32)
-        if ctx is not None and lora.rows is not None:
-            logits = _override_logits(logits, x, ctx)
-        cache = KVCache(tuple(ks), tuple(vs))
-        return (logits if logits_at is not None else logits.reshape(*tokens.shape, -1)), cache
+        if weights is not None and weights.rows is not None:
+            logits = _override_logits(logits, x, weights.rows, info, backend)
+        return logits

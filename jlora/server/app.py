@@ -70,7 +70,7 @@ class _Api:
         # A text longer than this has more than max_seq_len tokens whatever it holds (a token covers at most its
         # vocabulary string's characters), so it is refused before any tokenizing.
         longest = 0 if tokenizer is None else max(map(len, tokenizer.get_vocab()), default=0)
-        self.max_prompt_chars = self.engine.max_seq_len * max(16, longest)
+        self.max_prompt_chars = self.engine.config.max_seq_len * max(16, longest)
         self.loads_in_progress = 0
         self.token_texts = TokenTexts(tokenizer)
 
@@ -122,8 +122,8 @@ class _Api:
         """The chat prompt's text, its size bounded first."""
         self.need_tokenizer("chat", "messages")
         if sum(len(m["content"]) for m in messages) > self.max_prompt_chars:
-            raise ApiError(400, f"the messages are longer than the maximum context of {self.engine.max_seq_len} "
-                                "tokens can hold", "messages")
+            raise ApiError(400, "the messages are longer than the maximum context of "
+                                f"{self.engine.config.max_seq_len} tokens can hold", "messages")
         try:
             return self.chat.render(messages)
         except ChatTemplateError as err:
@@ -143,7 +143,7 @@ class _Api:
         else:
             self.need_tokenizer("tokenizing", "prompt")
             ids = self.tokenize(request.prompt, "prompt", request.add_special_tokens)
-        return {"count": len(ids), "max_model_len": self.engine.max_seq_len, "tokens": ids, "token_strs": None}
+        return {"count": len(ids), "max_model_len": self.engine.config.max_seq_len, "tokens": ids, "token_strs": None}
 
     def detokenize_request(self, body: bytes) -> dict:
         ids = parse(DetokenizeRequest, body).tokens
@@ -159,18 +159,19 @@ class _Api:
         if special["eos_token"] is None and self.eos:
             special["eos_token"] = self.engine.tokenizer.id_to_token(min(self.eos))
         return {"tokenizer_class": "tokenizers.Tokenizer", **special, "chat_template": self.chat.source,
-                "model_max_length": self.engine.max_seq_len, "vocab_size": self.engine.tokenizer.get_vocab_size()}
+                "model_max_length": self.engine.config.max_seq_len,
+                "vocab_size": self.engine.tokenizer.get_vocab_size()}
 
     def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > self.max_prompt_chars:
             raise ApiError(400, f"the {param} has {len(text)} characters, more than the maximum context of "
-                                f"{self.engine.max_seq_len} tokens can hold", param)
+                                f"{self.engine.config.max_seq_len} tokens can hold", param)
         # encode_batch releases the interpreter lock (encode holds it), so the event loop runs meanwhile
         return self.engine.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         """The text of token ids ("" without a tokenizer; an adapter's added tokens have none)."""
-        vocab = self.engine.config.vocab_size
+        vocab = self.engine.model_config.vocab_size
         return "" if self.engine.tokenizer is None else self.engine.tokenizer.decode([t for t in ids if t < vocab])
 
     def prepared(self, request: CompletionRequest | ChatRequest, prompts: list[list[int]], adapter: str | None,
@@ -178,17 +179,17 @@ class _Api:
                  echo: list[str] | None = None) -> _Prepared:
         """The request's engine settings, checked against its prompts."""
         longest = max(map(len, prompts))
-        room = self.engine.max_seq_len - longest
+        room = self.engine.config.max_seq_len - longest
         max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
         max_tokens = (room if isinstance(request, ChatRequest) else 16) if max_tokens is None else max_tokens
         if max_tokens == 0 and echo is None:
             raise ApiError(400, "'max_tokens' 0 needs 'echo': true (a request that scores its prompt)", "max_tokens")
         if room < min(max_tokens, 1):
             raise ApiError(400, f"the prompt has {longest} tokens; the maximum context is "
-                                f"{self.engine.max_seq_len} tokens", param)
+                                f"{self.engine.config.max_seq_len} tokens", param)
         if max_tokens > room:
             raise ApiError(400, f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                f"maximum context of {self.engine.max_seq_len} tokens", "max_tokens")
+                                f"maximum context of {self.engine.config.max_seq_len} tokens", "max_tokens")
         best_of = best_of or request.n
         if len(prompts) * best_of > self.online.max_waiting:
             raise ApiError(400, f"{len(prompts)} prompt(s) x {best_of} choices are more requests than the server "

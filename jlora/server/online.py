@@ -31,16 +31,16 @@ class QueueFull(RuntimeError):
 
 
 class OnlineEngine:
-    """`engine` served online: requests join between steps, rows `bucket(engine.max_batch)` of
-    `engine.max_seq_len` positions, prefilling `engine.prefill_chunk` prompt tokens per step at most.
+    """`engine` served online: requests join between steps, rows `bucket(engine.config.max_batch)` of
+    `engine.config.max_seq_len` positions, prefilling `engine.config.prefill_chunk` prompt tokens per step at most.
     `start()` runs the loop thread; `stop()` ends it."""
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256, metrics: Metrics | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
-        self.batcher = Batcher(engine.runner, bucket(engine.max_batch), bucket(engine.max_seq_len, 16),
-                               prefill_chunk=engine.prefill_chunk)
+        self.batcher = Batcher(engine.runner, bucket(engine.config.max_batch), bucket(engine.config.max_seq_len, 16),
+                               prefill_chunk=engine.config.prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self.admission = Admission(engine.pool, engine.registry, engine.host, engine.loader,
                                    wake=lambda: self._inbox.put(("wake",)))

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from jlora.adapters.config import check_adapter_name
+from jlora.engine_config import EngineConfig
 from jlora.server.config import ServerConfig
 
 __all__ = ["ServerConfig", "build", "eos_token_ids", "serve", "served_name"]
@@ -32,19 +33,19 @@ def served_name(model_dir: str, config: ServerConfig) -> str:
     return config.served_model_name or os.path.basename(os.path.normpath(model_dir))
 
 
-def build(model_dir: str, config: ServerConfig, *, loras: Sequence[tuple[str, str]] = (),
-          lora_dirs: Sequence[str] = (), **engine_options):
+def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = EngineConfig(), *,
+          loras: Sequence[tuple[str, str]] = (), lora_dirs: Sequence[str] = ()):
     """Loads the model and adapters: (the Starlette app, its `OnlineEngine`, the config with
     `served_model_name` set). The app starts and stops the engine's loop with its lifespan.
 
     Args:
       model_dir: the HF model directory.
       config: the server's options (`served_model_name` None: the directory's name).
+      engine_config: the engine's options.
       loras: (name, directory) of each PEFT adapter to load at start: read and checked now (a bad one stops the
         start), into device slots while there are free ones, all registered.
       lora_dirs: directories whose subdirectories holding an adapter_config.json are registered, named after
         them: read when a request first needs them.
-      engine_options: `Engine.from_pretrained`'s options (max_loras, max_lora_rank, max_batch, prefill_chunk, ...).
     """
     from jlora.engine import Engine
     from jlora.server.app import build_app
@@ -54,7 +55,7 @@ def build(model_dir: str, config: ServerConfig, *, loras: Sequence[tuple[str, st
     config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
     for name, _ in loras:  # before the minutes a large checkpoint takes to load
         check_adapter_name(name)
-    engine = Engine.from_pretrained(model_dir, **engine_options)
+    engine = Engine.from_pretrained(model_dir, engine_config)
     for name, path in loras:
         engine.load_adapter(name, path)
     for root in lora_dirs:
@@ -67,14 +68,14 @@ def build(model_dir: str, config: ServerConfig, *, loras: Sequence[tuple[str, st
     return app, online, config
 
 
-def serve(model_dir: str, config: ServerConfig, *, loras: Sequence[tuple[str, str]] = (),
-          lora_dirs: Sequence[str] = (), **engine_options) -> None:
+def serve(model_dir: str, config: ServerConfig, engine_config: EngineConfig = EngineConfig(), *,
+          loras: Sequence[tuple[str, str]] = (), lora_dirs: Sequence[str] = ()) -> None:
     """Loads the model and adapters (`build`'s arguments) and serves them until interrupted (`jlora serve`)."""
     import uvicorn
 
     from jlora.server.protocol import header_deadline_protocol
 
-    app, online, config = build(model_dir, config, loras=loras, lora_dirs=lora_dirs, **engine_options)
+    app, online, config = build(model_dir, config, engine_config, loras=loras, lora_dirs=lora_dirs)
     adapters = online.engine.adapters
     shown = adapters if len(adapters) <= 16 else f"{len(adapters)} adapters"
     print(f"jlora: serving {config.served_model_name!r} and adapters {shown} on "

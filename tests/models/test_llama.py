@@ -12,8 +12,9 @@ from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.runner import forward, pack_prompts
+from jlora.step import Call, StepOptions
 from jlora.batch_info import LoRABatchInfo
-from jlora.models.llama import Group, KVCache
+from jlora.models.llama import Batch, CallOptions, Group, KVCache, LoRAInput
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
 
@@ -110,7 +111,7 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, backend):
     # Prefill the first 4 tokens, then feed tokens 4..7 one by one through the cache.
     max_seq, split = 16, 4
     slot = np.array([engine.pool.slot("a"), -1], np.int32)
-    cache = KVCache.zeros(engine.config, 2, max_seq, engine.runner.dtype)
+    cache = KVCache.zeros(engine.model_config, 2, max_seq, engine.runner.dtype)
     tokens = np.array([p[:split] for p in prompts], np.int32)
     positions = np.broadcast_to(np.arange(split, dtype=np.int32), (2, split))
     logits, cache = engine.runner.run(tokens, positions, np.repeat(slot, split), cache)
@@ -132,18 +133,18 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
                                     progress=False)
     testing.write_adapter(str(tmp_path / "a"), MODELS[kind], seed=3, **ADAPTERS["all_rslora"])
     engine.load_adapter("a", str(tmp_path / "a"))
-    config = engine.config
+    config = engine.model_config
     slots = jnp.asarray([0, -1, 0], jnp.int32)
     tokens = jnp.asarray([[3], [5], [7]], jnp.int32)
     positions = jnp.asarray([[2], [4], [0]], jnp.int32)
-    args = (engine.runner.model_def, engine.runner.params, tokens, positions)
-    rest = (engine.pool.weights, slots, jnp.asarray(engine.pool.ranks))
+    call = Call(Batch.of(tokens, positions), slots, jnp.asarray(engine.pool.ranks))
+    args = (engine.runner.model_def, engine.runner.params, call)
     outs, texts = {}, {}
     for base_first in (False, True):
         cache = KVCache.zeros(config, 3, 8, jnp.float32)
-        kwargs = dict(block_m=16, backend="auto", base_first=base_first)
-        texts[base_first] = forward.with_options({}).lower(*args, cache, *rest, **kwargs).as_text()
-        outs[base_first] = np.asarray(forward(*args, cache, *rest, **kwargs)[0])
+        options = StepOptions(16, "auto", base_first=base_first)
+        texts[base_first] = forward.with_options({}).lower(*args, cache, engine.pool.weights, options).as_text()
+        outs[base_first] = np.asarray(forward(*args, cache, engine.pool.weights, options)[0])
     assert texts[False].count("optimization_barrier") == 0
     assert texts[True].count("optimization_barrier") == config.num_layers
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
@@ -166,19 +167,18 @@ def test_a_mixed_call_decodes_and_prefills_pieces_as_full_forwards_do(tmp_path, 
                                                                               for _, t in seqs.values()])))
     model = engine.runner.model_def.merge(engine.runner.params)
     ranks, ones = engine.pool.ranks, np.ones(engine.pool.ranks.shape, np.float32)
-    cache = KVCache.zeros(engine.config, 4, 16, jnp.float32)
+    cache = KVCache.zeros(engine.model_config, 4, 16, jnp.float32)
 
     @jax.jit
-    def run(cache, first, then, slots, logits_at):
+    def run(cache, batch, slots):
         info = LoRABatchInfo.build(slots, ranks, ones)
-        head_info = None if logits_at is None else LoRABatchInfo.build(slots[logits_at], ranks, ones)
-        return model(first.tokens, first.positions, cache, engine.pool.step_weights, info, valid=first.valid,
-                     rows=first.rows, then=then, logits_at=logits_at, head_info=head_info, backend=backend)
+        at = batch.logits_at
+        head_info = None if at is None else LoRABatchInfo.build(slots[at], ranks, ones)
+        return model(batch, cache, LoRAInput(engine.pool.step_weights, info, head_info), CallOptions(backend))
 
     def call(groups, logits_at):  # groups: (tokens, positions, valid, rows, slots)
         slots = np.concatenate([g[4].reshape(-1) for g in groups])
-        first, *then = [Group(*g[:4]) for g in groups]
-        return run(cache, first, then[0] if then else None, slots, logits_at)
+        return run(cache, Batch(tuple(Group(*g[:4]) for g in groups), logits_at), slots)
 
     def piece(rows, start, length):  # [B, length] pieces of rows' sequences from `start`
         tokens = np.array([seqs[r][0][start: start + length] for r in rows], np.int32)

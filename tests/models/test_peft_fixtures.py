@@ -85,7 +85,7 @@ def test_added_tokens_belong_to_their_adapter(loaded):
     engine, _, cases, _ = loaded
     if "added" not in cases:
         pytest.skip("no adapter adds tokens here")
-    v, added = engine.config.vocab_size, cases["added"]["added"]
+    v, added = engine.model_config.vocab_size, cases["added"]["added"]
     assert engine.vocab_size(None) == v and engine.vocab_size("added") == v + added
     with pytest.raises(ValueError, match=rf"outside \[0, {v}\)"):
         engine.generate([[1, v]], [None], max_new_tokens=1)

@@ -17,13 +17,14 @@ httpx = pytest.importorskip("httpx")
 from jlora import testing  # noqa: E402
 from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
+from jlora.engine_config import EngineConfig  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")
 CFG = testing.tiny_config("llama", vocab_size=120)
 TARGETS = [["q_proj", "v_proj"], LINEAR_MODULES, ["o_proj", "down_proj"], ["gate_proj", "up_proj"]]
 NAMES = [f"t{i}" for i in range(7)]
-OPTIONS = dict(dtype="float32", max_loras=4, max_lora_rank=8, max_batch=8, max_seq_len=160, progress=False)
+OPTIONS = EngineConfig(dtype="float32", max_loras=4, max_lora_rank=8, max_batch=8, max_seq_len=160)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def url(root):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         spec = ReplicaSpec(str(root / "m"), ServerConfig(served_model_name="tiny"),
-                           lora_dirs=(str(root / "adapters"),), engine_options=OPTIONS)
+                           lora_dirs=(str(root / "adapters"),), engine=OPTIONS)
         serve.run(deployment(spec, replicas=2), name="jlora", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -59,7 +60,7 @@ def url(root):
 
 @pytest.fixture(scope="module")
 def engine(root):
-    eng = Engine.from_pretrained(str(root / "m"), **OPTIONS)
+    eng = Engine.from_pretrained(str(root / "m"), OPTIONS, progress=False)
     eng.registry.scan(str(root / "adapters"))
     return eng
 

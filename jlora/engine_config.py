@@ -1,0 +1,99 @@
+"""`EngineConfig`: every option of an `Engine`, validated in one place, and its command-line flags.
+
+`Engine`, `Engine.from_pretrained`, `jlora generate`, `jlora serve` and the Ray replicas all take their options
+from here: a field's default, check and help text are written once (`add_arguments`, `from_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import numbers
+
+from jlora.ops import BACKENDS
+
+__all__ = ["DTYPES", "EngineConfig"]
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _option(default, help: str, metavar: str | None = None, choices: tuple | None = None):
+    return dataclasses.field(default=default, metadata=dict(help=help, metavar=metavar, choices=choices))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """An engine's options. Each field is a flag of `jlora generate` and `jlora serve` (`--max-loras`, ...)."""
+
+    max_loras: int = _option(8, "adapter slots on the device (any number of adapters may be registered)")
+    max_cpu_loras: int | None = _option(
+        None, "adapters kept read and converted in host memory, least recently used evicted (default: "
+              "max_loras), so an adapter evicted from its slot comes back without reading its files", "N")
+    max_lora_rank: int = _option(64, "the largest adapter rank accepted")
+    max_extra_vocab: int = _option(
+        256, "per adapter, the embedding and lm_head rows that may differ from the base model's: tokens it adds "
+             "past the base vocabulary, trainable tokens, rows it changed (held on the device only once an "
+             "adapter has such rows)", "E")
+    max_batch: int = _option(32, "requests (cache rows) decoding together")
+    max_seq_len: int = _option(2048, "the longest prompt + generation accepted (a LongLoRA adapter's "
+                                     "context_length at most)")
+    prefill_chunk: int = _option(
+        512, "prompt tokens prefilled per step at most (a power of two >= 16), beside the decoding rows; a longer "
+             "prompt goes in pieces. Larger: fewer steps per prompt; smaller: a step that takes a prompt delays "
+             "the decoding rows less", "TOKENS")
+    dtype: str | None = _option(None, "the weights' and activations' type (default: bfloat16 on GPU, float32 "
+                                      "elsewhere)", choices=DTYPES)
+    backend: str = _option("auto", "the LoRA ops' backend ('auto': on GPU gather for decode-sized calls and the "
+                                   "Pallas kernels above; reference elsewhere)", choices=BACKENDS)
+    evict: str = _option("lru", "when every slot is taken: 'lru' evicts the least recently used idle adapter, "
+                                "'refuse' fails the load", choices=("lru", "refuse"))
+    tensor_parallel: int = _option(1, "split the model over the first N devices (Megatron-style; see "
+                                      "docs/design.md)", "N")
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank", "max_batch", "max_seq_len", "tensor_parallel", "prefill_chunk"):
+            _check_int(self, name, 1)
+        _check_int(self, "max_extra_vocab", 0)
+        if self.max_cpu_loras is not None:
+            _check_int(self, "max_cpu_loras", 0)
+        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
+        if self.dtype is not None:  # a name or anything with one (jnp.bfloat16, np.dtype): kept as its name
+            name = getattr(self.dtype, "name", None) or getattr(self.dtype, "__name__", None) or self.dtype
+            if name not in DTYPES:
+                raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            object.__setattr__(self, "dtype", name)
+        for name in ("backend", "evict"):
+            choices = EngineConfig.__dataclass_fields__[name].metadata["choices"]
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    @property
+    def host_capacity(self) -> int:
+        """Adapters the host tier keeps: `max_cpu_loras`, by default `max_loras`."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Adds a flag for each field but `skip` (`--max-loras N`, ...), defaulting to the field's default."""
+        for field in dataclasses.fields(EngineConfig):
+            if field.name in skip:
+                continue
+            meta = field.metadata
+            kind = str if meta["choices"] else int
+            default = "" if field.default is None else f" (default {field.default})"
+            parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default,
+                                choices=meta["choices"], metavar=meta["metavar"], help=meta["help"] + default)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """The config of parsed flags (those `add_arguments` added), with `overrides` on top."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
+
+
+def _check_int(config: EngineConfig, name: str, minimum: int) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    object.__setattr__(config, name, int(value))

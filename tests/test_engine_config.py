@@ -1,0 +1,71 @@
+"""`EngineConfig`: each option checked once, with a message that names it, and the same flags on both commands."""
+
+import argparse
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora import EngineConfig, cli
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(max_loras=0), "max_loras must be an integer >= 1, got 0"),
+    (dict(max_batch=2.5), "max_batch must be an integer >= 1, got 2.5"),
+    (dict(max_seq_len=True), "max_seq_len must be an integer >= 1, got True"),
+    (dict(max_extra_vocab=-1), "max_extra_vocab must be an integer >= 0, got -1"),
+    (dict(max_cpu_loras=-2), "max_cpu_loras must be an integer >= 0, got -2"),
+    (dict(prefill_chunk=100), "prefill_chunk must be a power of two >= 16, got 100"),
+    (dict(prefill_chunk=8), "prefill_chunk must be a power of two >= 16, got 8"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(backend="triton"), "backend must be one of"),
+    (dict(evict="fifo"), "evict must be one of"),
+    (dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
+])
+def test_bad_options_name_the_problem(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**options)
+
+
+def test_values_are_normalized():
+    config = EngineConfig(dtype=jnp.bfloat16, max_batch=np.int64(4))
+    assert config.dtype == "bfloat16" and type(config.max_batch) is int
+    assert EngineConfig(dtype=np.dtype("float32")).dtype == "float32"
+    assert EngineConfig().host_capacity == 8 and EngineConfig(max_cpu_loras=100).host_capacity == 100
+    with pytest.raises(ValueError, match="max_batch"):  # replace checks again
+        dataclasses.replace(EngineConfig(), max_batch=0)
+
+
+def test_a_config_and_keywords_together_are_refused():
+    from jlora.engine import Engine
+
+    with pytest.raises(TypeError, match="not both"):
+        Engine.from_pretrained("/nonexistent", EngineConfig(), max_loras=2)
+
+
+def test_every_field_is_a_flag_with_its_default():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_arguments(parser)
+    assert EngineConfig.from_args(parser.parse_args([])) == EngineConfig()
+    args = parser.parse_args(["--max-loras", "3", "--prefill-chunk", "64", "--dtype", "float32", "--evict",
+                              "refuse", "--max-cpu-loras", "5", "--backend", "reference"])
+    assert EngineConfig.from_args(args, max_batch=2) == EngineConfig(
+        max_loras=3, prefill_chunk=64, dtype="float32", evict="refuse", max_cpu_loras=5, backend="reference",
+        max_batch=2)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_both_commands_take_the_engine_flags(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = capsys.readouterr().out
+    skipped = {"generate": ("max_loras", "max_cpu_loras", "evict"), "serve": ()}[command]
+    for field in dataclasses.fields(EngineConfig):
+        assert ("--" + field.name.replace("_", "-") in text) == (field.name not in skipped), field.name
+
+
+def test_serve_refuses_a_bad_option_without_a_traceback(capsys, tmp_path):
+    assert cli.main(["serve", "--model", str(tmp_path), "--max-batch", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "jlora serve: error: max_batch must be an integer >= 1, got 0" in err and "Traceback" not in err
