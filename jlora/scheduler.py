@@ -298,7 +298,7 @@ class Batcher:
             last[i] = length - 1 if start + length == len(r.prompt) and r.max_new > 0 else -1
             after = r.prompt[start + 1: start + length + 1]
             following[i, : len(after)] = after
-        return Group(tokens, positions, valid, rows), slots, last, following
+        return Group(tokens, positions, valid, rows, rows[:, None]), slots, last, following
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,15 +5,17 @@ explicitly from the top: q|k|v as one 3-slice call, o, gate|up as one 2-slice ca
 through `lora_embedding`; lm_head as a one-slice linear. Tokens are laid out [B, S] (B requests of S
 positions); the projections see them flattened to [T = B·S, ·], the token order of the batch info.
 
-The KV cache has static shapes, per layer [rows, kv_heads, max_seq, head_dim] (heads before positions: the
-layout the attention contractions read, so XLA never transposes the cache); a token at position p is stored
-at index p, so prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position
-p attends to cache indices <= p. A call may address any subset of cache rows (`rows`), which is how the
-engine prefills a new request into a free row while others are mid-generation, and may carry a second group
-of requests (`Group`, e.g. prompt pieces beside every row's decode token) whose tokens follow the first's
-through the projections. Decode groups (S = 1) on GPU (or under an explicit "pallas" backend) run attention
-in `jlora.pallas.decode_attention`, which reads each request's cache row only up to its position; everything
-else uses XLA's masked contractions.
+The KV cache is paged, with static shapes: per layer [blocks, kv_heads, P, head_dim] (heads before positions:
+the layout the attention contractions read, so XLA never transposes the cache). A request's block table lists
+its blocks in position order: position p is at offset p % P of block table[p // P]. With one block per
+request of P = max_seq positions (a group without tables: request b's block is b) this is a contiguous cache
+of rows. Prefill (S = prompt bucket) and decode (S = 1) are the same function, and a query at position p
+attends to positions <= p. A call may carry two groups of requests (`Group`, e.g. every row's decode token,
+then prompt pieces into other rows) whose tokens go through the projections together. Decode groups (S = 1)
+on GPU (or under an explicit "pallas" backend) run attention in a Pallas kernel
+(`jlora.pallas.decode_attention`, through the block tables when a request has several), which reads each
+request's positions only up to its own; everything else uses XLA's masked contractions over the blocks a
+group's tables name.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
-from jlora.pallas.decode_attention import decode_attention, decode_attention_supported
+from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
 from jlora.precision import dot_precision
 
 __all__ = ["Batch", "CallOptions", "Group", "KVCache", "LoRAInput", "Transformer", "rope_frequencies"]
@@ -41,27 +43,30 @@ class KVCache:
     """Keys and values, one buffer per layer, so a donated cache is updated in place layer by layer (one
     stacked [layers, ...] array would be rebuilt, i.e. copied whole, on every step)."""
 
-    k: tuple[jax.Array, ...]  # per layer [B, kv_heads, max_seq, head_dim]
-    v: tuple[jax.Array, ...]  # per layer [B, kv_heads, max_seq, head_dim]
+    k: tuple[jax.Array, ...]  # per layer [blocks, kv_heads, block_size, head_dim]
+    v: tuple[jax.Array, ...]  # per layer [blocks, kv_heads, block_size, head_dim]
 
     @staticmethod
-    def zeros(config: ModelConfig, batch: int, max_seq: int, dtype) -> KVCache:
-        shape = (batch, config.num_kv_heads, max_seq, config.head_dim)
+    def zeros(config: ModelConfig, blocks: int, block_size: int, dtype) -> KVCache:
+        shape = (blocks, config.num_kv_heads, block_size, config.head_dim)
         layers = range(config.num_layers)
         return KVCache(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers))
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["tokens", "positions", "valid", "rows"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tokens", "positions", "valid", "rows", "tables"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """B requests of S tokens each of a `Batch`: tokens, positions and valid [B, S] (valid None: all), cache rows
-    [B] (None: row b)."""
+    """B requests of S tokens each of a `Batch`: tokens, positions and valid [B, S] (valid None: all); each
+    request's row of the engine's batch [B] (None: row b; the model does not read it) and its block table
+    [B, nb] (None: request b's positions are all in block b): position p of request b is at offset p % P of
+    block tables[b, p // P], P the cache's block size."""
 
     tokens: jax.Array
     positions: jax.Array
     valid: jax.Array | None = None
     rows: jax.Array | None = None
+    tables: jax.Array | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["groups", "logits_at"], meta_fields=[])
@@ -76,9 +81,9 @@ class Batch:
     logits_at: jax.Array | None = None
 
     @staticmethod
-    def of(tokens, positions, valid=None, rows=None, logits_at=None) -> Batch:
+    def of(tokens, positions, valid=None, tables=None, logits_at=None) -> Batch:
         """A batch of one group."""
-        return Batch((Group(tokens, positions, valid, rows),), logits_at)
+        return Batch((Group(tokens, positions, valid, tables=tables),), logits_at)
 
     @property
     def tokens(self) -> jax.Array:
@@ -125,16 +130,16 @@ class CallOptions:
 @dataclasses.dataclass(frozen=True)
 class _Part:
     """One group as the attention layers see it: its shape, positions, the positions RoPE rotates by, which
-    tokens write the cache, its rows (`all_rows`: row b of every cache row) and whether decode attention runs
-    in the Pallas kernel."""
+    tokens write the cache, its block tables [B, nb] (`own_block`: request b's is block b, the cache's blocks
+    in request order) and whether decode attention runs in a Pallas kernel."""
 
     b: int
     s: int
     positions: jax.Array
     rope_positions: jax.Array
     valid: jax.Array
-    rows: jax.Array
-    all_rows: bool
+    tables: jax.Array
+    own_block: bool
     kernel: bool
 
 
@@ -281,13 +286,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
         """x [T, H] (the parts' tokens one after another, each part's B·S in row-major order), caches
-        [R, kv_heads, max_seq, D], the layer's adapter weights -> ([T, H], caches).
+        [blocks, kv_heads, P, D], the layer's adapter weights -> ([T, H], caches).
 
-        Each part's request b reads and writes cache row `rows[b]`; tokens with `valid` False leave the cache
-        untouched. A part with `kernel` (decode, S = 1) runs attention in the Pallas decode-attention kernel,
-        which reads only the positions each request can see. Every part writes the cache before any reads
-        it (the rows one part writes are rows no other part reads), so no write waits on a read and XLA
-        updates the donated cache in place.
+        Each part's request b reads and writes the blocks of its table; tokens with `valid` False leave the
+        cache untouched. A part with `kernel` (decode, S = 1) runs attention in a Pallas decode-attention
+        kernel, which reads only the positions each request can see. Every part writes the cache before any
+        reads it (the positions one part writes are positions no other part reads), so no write waits on a
+        read and XLA updates the donated cache in place.
         """
         c = self.config
         qkv = _with_lora(self.qkv, x, ctx, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
@@ -308,21 +313,34 @@ class Attention(nnx.Module):
         q = _rope(q.reshape(p.b, p.s, c.num_heads, c.head_dim), p.rope_positions, inv_freq)
         k = _rope(k.reshape(p.b, p.s, c.num_kv_heads, c.head_dim), p.rope_positions, inv_freq)
         v = v.reshape(k.shape)
-        # [row, :, position] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
-        # Invalid tokens (padding) get an out-of-range position, so the scatter drops them: padding requests
-        # share a real request's row, and a scatter with duplicate indices keeps an arbitrary one of them.
-        at = (p.rows[:, None], slice(None), jnp.where(p.valid, p.positions, k_cache.shape[2]))
+        # [block, :, offset] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
+        # Invalid tokens (padding) get an out-of-range block, so the scatter drops them: padding requests
+        # share a real request's blocks, and a scatter with duplicate indices keeps an arbitrary one of them.
+        size = k_cache.shape[2]
+        index = jnp.minimum(p.positions // size, p.tables.shape[1] - 1)
+        block = jnp.where(p.valid, jnp.take_along_axis(p.tables, index, axis=1), k_cache.shape[0])
+        at = (block, slice(None), p.positions % size)
         k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
         return q.reshape(p.b, p.s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim), k_cache, v_cache
 
     def _attend(self, q, p: _Part, k_cache, v_cache):
-        """One part's attention over its rows of the cache: q [B, S, KV, G, D] -> [B, S, KV, G, D]."""
+        """One part's attention over its blocks of the cache: q [B, S, KV, G, D] -> [B, S, KV, G, D]."""
+        window = self.config.sliding_window
+        if p.kernel and p.tables.shape[1] == 1:  # one block per request: the contiguous kernel
+            return decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.tables[:, 0], window=window)
         if p.kernel:
-            return decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.rows,
-                                    window=self.config.sliding_window)
-        keys, values = (k_cache, v_cache) if p.all_rows else (k_cache[p.rows], v_cache[p.rows])
-        return _masked_attention(q, keys, values, p.positions, self.config.sliding_window)
+            return paged_decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.tables, window=window)
+        if p.own_block:
+            return _masked_attention(q, k_cache, v_cache, p.positions, window)
+        return _masked_attention(q, _gather(k_cache, p.tables), _gather(v_cache, p.tables), p.positions, window)
+
+
+def _gather(cache: jax.Array, tables: jax.Array) -> jax.Array:
+    """[B, KV, nb·P, D]: each request's blocks (tables [B, nb]) of cache [blocks, KV, P, D], in position order."""
+    b, nb = tables.shape
+    _, kv, size, d = cache.shape
+    return cache[tables].transpose(0, 2, 1, 3, 4).reshape(b, kv, nb * size, d)
 
 
 class MLP(nnx.Module):
@@ -422,8 +440,9 @@ class Transformer(nnx.Module):
             kernel = (s == 1 and _kernel_attention(backend)
                       and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
             writes = jnp.ones((b, s), bool) if g.valid is None else g.valid
-            at_rows = jnp.arange(b) if g.rows is None else g.rows  # once for all layers: an iota per layer is a kernel
-            parts.append(_Part(b, s, g.positions, rope_positions, writes, at_rows, g.rows is None, kernel))
+            # once for all layers: an iota per layer is a kernel
+            tables = jnp.arange(b)[:, None] if g.tables is None else g.tables
+            parts.append(_Part(b, s, g.positions, rope_positions, writes, tables, g.tables is None, kernel))
             start += b * s
         return tuple(parts)
 

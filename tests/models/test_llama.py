@@ -178,7 +178,8 @@ def test_a_mixed_call_decodes_and_prefills_pieces_as_full_forwards_do(tmp_path, 
 
     def call(groups, logits_at):  # groups: (tokens, positions, valid, rows, slots)
         slots = np.concatenate([g[4].reshape(-1) for g in groups])
-        return run(cache, Batch(tuple(Group(*g[:4]) for g in groups), logits_at), slots)
+        groups = tuple(Group(*g[:3], tables=None if g[3] is None else g[3][:, None]) for g in groups)
+        return run(cache, Batch(groups, logits_at), slots)
 
     def piece(rows, start, length):  # [B, length] pieces of rows' sequences from `start`
         tokens = np.array([seqs[r][0][start: start + length] for r in rows], np.int32)
