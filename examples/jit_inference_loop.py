@@ -45,7 +45,7 @@ def step(state, tokens, positions, cache, token_slot):
 
 prompts = np.array([[5, 6, 7, 8], [9, 10, 11, 12]], np.int32)
 slots = np.array([0, -1], np.int32)  # request 0: adapter slot 0; request 1: base model
-cache = KVCache.zeros(config, batch=2, max_seq=16, dtype=jnp.float32)
+cache = KVCache.zeros(config, blocks=2, block_size=16, dtype=jnp.float32)  # request b in block b
 positions = np.broadcast_to(np.arange(4, dtype=np.int32), (2, 4))
 token, cache = step(state, prompts, positions, cache, np.repeat(slots, 4))
 generated = [np.asarray(token)]

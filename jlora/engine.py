@@ -380,12 +380,18 @@ class Engine:
                                 all(t.logprob >= t.top[0][1] for t in scored)))
         return scores
 
+    def new_batcher(self, num_rows: int, max_seq: int, progress=None) -> Batcher:
+        """A `Batcher` of `num_rows` rows of up to `max_seq` positions over a new cache, as the config says
+        (`prefill_chunk`, `block_size`, `kv_blocks`)."""
+        c = self.config
+        return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size, c.kv_blocks)
+
     def _run(self, requests: list[Request], adapters: Sequence[str | None], progress=None) -> None:
         """Runs requests to their end, each with its adapter: through `Admission` (adapters written into slots
         as rows free) and a `Batcher` of up to max_batch rows, `progress(n)` told of generated tokens."""
         longest = max(len(r.prompt) + r.max_new for r in requests)
         rows = bucket(min(len(requests), self.config.max_batch))
-        batcher = Batcher(self.runner, rows, bucket(longest, 16), progress, self.config.prefill_chunk)
+        batcher = self.new_batcher(rows, bucket(longest, 16), progress)
         loaded = threading.Event()
         admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set)
         for r, a in zip(requests, adapters):

@@ -41,6 +41,12 @@ class EngineConfig:
         512, "prompt tokens prefilled per step at most (a power of two >= 16), beside the decoding rows; a longer "
              "prompt goes in pieces. Larger: fewer steps per prompt; smaller: a step that takes a prompt delays "
              "the decoding rows less", "TOKENS")
+    block_size: int | None = _option(
+        None, "positions per KV-cache block (a power of two >= 16); default: each request's cache is one block of "
+              "the longest request's length (a contiguous cache)", "POSITIONS")
+    kv_blocks: int | None = _option(
+        None, "blocks in the KV cache, shared out to requests by their prompt + max_tokens (a request waits for "
+              "enough free blocks); default: max_batch requests at max_seq_len", "N")
     dtype: str | None = _option(None, "the weights' and activations' type (default: bfloat16 on GPU, float32 "
                                       "elsewhere)", choices=DTYPES)
     backend: str = _option("auto", "the LoRA ops' backend ('auto': on GPU gather for decode-sized calls and the "
@@ -56,6 +62,12 @@ class EngineConfig:
         _check_int(self, "max_extra_vocab", 0)
         if self.max_cpu_loras is not None:
             _check_int(self, "max_cpu_loras", 0)
+        if self.kv_blocks is not None:
+            _check_int(self, "kv_blocks", 1)
+        if self.block_size is not None:
+            _check_int(self, "block_size", 1)
+            if self.block_size < 16 or self.block_size & (self.block_size - 1):
+                raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
         if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
         if self.dtype is not None:  # a name or anything with one (jnp.bfloat16, np.dtype): kept as its name

@@ -148,9 +148,10 @@ def generate_step(model_def: ModelDef, params, step: Step, cache: KVCache, lora:
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def copy_row(cache: KVCache, source, row) -> KVCache:
-    """The cache with row `row` holding row `source`'s keys and values (every layer and position)."""
-    return jax.tree.map(lambda x: x.at[row].set(x[source]), cache)
+def copy_blocks(cache: KVCache, sources, targets) -> KVCache:
+    """The cache with blocks `targets` [n] holding blocks `sources`' keys and values (every layer); a target out
+    of range is dropped."""
+    return jax.tree.map(lambda x: x.at[targets].set(x[sources], mode="drop"), cache)
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int] | None = None
@@ -212,7 +213,8 @@ class ModelRunner:
         return self._param(path + ".weight"), self._param(path + ".bias")
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
-        """An empty KV cache of `batch` rows (split over KV heads under tensor parallelism)."""
+        """An empty KV cache of `batch` blocks of `max_seq` positions (split over KV heads under tensor
+        parallelism)."""
         if self.tp is None:
             return KVCache.zeros(self.config, batch, max_seq, self.dtype)
         if (batch, max_seq) not in self._sharded_zeros:  # one compiled maker per bucket, not one per call
@@ -245,9 +247,13 @@ class ModelRunner:
         return generate_step(self.model_def, self.params, step, cache, self.lora_for(step.token_slot),
                              self.options(step.token_slot.size))
 
-    def copy_row(self, cache: KVCache, source: int, row: int) -> KVCache:
-        """`copy_row` dispatched (one compilation for every pair of rows)."""
-        return copy_row(cache, np.int32(source), np.int32(row))
+    def copy_blocks(self, cache: KVCache, sources: np.ndarray, targets: np.ndarray) -> KVCache:
+        """`copy_blocks` dispatched, padded to a power-of-two count (so few compilations)."""
+        n = bucket(len(sources))
+        src = np.zeros(n, np.int32)
+        dst = np.full(n, cache.k[0].shape[0], np.int32)  # out of range: dropped
+        src[: len(sources)], dst[: len(targets)] = sources, targets
+        return copy_blocks(cache, src, dst)
 
     def like_step_outputs(self, x):
         """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input

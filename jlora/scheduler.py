@@ -1,12 +1,12 @@
-"""Continuous batching over a fixed set of cache rows: `Request` and the `Batcher` that runs them.
+"""Continuous batching over a fixed set of rows: `Request` and the `Batcher` that runs them.
 
-A `Batcher` owns `num_rows` cache rows of `max_seq` positions. Every `step()` decodes each running row one
-token and, in the same model call, prefills prompts of waiting requests into free rows: a prompt never stalls
-the rows that decode, which read the weights once with it. A step takes at most `prefill_chunk` prompt tokens
-(padded), so a long prompt is prefilled in pieces over several steps (chunked prefill) and a step costs
-little more than a decode step. A finished or cancelled request frees its row at once, and requests may be
-added between any two steps, so the same loop serves `Engine.generate` (all requests up front) and the
-server (requests arriving over time).
+A `Batcher` owns `num_rows` rows of up to `max_seq` positions over a KV cache of blocks. Every `step()`
+decodes each running row one token and, in the same model call, prefills prompts of waiting requests into
+free rows: a prompt never stalls the rows that decode, which read the weights once with it. A step takes at
+most `prefill_chunk` prompt tokens (padded), so a long prompt is prefilled in pieces over several steps
+(chunked prefill) and a step costs little more than a decode step. A finished or cancelled request frees its
+row and blocks at once, and requests may be added between any two steps, so the same loop serves
+`Engine.generate` (all requests up front) and the server (requests arriving over time).
 
 Steps are pipelined: step n+1 is dispatched, its input tokens being step n's output still on the device,
 before the host reads step n's tokens, so the host's work (dispatch, bookkeeping, the device-to-host copy)
@@ -29,6 +29,7 @@ import numpy as np
 
 from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
 from jlora.models.llama import Group
+from jlora.paging import BlockPool
 from jlora.runner import ModelRunner, bucket, pack_prompts
 from jlora.step import Sampling, Step
 
@@ -80,17 +81,28 @@ class Request:
 
 
 class Batcher:
-    """Runs requests on `runner` in `num_rows` cache rows of `max_seq` positions (each request's prompt plus
+    """Runs requests on `runner` in `num_rows` rows of up to `max_seq` positions each (a request's prompt plus
     max_new must fit), prefilling at most `prefill_chunk` prompt tokens per step (a power of two >= 16). Not
-    thread-safe: one thread adds, cancels and steps."""
+    thread-safe: one thread adds, cancels and steps.
+
+    The KV cache is `num_blocks` blocks of `block_size` positions (default: `max_seq`, one block per row, a
+    contiguous cache; `num_blocks` default: enough for every row at `max_seq`). A request takes a row and the
+    blocks its prompt plus max_new need when admitted, and gives both back when it ends; a request waits while
+    the free blocks do not cover it (first come, first served), so rows may outnumber what the blocks hold at
+    `max_seq` when requests are shorter."""
 
     def __init__(self, runner: ModelRunner, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, block_size: int | None = None, num_blocks: int | None = None):
         self.runner = runner
         self.num_rows, self.max_seq = num_rows, max_seq
         self.prefill_chunk = prefill_chunk
         self.progress = progress
-        self.cache = runner.new_cache(num_rows, max_seq)
+        size = block_size or max_seq
+        per_row = -(-max_seq // size)
+        self.blocks = BlockPool(num_blocks or num_rows * per_row, size, prefix_caching=False)
+        self.tables = np.zeros((num_rows, per_row), np.int32)  # each row's blocks in position order
+        self._held: list[list[int]] = [[] for _ in range(num_rows)]
+        self.cache = runner.new_cache(self.blocks.num_blocks, size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * num_rows  # a row's request, from its first prompt piece
         # Each row's next cache index: while its prompt goes in, the prompt tokens in the cache so far.
@@ -110,6 +122,10 @@ class Batcher:
         if len(request.prompt) + request.max_new > self.max_seq:
             raise ValueError(f"{len(request.prompt)} prompt tokens + max_new {request.max_new} exceed the "
                              f"batcher's {self.max_seq} positions")
+        if self._blocks_for(request) > self.blocks.num_blocks:
+            raise ValueError(f"{len(request.prompt)} prompt tokens + max_new {request.max_new} need "
+                             f"{self._blocks_for(request)} cache blocks, more than the cache's "
+                             f"{self.blocks.num_blocks}")
         self.waiting.append(request)
 
     @property
@@ -129,8 +145,28 @@ class Batcher:
             self._end(request, "cancelled")
         for row, r in enumerate(self.running):
             if r is request:
-                self.running[row] = None
+                self._free(row)
                 self._end(request, "cancelled")
+
+    def _blocks_for(self, r: Request) -> int:
+        return self.blocks.blocks_for(len(r.prompt) + r.max_new)
+
+    def _take(self, row: int, r: Request) -> bool:
+        """Gives `r` row `row` and its cache blocks; False (nothing changes) when the free blocks are too few."""
+        blocks = self.blocks.allocate(self._blocks_for(r))
+        if blocks is None:
+            return False
+        self._held[row] = blocks
+        self.tables[row, : len(blocks)] = blocks
+        self.running[row] = r
+        return True
+
+    def _free(self, row: int) -> None:
+        """Ends row's hold on its request and blocks (a step in flight may still write them: a later step that
+        reuses them writes each position before reading it)."""
+        self.running[row] = None
+        self.blocks.release(self._held[row])
+        self._held[row] = []
 
     def _end(self, r: Request, reason: str) -> None:
         r.finish = reason
@@ -144,14 +180,14 @@ class Batcher:
         if token in r.stop:
             if r.logprobs is not None:  # the stop token's too (not in `out`): what the model gave it is asked for
                 r.out_logprobs.append(TokenLogprob.at(logprobs.sampled, row, token, r.logprobs))
-            self.running[row] = None
+            self._free(row)
             self._end(r, "stop")
             return
         if r.logprobs is not None:  # first: a reader on another thread that sees a token finds its entry
             r.out_logprobs.append(TokenLogprob.at(logprobs.sampled, row, token, r.logprobs))
         r.out.append(token)
         if len(r.out) >= r.max_new:
-            self.running[row] = None
+            self._free(row)
             self._end(r, "length")
         else:
             self.last_token[row] = token
@@ -173,7 +209,7 @@ class Batcher:
                     r.prompt_out_logprobs.append(TokenLogprob.at(logprobs.prompt, at, r.prompt[pos + 1],
                                                                  r.prompt_logprobs))
             if start + length == len(r.prompt) and r.max_new == 0:
-                self.running[row] = None
+                self._free(row)
                 self._end(r, "length")
         live = [row for row, r in step.sampling if self.running[row] is r]  # not ended since
         for row in live:
@@ -187,17 +223,19 @@ class Batcher:
         return next((row for row, s in enumerate(self.running) if s is source), None) if source is not None else None
 
     def _start_forks(self) -> None:
-        """Waiting forks whose source's prompt is in its row take free rows as copies of it, with their last
-        prompt token left to prefill (the step after the source's last piece went out, at the earliest)."""
+        """Waiting forks whose source's prompt is in its row take free rows and blocks, their prompt's blocks
+        copies of the source's, with their last prompt token left to prefill (the step after the source's last
+        piece went out, at the earliest)."""
         free = [row for row, r in enumerate(self.running) if r is None]
         for r in list(self.waiting):
             source = self._source_row(r)
-            if not free or source is None or self.position[source] < len(r.prompt):
+            if not free or source is None or self.position[source] < len(r.prompt) or not self._take(free[0], r):
                 continue
             row = free.pop(0)
-            self.cache = self.runner.copy_row(self.cache, source, row)
+            n = self.blocks.blocks_for(len(r.prompt))
+            self.cache = self.runner.copy_blocks(self.cache, self.tables[source, :n], self.tables[row, :n])
             self.waiting.remove(r)
-            self.running[row], self.position[row] = r, len(r.prompt) - 1
+            self.position[row] = len(r.prompt) - 1
 
     def _waits(self, r: Request) -> bool:
         """Whether a waiting fork waits for its source's prompt (the source waits, or its prompt is going in)."""
@@ -215,11 +253,15 @@ class Batcher:
         free = [row for row, r in enumerate(self.running) if r is None]
         under_way = [(row, r) for row, r in enumerate(self.running)
                      if r is not None and self.position[row] < len(r.prompt)]
-        pieces, longest = [], 0
+        pieces, longest, needed = [], 0, 0
         for row, r in under_way + list(zip(free, [r for r in self.waiting if not self._waits(r)])):
             width = self.prefill_chunk // bucket(len(pieces) + 1)  # the longest piece n + 1 pieces may have
             if width < 16 or longest > width:
                 break
+            if self.running[row] is not r:  # admitted now: its blocks must be free (first come, first served)
+                needed += self._blocks_for(r)
+                if needed > self.blocks.num_available:
+                    break
             start = int(self.position[row]) if self.running[row] is r else 0
             length = min(len(r.prompt) - start, width)
             pieces.append((row, r, start, length))
@@ -227,7 +269,8 @@ class Batcher:
         for row, r, start, _ in pieces:
             if start == 0 and self.running[row] is not r:  # admitted: takes its row before the step, so that a
                 self.waiting.remove(r)                      # step that raises leaves it findable
-                self.running[row], self.position[row] = r, 0
+                self._take(row, r)
+                self.position[row] = 0
         return pieces
 
     def step(self) -> None:
@@ -274,20 +317,22 @@ class Batcher:
         # [R, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
         last = (self.runner.like_step_outputs(self.last_token[:, None]) if self.in_flight is None
                 else self.in_flight.tokens)
-        decode_group = Group(last, np.where(active, self.position, 0)[:, None], active[:, None])
+        decode_group = Group(last, np.where(active, self.position, 0)[:, None], active[:, None],
+                             tables=self.tables.copy())
         prefill = prefill_last = prefill_next = None
         if pieces:
-            prefill, prefill_slots, prefill_last, prefill_next = self._pack(pieces)
+            prefill, prefill_slots, prefill_last, prefill_next = self._pack(pieces, self.tables)
             slots = np.concatenate([slots, prefill_slots.reshape(-1)])
         return Step(decode_group, prefill, slots, self.runner.pool.ranks.copy(),
                     Sampling(seeds, token_index, temps, top_ps), prefill_last, prefill_next if width else None,
                     nucleus=_nucleus(temps, top_ps), logprobs=width)
 
     @staticmethod
-    def _pack(pieces: list[tuple[int, Request, int, int]]) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
+    def _pack(pieces: list[tuple[int, Request, int, int]], tables: np.ndarray
+              ) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
         """The prompt pieces as a padded group [Bp, Sp] (padding requests: slot -1, no valid token, so no cache
-        write; row 0), their slots [Bp, Sp], each piece's `prefill_last` [Bp] and the prompt token each piece
-        token predicts [Bp, Sp] (-1: none)."""
+        write; row 0) with their rows' block tables, their slots [Bp, Sp], each piece's `prefill_last` [Bp] and
+        the prompt token each piece token predicts [Bp, Sp] (-1: none)."""
         tokens, positions, slots, valid = pack_prompts(
             [r.prompt[start: start + length] for _, r, start, length in pieces], [r.slot for _, r, _, _ in pieces],
             [start for _, _, start, _ in pieces])
@@ -298,7 +343,7 @@ class Batcher:
             last[i] = length - 1 if start + length == len(r.prompt) and r.max_new > 0 else -1
             after = r.prompt[start + 1: start + length + 1]
             following[i, : len(after)] = after
-        return Group(tokens, positions, valid, rows, rows[:, None]), slots, last, following
+        return Group(tokens, positions, valid, rows, tables[rows]), slots, last, following
 
 
 @dataclasses.dataclass(frozen=True)

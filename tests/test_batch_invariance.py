@@ -4,9 +4,10 @@ A seeded generator draws rounds of `generate` calls on one engine: `max_batch` i
 max_batch + 3 requests (so batches are full, partly filled and refilled), prompt lengths from 1 to what
 max_seq_len allows, any mix of adapters (several requests per adapter) and base-model requests, stop tokens,
 greedy and sampled requests, adapters unloaded and loaded between rounds (so they change slots), prompts
-prefilled in pieces of 16 to 64 tokens or whole, beside rows that decode. Each request must equal the same
-request run alone on the same engine, its prompt prefilled whole, token for token (float32): greedy ones
-exactly, sampled ones too, since a request's key depends on its seed and token index only.
+prefilled in pieces of 16 to 64 tokens or whole, beside rows that decode, over a contiguous cache or a paged
+one, sometimes with fewer blocks than the rows could hold. Each request must equal the same request run alone
+on the same engine, its prompt prefilled whole into a contiguous cache, token for token (float32): greedy
+ones exactly, sampled ones too, since a request's key depends on its seed and token index only.
 """
 
 import dataclasses
@@ -59,14 +60,18 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
         sampling = dict(temperature=0.9, top_p=float(rng.choice([1.0, 0.8]))) if rng.random() < 0.4 else {}
         seeds = rng.integers(0, 2**32, n).tolist()
         chunk = int(rng.choice([16, 32, 64, 512]))
-        engine.config = dataclasses.replace(engine.config, max_batch=max_batch, prefill_chunk=chunk)
+        # A paged cache of 16-position blocks, sometimes so few that requests wait for blocks to free.
+        block_size, kv_blocks = (None, None) if rng.random() < 0.3 else (16, [None, 2, 3, 5][int(rng.integers(4))])
+        engine.config = dataclasses.replace(engine.config, max_batch=max_batch, prefill_chunk=chunk,
+                                            block_size=block_size, kv_blocks=kv_blocks)
         batched = engine.generate(prompts, adapters, max_new_tokens=max_new, stop_token_ids=stop, seed=seeds,
                                   **sampling)
-        engine.config = dataclasses.replace(engine.config, prefill_chunk=512)
+        engine.config = dataclasses.replace(engine.config, prefill_chunk=512, block_size=None, kv_blocks=None)
         for i in range(n):
             (alone,) = engine.generate([prompts[i]], [adapters[i]], max_new_tokens=max_new, stop_token_ids=stop,
                                        seed=[seeds[i]], **sampling)
-            context = (f"request {i} of {n} (max_batch {max_batch}, chunk {chunk}, adapter {adapters[i]}, "
+            context = (f"request {i} of {n} (max_batch {max_batch}, chunk {chunk}, blocks {block_size} x {kv_blocks}, "
+                       f"adapter {adapters[i]}, "
                        f"{len(prompts[i])} prompt tokens, {sampling or 'greedy'})")
             assert list(batched[i]) == list(alone), context
             assert batched[i].finish_reason == alone.finish_reason, context

@@ -183,3 +183,31 @@ def test_text_in_and_out_with_a_tokenizer(tmp_path):
     (out,) = eng.generate(["the quick brown fox"], [None], max_new_tokens=4)
     assert isinstance(out.text, str) and len(out) == 4
     assert out.text == eng.tokenizer.decode(list(out))
+
+
+def test_a_paged_cache_runs_more_rows_than_its_memory_holds_at_max_seq_len(engine, monkeypatch):
+    """8 rows over 8 blocks of 16 positions (what 2 rows hold at max_seq_len 64): short requests (1 block each)
+    run 8 at a time, longer ones wait for blocks; every request equals itself alone on a contiguous cache."""
+    import dataclasses
+
+    from jlora.scheduler import Batcher
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, CFG["vocab_size"], int(n)).tolist() for n in rng.integers(1, 12, 12)]
+    prompts += [rng.integers(0, CFG["vocab_size"], 40).tolist()]  # 3 blocks with its 6 new tokens
+    adapters = [["a0", None, "a1", "a2"][i % 4] for i in range(len(prompts))]
+    alone = [engine.generate([p], [a], max_new_tokens=6)[0] for p, a in zip(prompts, adapters)]
+    peak = []
+    step = Batcher.step
+    monkeypatch.setattr(Batcher, "step", lambda self: peak.append(self.num_running) or step(self))
+    old = engine.config
+    engine.config = dataclasses.replace(old, max_batch=8, block_size=16, kv_blocks=8)
+    try:
+        out = engine.generate(prompts, adapters, max_new_tokens=6)
+        with pytest.raises(ValueError, match="need 4 cache blocks, more than the cache.s 3"):
+            engine.config = dataclasses.replace(engine.config, kv_blocks=3)
+            engine.generate([[1] * 60], [None], max_new_tokens=4)
+    finally:
+        engine.config = old
+    assert [list(o) for o in out] == [list(a) for a in alone]
+    assert max(peak) == 8  # rows beyond the 2 that the blocks hold at max_seq_len

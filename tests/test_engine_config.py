@@ -22,6 +22,9 @@ from jlora import EngineConfig, cli
     (dict(backend="triton"), "backend must be one of"),
     (dict(evict="fifo"), "evict must be one of"),
     (dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
+    (dict(block_size=24), "block_size must be a power of two >= 16, got 24"),
+    (dict(block_size=8), "block_size must be a power of two >= 16, got 8"),
+    (dict(kv_blocks=0), "kv_blocks must be an integer >= 1, got 0"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -95,12 +95,12 @@ def test_asking_for_logprobs_changes_no_token(engine):
 
 
 def test_n_samples_are_their_seeds_run_alone(engine, monkeypatch):
-    """Samples 1 and 2 of each prompt copy sample 0's cache row (a prompt of 40 tokens goes in over 3 steps
+    """Samples 1 and 2 of each prompt copy sample 0's cache blocks (a prompt of 40 tokens goes in over 3 steps
     first); each equals the request run alone with its seed."""
     copies = []
-    copy_row = engine.runner.copy_row
-    monkeypatch.setattr(engine.runner, "copy_row", lambda cache, source, row: copies.append(row) or copy_row(
-        cache, source, row))
+    copy_blocks = engine.runner.copy_blocks
+    monkeypatch.setattr(engine.runner, "copy_blocks", lambda cache, sources, targets: copies.append(targets)
+                        or copy_blocks(cache, sources, targets))
     prompts, adapters = [[3, 1, 4, 1, 5], list(range(2, 42))], ["a1", None]
     out = engine.generate(prompts, adapters, max_new_tokens=6, temperature=1.0, seed=[7, 8], n=3)
     assert len(out) == 6 and len(copies) == 4
@@ -184,9 +184,10 @@ def clone(r: Request) -> Request:
                    prompt_logprobs=r.prompt_logprobs)
 
 
-def run_batcher(engine, requests, arrivals=None, cancels=()) -> None:
-    """Runs requests in a 4-row batcher: request i added before step arrivals[i], cancels (request, step)."""
-    batcher = Batcher(engine.runner, 4, 96, prefill_chunk=16)
+def run_batcher(engine, requests, arrivals=None, cancels=(), blocks=(None, None)) -> None:
+    """Runs requests in a 4-row batcher: request i added before step arrivals[i], cancels (request, step);
+    blocks: (block size, number of blocks) of its cache (default: contiguous)."""
+    batcher = Batcher(engine.runner, 4, 96, prefill_chunk=16, block_size=blocks[0], num_blocks=blocks[1])
     arrivals = arrivals or [0] * len(requests)
     step = 0
     while step <= max(arrivals) or batcher.busy:
@@ -206,7 +207,8 @@ def test_a_random_mix_matches_each_request_alone(engine, seed):
     """Generation with and without log-probabilities, scoring requests and forks of other requests, over the
     base model and two adapters, arriving over time into 4 rows, some cancelled: each request that was not
     cancelled gets the tokens it gets alone, and log-probabilities (and the k alternatives it asks for, the k
-    of one step's requests falling in different `top_width`s) within 2e-5 of its own run alone."""
+    of one step's requests falling in different `top_width`s) within 2e-5 of its own run alone, over a
+    contiguous cache, a paged one, and a paged one too small for all four rows."""
     rng = np.random.default_rng(seed)
     names = ["a0", "a1"]
     engine._make_resident(names)
@@ -235,7 +237,8 @@ def test_a_random_mix_matches_each_request_alone(engine, seed):
         arrivals = [max(a, arrivals[requests.index(r.fork_of)]) if r.fork_of else a  # a fork after its source
                     for r, a in zip(requests, arrivals)]
         cancelled = [requests[int(i)] for i in rng.choice(len(requests), 2, replace=False)]
-        run_batcher(engine, requests, arrivals, [(r, int(rng.integers(0, 15))) for r in cancelled])
+        blocks = [(None, None), (16, None), (16, 9)][seed]  # contiguous; paged; paged, requests wait for blocks
+        run_batcher(engine, requests, arrivals, [(r, int(rng.integers(0, 15))) for r in cancelled], blocks)
         for r in requests:
             if r.finish == "cancelled":
                 continue

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from jlora.admission import Admission
 from jlora.engine import Engine
 from jlora.runner import bucket
-from jlora.scheduler import Batcher, Request
+from jlora.scheduler import Request
 from jlora.server.metrics import Metrics
 
 __all__ = ["OnlineEngine", "QueueFull"]
@@ -31,16 +31,15 @@ class QueueFull(RuntimeError):
 
 
 class OnlineEngine:
-    """`engine` served online: requests join between steps, rows `bucket(engine.config.max_batch)` of
-    `engine.config.max_seq_len` positions, prefilling `engine.config.prefill_chunk` prompt tokens per step at most.
-    `start()` runs the loop thread; `stop()` ends it."""
+    """`engine` served online: requests join between steps, in `bucket(max_batch)` rows of up to `max_seq_len`
+    positions over the cache the engine's config sets (`Engine.new_batcher`). `start()` runs the loop thread;
+    `stop()` ends it."""
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256, metrics: Metrics | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
-        self.batcher = Batcher(engine.runner, bucket(engine.config.max_batch), bucket(engine.config.max_seq_len, 16),
-                               prefill_chunk=engine.config.prefill_chunk)
+        self.batcher = engine.new_batcher(bucket(engine.config.max_batch), bucket(engine.config.max_seq_len, 16))
         self._inbox: queue.Queue = queue.Queue()
         self.admission = Admission(engine.pool, engine.registry, engine.host, engine.loader,
                                    wake=lambda: self._inbox.put(("wake",)))
@@ -136,7 +135,7 @@ class OnlineEngine:
     def _fail_all(self, message: str) -> None:
         """Ends every waiting and running request with finish "failed" and starts over on a fresh cache."""
         old = self.batcher
-        self.batcher = Batcher(self.engine.runner, old.num_rows, old.max_seq, prefill_chunk=old.prefill_chunk)
+        self.batcher = self.engine.new_batcher(old.num_rows, old.max_seq)
         pending = [r for r, _ in self.admission.pending]
         self.admission.pending.clear()
         for r in [*pending, *old.waiting, *(r for r in old.running if r is not None)]:
