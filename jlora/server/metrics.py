@@ -13,8 +13,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class Metrics:
-    """Requests by adapter and outcome, tokens, running and waiting requests, step time, time to first
-    token; adapters registered, on the host and in slots, per-tier hits and misses, load latencies, runtime
+    """Requests by adapter and outcome, tokens, running and waiting requests, KV-cache blocks, step time, time to
+    first token; adapters registered, on the host and in slots, per-tier hits and misses, load latencies, runtime
     registrations and evictions."""
 
     def __init__(self):
@@ -25,6 +25,8 @@ class Metrics:
         self.generation_tokens = Counter("jlora_generation_tokens", "Generated tokens", ["adapter"], registry=r)
         self.running = Gauge("jlora_requests_running", "Requests holding a cache row", registry=r)
         self.waiting = Gauge("jlora_requests_waiting", "Requests waiting for a row", registry=r)
+        self.kv_blocks = Gauge("jlora_kv_cache_blocks", "Blocks of the KV cache", registry=r)
+        self.kv_blocks_used = Gauge("jlora_kv_cache_blocks_used", "KV-cache blocks held by requests", registry=r)
         self.step_seconds = Histogram("jlora_step_seconds", "Host time of one engine step (prefill or decode)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("jlora_time_to_first_token_seconds", "From intake to the first token",

@@ -167,4 +167,7 @@ class OnlineEngine:
     def _set_gauges(self) -> None:
         self.metrics.running.set(self.batcher.num_running)
         self.metrics.waiting.set(self.num_waiting)
+        blocks = self.batcher.blocks
+        self.metrics.kv_blocks.set(blocks.num_blocks)
+        self.metrics.kv_blocks_used.set(blocks.num_blocks - blocks.num_available)
         self.metrics.adapters(self.admission.stats, self.engine)

@@ -252,11 +252,13 @@ def test_a_non_streamed_client_that_disconnects_frees_its_row(server):
                 break
             time.sleep(0.05)
         assert metric(url, "jlora_requests_running") == 1
+        assert metric(url, "jlora_kv_cache_blocks_used") == 1  # a contiguous cache: one block per request
     start = time.monotonic()
     while metric(url, 'jlora_requests_total{adapter="base",outcome="cancelled"}') == cancelled:
         assert time.monotonic() - start < 5, "the row was not freed"
         time.sleep(0.02)
     assert metric(url, "jlora_requests_running") == 0
+    assert metric(url, "jlora_kv_cache_blocks_used") == 0 and metric(url, "jlora_kv_cache_blocks") >= 1
 
 
 def test_slow_clients_are_cut_off(server):

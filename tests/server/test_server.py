@@ -1,7 +1,8 @@
 """`jlora serve` as a user runs it: a subprocess on 127.0.0.1, driven by the official `openai` client and
-plain HTTP. Greedy outputs equal `Engine.generate` of the same requests; a load of 64 concurrent streams over
-4 adapters and the base model completes and leaks no row or adapter hold; disconnects free rows; runtime
-loads and unloads; bad input answers 4xx and the server keeps serving."""
+plain HTTP, over a paged KV cache too small for every row at the longest length. Greedy outputs equal
+`Engine.generate` of the same requests (on a contiguous cache); a load of 64 concurrent streams over 4
+adapters and the base model completes and leaks no row, block or adapter hold; disconnects free rows;
+runtime loads and unloads; bad input answers 4xx and the server keeps serving."""
 
 import asyncio
 import contextlib
@@ -43,8 +44,11 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(root):
     loras = [a for name in ADAPTERS for a in ("--lora", f"{name}={root / name}")]
-    proc, url = start_server(str(root / "m"), "--max-seq-len", str(MAX_SEQ), *loras, "--max-loras", "5", "--max-lora-rank", "8", "--max-batch", "8",
-                       "--api-key", KEY, "--allow-runtime-lora", "--lora-root", str(root), "--served-model-name", "tiny")
+    # A paged cache of 40 blocks of 16 positions: 2.5 requests at MAX_SEQ, for 8 rows.
+    proc, url = start_server(str(root / "m"), "--max-seq-len", str(MAX_SEQ), *loras, "--max-loras", "5",
+                             "--max-lora-rank", "8", "--max-batch", "8", "--block-size", "16", "--kv-blocks", "40",
+                             "--api-key", KEY, "--allow-runtime-lora", "--lora-root", str(root),
+                             "--served-model-name", "tiny")
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -128,6 +132,7 @@ def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
     got = asyncio.run(all_of_them())
     assert got == [want[i] for i in range(64)]
     assert metric(server, "jlora_requests_running") == 0 and metric(server, "jlora_requests_waiting") == 0
+    assert metric(server, "jlora_kv_cache_blocks_used") == 0 and metric(server, "jlora_kv_cache_blocks") == 40
     assert metric(server, 'jlora_requests_total{adapter="a0",outcome="length"}') >= adapters.count("a0")
 
 
