@@ -217,6 +217,8 @@ class Admission:
         return True
 
     def _admit(self, request: Request, entry: Registration | None, add: Callable[[Request], None]) -> None:
+        # What its cached prefix depends on: the adapter's registration (a reload is a new one), or the base.
+        request.prefix_id = "base" if entry is None else f"adapter-{entry.generation}"
         if entry is not None:
             vocab = self.pool.vocab_size(self.pool.slot(entry.name))
             if any(not 0 <= t < vocab for t in request.prompt):

@@ -382,9 +382,10 @@ class Engine:
 
     def new_batcher(self, num_rows: int, max_seq: int, progress=None) -> Batcher:
         """A `Batcher` of `num_rows` rows of up to `max_seq` positions over a new cache, as the config says
-        (`prefill_chunk`, `block_size`, `kv_blocks`)."""
+        (`prefill_chunk`, `block_size`, `kv_blocks`, `prefix_caching`)."""
         c = self.config
-        return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size, c.kv_blocks)
+        return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size, c.kv_blocks,
+                       c.prefix_caching)
 
     def _run(self, requests: list[Request], adapters: Sequence[str | None], progress=None) -> None:
         """Runs requests to their end, each with its adapter: through `Admission` (adapters written into slots

@@ -47,6 +47,9 @@ class EngineConfig:
     kv_blocks: int | None = _option(
         None, "blocks in the KV cache, shared out to requests by their prompt + max_tokens (a request waits for "
               "enough free blocks); default: max_batch requests at max_seq_len", "N")
+    prefix_caching: bool = _option(
+        True, "keep the full blocks of prompts keyed by adapter (its load generation) and tokens, so a later "
+              "request under the same adapter prefills only what follows its longest cached prefix")
     dtype: str | None = _option(None, "the weights' and activations' type (default: bfloat16 on GPU, float32 "
                                       "elsewhere)", choices=DTYPES)
     backend: str = _option("auto", "the LoRA ops' backend ('auto': on GPU gather for decode-sized calls and the "
@@ -75,6 +78,8 @@ class EngineConfig:
             if name not in DTYPES:
                 raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
             object.__setattr__(self, "dtype", name)
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {self.prefix_caching!r}")
         for name in ("backend", "evict"):
             choices = EngineConfig.__dataclass_fields__[name].metadata["choices"]
             if getattr(self, name) not in choices:
@@ -91,10 +96,13 @@ class EngineConfig:
         for field in dataclasses.fields(EngineConfig):
             if field.name in skip:
                 continue
-            meta = field.metadata
-            kind = str if meta["choices"] else int
+            meta, flag = field.metadata, "--" + field.name.replace("_", "-")
             default = "" if field.default is None else f" (default {field.default})"
-            parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default,
+            if isinstance(field.default, bool):  # --name / --no-name
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                                    help=meta["help"])
+                continue
+            parser.add_argument(flag, type=str if meta["choices"] else int, default=field.default,
                                 choices=meta["choices"], metavar=meta["metavar"], help=meta["help"] + default)
 
     @classmethod

@@ -29,7 +29,7 @@ import numpy as np
 
 from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
 from jlora.models.llama import Group
-from jlora.paging import BlockPool
+from jlora.paging import BlockPool, block_keys
 from jlora.runner import ModelRunner, bucket, pack_prompts
 from jlora.step import Sampling, Step
 
@@ -72,6 +72,7 @@ class Request:
     fork_of: Request | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prefix_id: str | None = None  # what its keys and values depend on beside its tokens (`Admission` sets it)
     out_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_out_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
 
@@ -89,19 +90,25 @@ class Batcher:
     contiguous cache; `num_blocks` default: enough for every row at `max_seq`). A request takes a row and the
     blocks its prompt plus max_new need when admitted, and gives both back when it ends; a request waits while
     the free blocks do not cover it (first come, first served), so rows may outnumber what the blocks hold at
-    `max_seq` when requests are shorter."""
+    `max_seq` when requests are shorter.
+
+    With `prefix_caching`, a request with a `prefix_id` (and no `prompt_logprobs`: those need every prompt
+    token computed) starts from the longest run of full blocks of its prompt that an earlier request with the
+    same `prefix_id` left in the cache (`BlockPool`), and prefills only the rest."""
 
     def __init__(self, runner: ModelRunner, num_rows: int, max_seq: int, progress: Callable[[int], None] | None = None,
-                 prefill_chunk: int = 512, block_size: int | None = None, num_blocks: int | None = None):
+                 prefill_chunk: int = 512, block_size: int | None = None, num_blocks: int | None = None,
+                 prefix_caching: bool = False):
         self.runner = runner
         self.num_rows, self.max_seq = num_rows, max_seq
         self.prefill_chunk = prefill_chunk
         self.progress = progress
         size = block_size or max_seq
         per_row = -(-max_seq // size)
-        self.blocks = BlockPool(num_blocks or num_rows * per_row, size, prefix_caching=False)
+        self.blocks = BlockPool(num_blocks or num_rows * per_row, size, prefix_caching)
         self.tables = np.zeros((num_rows, per_row), np.int32)  # each row's blocks in position order
         self._held: list[list[int]] = [[] for _ in range(num_rows)]
+        self._keys: list[list[bytes]] = [[] for _ in range(num_rows)]  # the prefix keys of each row's prompt
         self.cache = runner.new_cache(self.blocks.num_blocks, size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * num_rows  # a row's request, from its first prompt piece
@@ -152,13 +159,19 @@ class Batcher:
         return self.blocks.blocks_for(len(r.prompt) + r.max_new)
 
     def _take(self, row: int, r: Request) -> bool:
-        """Gives `r` row `row` and its cache blocks; False (nothing changes) when the free blocks are too few."""
-        blocks = self.blocks.allocate(self._blocks_for(r))
-        if blocks is None:
+        """Gives `r` row `row` and its cache blocks, the cached ones of its prompt's prefix first, and sets its
+        position after them; False (nothing changes) when the free blocks are too few."""
+        size, pool = self.blocks.block_size, self.blocks
+        shares = pool.prefix_caching and r.prefix_id is not None and r.prompt_logprobs is None
+        keys = block_keys(r.prefix_id, r.prompt, size) if shares else []
+        cached = pool.match(keys, (len(r.prompt) - 1) // size) if keys else []  # one prompt token left to run
+        rest = pool.allocate(self._blocks_for(r) - len(cached))
+        if rest is None:
+            pool.release(cached)
             return False
-        self._held[row] = blocks
-        self.tables[row, : len(blocks)] = blocks
-        self.running[row] = r
+        self._held[row], self._keys[row] = cached + rest, keys
+        self.tables[row, : len(cached) + len(rest)] = cached + rest
+        self.running[row], self.position[row] = r, len(cached) * size
         return True
 
     def _free(self, row: int) -> None:
@@ -166,7 +179,7 @@ class Batcher:
         reuses them writes each position before reading it)."""
         self.running[row] = None
         self.blocks.release(self._held[row])
-        self._held[row] = []
+        self._held[row], self._keys[row] = [], []
 
     def _end(self, r: Request, reason: str) -> None:
         r.finish = reason
@@ -235,7 +248,7 @@ class Batcher:
             n = self.blocks.blocks_for(len(r.prompt))
             self.cache = self.runner.copy_blocks(self.cache, self.tables[source, :n], self.tables[row, :n])
             self.waiting.remove(r)
-            self.position[row] = len(r.prompt) - 1
+            self.position[row] = len(r.prompt) - 1  # past any cached prefix: its blocks were copied
 
     def _waits(self, r: Request) -> bool:
         """Whether a waiting fork waits for its source's prompt (the source waits, or its prompt is going in)."""
@@ -253,24 +266,19 @@ class Batcher:
         free = [row for row, r in enumerate(self.running) if r is None]
         under_way = [(row, r) for row, r in enumerate(self.running)
                      if r is not None and self.position[row] < len(r.prompt)]
-        pieces, longest, needed = [], 0, 0
+        pieces, longest = [], 0
         for row, r in under_way + list(zip(free, [r for r in self.waiting if not self._waits(r)])):
             width = self.prefill_chunk // bucket(len(pieces) + 1)  # the longest piece n + 1 pieces may have
             if width < 16 or longest > width:
                 break
-            if self.running[row] is not r:  # admitted now: its blocks must be free (first come, first served)
-                needed += self._blocks_for(r)
-                if needed > self.blocks.num_available:
+            if self.running[row] is not r:  # admitted: takes its row and blocks before the step (so that a step
+                if not self._take(row, r):  # that raises leaves it findable), or waits: first come, first served
                     break
-            start = int(self.position[row]) if self.running[row] is r else 0
+                self.waiting.remove(r)
+            start = int(self.position[row])
             length = min(len(r.prompt) - start, width)
             pieces.append((row, r, start, length))
             longest = max(longest, length)
-        for row, r, start, _ in pieces:
-            if start == 0 and self.running[row] is not r:  # admitted: takes its row before the step, so that a
-                self.waiting.remove(r)                      # step that raises leaves it findable
-                self._take(row, r)
-                self.position[row] = 0
         return pieces
 
     def step(self) -> None:
@@ -288,6 +296,9 @@ class Batcher:
         sampling = [(row, self.running[row]) for row in decode] + firsts  # the requests this step samples for
         step = self._build(decode, sampled, pieces, sampling)
         tokens, self.cache, step_logprobs = self.runner.step(step, self.cache)
+        for row, _, start, length in pieces:  # the full blocks of prompt this step writes: reusable (later steps
+            full = (start + length) // self.blocks.block_size  # that read them run after it)
+            self.blocks.commit(self._held[row][:full], self._keys[row][:full])
         self.position[decode] += 1
         for row, _, start, length in pieces:
             self.position[row] = start + length

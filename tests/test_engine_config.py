@@ -25,6 +25,7 @@ from jlora import EngineConfig, cli
     (dict(block_size=24), "block_size must be a power of two >= 16, got 24"),
     (dict(block_size=8), "block_size must be a power of two >= 16, got 8"),
     (dict(kv_blocks=0), "kv_blocks must be an integer >= 1, got 0"),
+    (dict(prefix_caching="yes"), "prefix_caching must be True or False, got 'yes'"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -53,6 +54,7 @@ def test_every_field_is_a_flag_with_its_default():
     assert EngineConfig.from_args(parser.parse_args([])) == EngineConfig()
     args = parser.parse_args(["--max-loras", "3", "--prefill-chunk", "64", "--dtype", "float32", "--evict",
                               "refuse", "--max-cpu-loras", "5", "--backend", "reference"])
+    assert not EngineConfig.from_args(parser.parse_args(["--no-prefix-caching"])).prefix_caching
     assert EngineConfig.from_args(args, max_batch=2) == EngineConfig(
         max_loras=3, prefill_chunk=64, dtype="float32", evict="refuse", max_cpu_loras=5, backend="reference",
         max_batch=2)

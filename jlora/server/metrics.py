@@ -27,6 +27,10 @@ class Metrics:
         self.waiting = Gauge("jlora_requests_waiting", "Requests waiting for a row", registry=r)
         self.kv_blocks = Gauge("jlora_kv_cache_blocks", "Blocks of the KV cache", registry=r)
         self.kv_blocks_used = Gauge("jlora_kv_cache_blocks_used", "KV-cache blocks held by requests", registry=r)
+        self.kv_blocks_cached = Gauge("jlora_kv_cache_blocks_cached", "KV-cache blocks holding a reusable prompt "
+                                      "prefix", registry=r)
+        self.prefix_hit_rate = Gauge("jlora_prefix_cache_hit_rate", "Share of the prompt tokens looked up in the "
+                                     "prefix cache that were found there", registry=r)
         self.step_seconds = Histogram("jlora_step_seconds", "Host time of one engine step (prefill or decode)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("jlora_time_to_first_token_seconds", "From intake to the first token",

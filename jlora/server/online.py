@@ -170,4 +170,6 @@ class OnlineEngine:
         blocks = self.batcher.blocks
         self.metrics.kv_blocks.set(blocks.num_blocks)
         self.metrics.kv_blocks_used.set(blocks.num_blocks - blocks.num_available)
+        self.metrics.kv_blocks_cached.set(blocks.num_cached)
+        self.metrics.prefix_hit_rate.set(blocks.stats.hit_rate)
         self.metrics.adapters(self.admission.stats, self.engine)

@@ -258,7 +258,7 @@ def test_a_non_streamed_client_that_disconnects_frees_its_row(server):
         assert time.monotonic() - start < 5, "the row was not freed"
         time.sleep(0.02)
     assert metric(url, "jlora_requests_running") == 0
-    assert metric(url, "jlora_kv_cache_blocks_used") == 0 and metric(url, "jlora_kv_cache_blocks") >= 1
+    assert metric(url, "jlora_kv_cache_blocks_used") == 0 and metric(url, "jlora_kv_cache_blocks ") >= 1
 
 
 def test_slow_clients_are_cut_off(server):

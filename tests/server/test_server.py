@@ -110,7 +110,9 @@ def test_models_lists_the_base_and_adapters(server, root):
 def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
     rng = np.random.default_rng(0)
     names = [None, *ADAPTERS]  # 4 adapters and the base model
-    prompts = [rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 20))).tolist() for _ in range(64)]
+    system = rng.integers(0, CFG["vocab_size"], 40).tolist()  # half the requests share it: prefix cache hits
+    prompts = [(system if i % 2 else []) + rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 20))).tolist()
+               for i in range(64)]
     adapters = [names[i] for i in rng.integers(0, len(names), 64)]
     lengths = rng.integers(1, 12, 64).tolist()
     want = {}
@@ -132,7 +134,8 @@ def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
     got = asyncio.run(all_of_them())
     assert got == [want[i] for i in range(64)]
     assert metric(server, "jlora_requests_running") == 0 and metric(server, "jlora_requests_waiting") == 0
-    assert metric(server, "jlora_kv_cache_blocks_used") == 0 and metric(server, "jlora_kv_cache_blocks") == 40
+    assert metric(server, "jlora_kv_cache_blocks_used") == 0 and metric(server, "jlora_kv_cache_blocks ") == 40
+    assert 0 < metric(server, "jlora_prefix_cache_hit_rate") < 1 and metric(server, "jlora_kv_cache_blocks_cached") > 0
     assert metric(server, 'jlora_requests_total{adapter="a0",outcome="length"}') >= adapters.count("a0")
 
 

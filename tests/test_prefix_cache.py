@@ -1,0 +1,130 @@
+"""Prefix caching in the batcher: requests that share prompt prefixes under the same adapter registration reuse
+the cached blocks and still generate exactly what they generate alone; nothing is shared across adapters,
+across registrations of one name, or into a request that scores its prompt."""
+
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES
+from jlora.engine import Engine
+from jlora.scheduler import Batcher, Request
+
+CFG = testing.tiny_config("llama")
+SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefix")
+    testing.write_model(str(root / "m"), CFG, seed=2)
+    eng = Engine.from_pretrained(str(root / "m"), max_loras=2, max_lora_rank=8, dtype="float32", progress=False)
+    for i in range(2):
+        testing.write_adapter(str(root / f"a{i}"), CFG, r=8, alpha=16, seed=30 + i, target_modules=LINEAR_MODULES)
+        eng.load_adapter(f"a{i}", str(root / f"a{i}"))
+    return eng
+
+
+def run(engine, requests, arrivals=None, cancels=(), caching=True, blocks=None) -> Batcher:
+    """Runs requests (request i added before step arrivals[i]; cancels: (request, step)) in a 4-row batcher
+    over a paged cache of 16-position blocks."""
+    batcher = Batcher(engine.runner, 4, 96, prefill_chunk=32, block_size=SIZE, num_blocks=blocks,
+                      prefix_caching=caching)
+    arrivals = arrivals or [0] * len(requests)
+    step = 0
+    while step <= max(arrivals) or batcher.busy:
+        for r, at in zip(requests, arrivals):
+            if at == step:
+                batcher.add(r)
+        for r, at in cancels:
+            if at == step and r.finish is None:
+                batcher.cancel(r)
+        if batcher.busy:
+            batcher.step()
+        step += 1
+    return batcher
+
+
+def alone(engine, r: Request) -> Request:
+    """r run alone on a contiguous cache without prefix caching."""
+    copy = Request(r.prompt, r.slot, r.max_new, r.temperature, r.top_p, r.seed, r.stop,
+                   prompt_logprobs=r.prompt_logprobs)
+    batcher = Batcher(engine.runner, 1, 96)
+    batcher.add(copy)
+    while batcher.busy:
+        batcher.step()
+    return copy
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_shared_prefixes_reuse_blocks_and_match_each_request_alone(engine, seed):
+    """Requests over three system prompts (17-50 tokens) with their own suffixes, under the base model and two
+    adapters (and the same adapter's slot under a second registration), arriving over time, some cancelled,
+    in a pool small enough to evict: each equals itself alone, and cached tokens were reused."""
+    rng = np.random.default_rng(seed)
+    slots = {"base": -1, "a0@1": engine.pool.slot("a0"), "a1@2": engine.pool.slot("a1"),
+             "a0@3": engine.pool.slot("a1")}  # a0 registered again, with a1's weights: must not hit a0@1's blocks
+    systems = [rng.integers(0, CFG["vocab_size"], int(rng.integers(17, 51))).tolist() for _ in range(3)]
+    requests = []
+    for _ in range(16):
+        ident = list(slots)[int(rng.integers(len(slots)))]
+        prompt = systems[int(rng.integers(3))] + rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 20))).tolist()
+        requests.append(Request(prompt, slots[ident], int(rng.integers(1, 8)), float(rng.choice([0.0, 0.9])),
+                                seed=int(rng.integers(2**31)), prefix_id=ident))
+    arrivals = sorted(int(a) for a in rng.integers(0, 30, len(requests)))
+    cancelled = [(requests[int(i)], int(rng.integers(0, 30))) for i in rng.choice(len(requests), 2, replace=False)]
+    batcher = run(engine, requests, arrivals, cancelled, blocks=16)
+    assert batcher.blocks.stats.hit_tokens > 0 and batcher.blocks.stats.evicted_blocks >= 0
+    for r in requests:
+        if r.finish != "cancelled":
+            want = alone(engine, r)
+            assert (r.out, r.finish) == (want.out, want.finish), r
+
+
+def test_a_new_registration_never_reuses_the_old_ones_blocks(engine):
+    """The same prompt under one slot but two prefix ids (an adapter reloaded under its name): the second
+    prefills every token; under the same id it reuses the first's full blocks."""
+    prompt = list(range(1, 49))  # 3 full blocks, 2 of them reusable (the last prompt token is always computed)
+    slot = engine.pool.slot("a0")
+    first = [Request(prompt, slot, 4, prefix_id="a0@1")]
+    batcher = run(engine, first)
+    hits = batcher.blocks.stats.hit_tokens
+    for ident, reused in (("a0@2", 0), ("a0@1", 2 * SIZE)):
+        r = Request(prompt, slot, 4, prefix_id=ident)
+        batcher.add(r)
+        while batcher.busy:
+            batcher.step()
+        assert batcher.blocks.stats.hit_tokens - hits == reused
+        hits = batcher.blocks.stats.hit_tokens
+        assert r.out == first[0].out
+
+
+def test_scoring_requests_compute_every_prompt_token(engine):
+    prompt = list(range(3, 60))
+    batcher = run(engine, [Request(prompt, -1, 3, prefix_id="base")])
+    score = Request(prompt, -1, 0, prompt_logprobs=1, prefix_id="base")
+    batcher.add(score)
+    while batcher.busy:
+        batcher.step()
+    want = alone(engine, Request(prompt, -1, 0, prompt_logprobs=1))
+    assert len(score.prompt_out_logprobs) == len(prompt)
+    np.testing.assert_allclose([t.logprob for t in score.prompt_out_logprobs[1:]],
+                               [t.logprob for t in want.prompt_out_logprobs[1:]], atol=2e-5)
+
+
+def test_admission_keys_requests_by_registration(engine, tmp_path):
+    """`Engine.generate` admits through `Admission`, which names each request's prefix by its adapter's
+    registration: the same name loaded again gets a new one."""
+    seen = []
+    add = Batcher.add
+    Batcher.add = lambda self, r: seen.append(r.prefix_id) or add(self, r)
+    try:
+        engine.generate([[1, 2, 3]] * 2, ["a0", None], max_new_tokens=1)
+        testing.write_adapter(str(tmp_path / "x"), CFG, r=8, alpha=16, seed=99, target_modules=["q_proj"])
+        engine.unload_adapter("a0")
+        engine.load_adapter("a0", str(tmp_path / "x"))
+        engine.generate([[1, 2, 3]], ["a0"], max_new_tokens=1)
+    finally:
+        Batcher.add = add
+    assert seen[1] == "base" and seen[0].startswith("adapter-") and seen[2].startswith("adapter-")
+    assert seen[0] != seen[2]
