@@ -237,18 +237,19 @@ class Batcher:
 
     def _start_forks(self) -> None:
         """Waiting forks whose source's prompt is in its row take free rows and blocks, their prompt's blocks
-        copies of the source's, with their last prompt token left to prefill (the step after the source's last
-        piece went out, at the earliest)."""
+        (past those they share from the prefix cache) copies of the source's, with their last prompt token left
+        to prefill (the step after the source's last piece went out, at the earliest)."""
         free = [row for row, r in enumerate(self.running) if r is None]
         for r in list(self.waiting):
             source = self._source_row(r)
             if not free or source is None or self.position[source] < len(r.prompt) or not self._take(free[0], r):
                 continue
             row = free.pop(0)
+            shared = int(self.position[row]) // self.blocks.block_size  # from the prefix cache: never written
             n = self.blocks.blocks_for(len(r.prompt))
-            self.cache = self.runner.copy_blocks(self.cache, self.tables[source, :n], self.tables[row, :n])
+            self.cache = self.runner.copy_blocks(self.cache, self.tables[source, shared:n], self.tables[row, shared:n])
             self.waiting.remove(r)
-            self.position[row] = len(r.prompt) - 1  # past any cached prefix: its blocks were copied
+            self.position[row] = len(r.prompt) - 1
 
     def _waits(self, r: Request) -> bool:
         """Whether a waiting fork waits for its source's prompt (the source waits, or its prompt is going in)."""

@@ -59,19 +59,28 @@ def alone(engine, r: Request) -> Request:
 @pytest.mark.parametrize("seed", range(3))
 def test_shared_prefixes_reuse_blocks_and_match_each_request_alone(engine, seed):
     """Requests over three system prompts (17-50 tokens) with their own suffixes, under the base model and two
-    adapters (and the same adapter's slot under a second registration), arriving over time, some cancelled,
-    in a pool small enough to evict: each equals itself alone, and cached tokens were reused."""
+    adapters (and the same adapter's slot under a second registration), and forks of some (other samples of
+    the same prompt), arriving over time, some cancelled, in a pool small enough to evict: each equals itself
+    alone, and cached tokens were reused."""
     rng = np.random.default_rng(seed)
     slots = {"base": -1, "a0@1": engine.pool.slot("a0"), "a1@2": engine.pool.slot("a1"),
              "a0@3": engine.pool.slot("a1")}  # a0 registered again, with a1's weights: must not hit a0@1's blocks
     systems = [rng.integers(0, CFG["vocab_size"], int(rng.integers(17, 51))).tolist() for _ in range(3)]
     requests = []
     for _ in range(16):
+        sources = [r for r in requests if r.fork_of is None]
+        if sources and rng.random() < 0.25:  # another sample of an earlier request: shares its prompt's blocks
+            source = sources[int(rng.integers(len(sources)))]
+            requests.append(Request(source.prompt, source.slot, int(rng.integers(1, 8)), 0.9,
+                                    seed=int(rng.integers(2**31)), prefix_id=source.prefix_id, fork_of=source))
+            continue
         ident = list(slots)[int(rng.integers(len(slots)))]
         prompt = systems[int(rng.integers(3))] + rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 20))).tolist()
         requests.append(Request(prompt, slots[ident], int(rng.integers(1, 8)), float(rng.choice([0.0, 0.9])),
                                 seed=int(rng.integers(2**31)), prefix_id=ident))
     arrivals = sorted(int(a) for a in rng.integers(0, 30, len(requests)))
+    arrivals = [max(a, arrivals[requests.index(r.fork_of)]) if r.fork_of else a  # a fork after its source
+                for r, a in zip(requests, arrivals)]
     cancelled = [(requests[int(i)], int(rng.integers(0, 30))) for i in rng.choice(len(requests), 2, replace=False)]
     batcher = run(engine, requests, arrivals, cancelled, blocks=16)
     assert batcher.blocks.stats.hit_tokens > 0 and batcher.blocks.stats.evicted_blocks >= 0
