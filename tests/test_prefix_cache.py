@@ -122,18 +122,23 @@ def test_scoring_requests_compute_every_prompt_token(engine):
 
 
 def test_admission_keys_requests_by_registration(engine, tmp_path):
-    """`Engine.generate` admits through `Admission`, which names each request's prefix by its adapter's
-    registration: the same name loaded again gets a new one."""
-    seen = []
-    add = Batcher.add
-    Batcher.add = lambda self, r: seen.append(r.prefix_id) or add(self, r)
-    try:
-        engine.generate([[1, 2, 3]] * 2, ["a0", None], max_new_tokens=1)
-        testing.write_adapter(str(tmp_path / "x"), CFG, r=8, alpha=16, seed=99, target_modules=["q_proj"])
-        engine.unload_adapter("a0")
-        engine.load_adapter("a0", str(tmp_path / "x"))
-        engine.generate([[1, 2, 3]], ["a0"], max_new_tokens=1)
-    finally:
-        Batcher.add = add
-    assert seen[1] == "base" and seen[0].startswith("adapter-") and seen[2].startswith("adapter-")
-    assert seen[0] != seen[2]
+    """`Admission` names each request's prefix by its adapter's registration: the same name loaded again gets
+    a new one."""
+    from jlora.admission import Admission
+
+    def admitted(adapter):
+        admission = Admission(engine.pool, engine.registry, engine.host, engine.loader, wake=lambda: None)
+        request, seen = Request([1, 2, 3], -1, 1), []
+        admission.submit(request, adapter)
+        admission.poll(seen.append)
+        assert seen == [request]
+        request.finish = "length"
+        request._notify()  # releases its adapter hold
+        return request.prefix_id
+
+    before, base = admitted("a0"), admitted(None)
+    testing.write_adapter(str(tmp_path / "x"), CFG, r=8, alpha=16, seed=99, target_modules=["q_proj"])
+    engine.unload_adapter("a0")
+    engine.load_adapter("a0", str(tmp_path / "x"))
+    after = admitted("a0")
+    assert base == "base" and before.startswith("adapter-") and after.startswith("adapter-") and before != after
