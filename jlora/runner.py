@@ -154,6 +154,16 @@ def copy_blocks(cache: KVCache, sources, targets) -> KVCache:
     return jax.tree.map(lambda x: x.at[targets].set(x[sources], mode="drop"), cache)
 
 
+@jax.jit
+def _read_blocks(cache: KVCache, blocks) -> KVCache:
+    return jax.tree.map(lambda x: x[blocks], cache)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _write_blocks(cache: KVCache, blocks, values: KVCache) -> KVCache:
+    return jax.tree.map(lambda x, y: x.at[blocks].set(y.astype(x.dtype), mode="drop"), cache, values)
+
+
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int] | None = None
                  ) -> tuple[np.ndarray, ...]:
     """Prompts (or pieces of prompts starting at positions `starts`, default 0) padded into power-of-two
@@ -254,6 +264,24 @@ class ModelRunner:
         dst = np.full(n, cache.k[0].shape[0], np.int32)  # out of range: dropped
         src[: len(sources)], dst[: len(targets)] = sources, targets
         return copy_blocks(cache, src, dst)
+
+    def read_blocks(self, cache: KVCache, blocks: Sequence[int]) -> KVCache:
+        """Blocks `blocks`' keys and values copied to host memory: a `KVCache` of numpy [n, KV, P, D] per layer."""
+        padded = np.zeros(bucket(len(blocks)), np.int32)  # a power-of-two count: few compilations
+        padded[: len(blocks)] = blocks
+        return jax.tree.map(lambda x: np.asarray(x)[: len(blocks)], _read_blocks(cache, padded))
+
+    def write_blocks(self, cache: KVCache, blocks: Sequence[int], values: KVCache) -> KVCache:
+        """The cache with `values` (as `read_blocks` gives them) written into blocks `blocks`."""
+        n = bucket(len(blocks))
+        padded = np.full(n, cache.k[0].shape[0], np.int32)  # out of range: dropped
+        padded[: len(blocks)] = blocks
+        values = jax.tree.map(lambda y: np.concatenate([y, np.zeros((n - len(y), *y.shape[1:]), y.dtype)]), values)
+        return _write_blocks(cache, padded, values)
+
+    def merge_tokens(self, tokens, host: np.ndarray, from_host: np.ndarray):
+        """[R, 1]: `host`'s tokens in the rows `from_host` [R] marks, the device's `tokens` in the others."""
+        return jnp.where(self.like_step_outputs(from_host[:, None]), self.like_step_outputs(host), tokens)
 
     def like_step_outputs(self, x):
         """`x` placed as a step's outputs are: under tensor parallelism on every device of the mesh (an input

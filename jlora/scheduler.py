@@ -17,6 +17,13 @@ prompt overwrites it; tokens are recorded only for the request that was in the r
 Rows that do not decode in a step (free, being prefilled, or finishing with the step in flight) and a
 prefill bucket's padding run with slot -1, no cache write and greedy sampling; nothing they compute reaches a
 request.
+
+A request holds the cache blocks its positions so far need and takes one more as it crosses into a new one.
+When a decoding row needs a block and none is free, the request admitted last is preempted: the host reads
+the step in flight, copies the request's blocks to host memory and frees them, and the request goes back to
+the head of the queue; it resumes, before any new request is admitted, by copying them into new blocks. The
+same bytes come back, so it generates exactly what it would have (a request preempted while its prompt goes
+in starts its prompt again: prefill does not depend on how a prompt is cut into pieces).
 """
 
 from __future__ import annotations
@@ -87,10 +94,11 @@ class Batcher:
     thread-safe: one thread adds, cancels and steps.
 
     The KV cache is `num_blocks` blocks of `block_size` positions (default: `max_seq`, one block per row, a
-    contiguous cache; `num_blocks` default: enough for every row at `max_seq`). A request takes a row and the
-    blocks its prompt plus max_new need when admitted, and gives both back when it ends; a request waits while
-    the free blocks do not cover it (first come, first served), so rows may outnumber what the blocks hold at
-    `max_seq` when requests are shorter.
+    contiguous cache; `num_blocks` default: enough for every row at `max_seq`). A request is admitted (first
+    come, first served) when a row is free and the free blocks cover its prompt and first token while leaving
+    one block for each running request that may grow; it takes further blocks as it grows, and gives its row and blocks
+    back when it ends. Rows may so outnumber what the blocks hold at `max_seq`; when the blocks run out, the
+    request admitted last is preempted (see the module docstring; `preemptions` counts them).
 
     With `prefix_caching`, a request with a `prefix_id` (and no `prompt_logprobs`: those need every prompt
     token computed) starts from the longest run of full blocks of its prompt that an earlier request with the
@@ -112,6 +120,11 @@ class Batcher:
         self.cache = runner.new_cache(self.blocks.num_blocks, size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * num_rows  # a row's request, from its first prompt piece
+        self._admitted = np.zeros(num_rows, np.int64)  # when each row's request took it (preemption's order)
+        self._admissions = 0
+        self._swapped: dict[Request, _Swapped] = {}  # preempted requests' blocks in host memory
+        self._resumed: list[int] = []  # rows resumed for the next step: their last token comes from the host
+        self.preemptions = 0
         # Each row's next cache index: while its prompt goes in, the prompt tokens in the cache so far.
         self.position = np.zeros(num_rows, np.int32)
         self.last_token = np.zeros(num_rows, np.int32)
@@ -149,6 +162,7 @@ class Batcher:
         request.cancelled = True
         if request in self.waiting:
             self.waiting.remove(request)
+            self._swapped.pop(request, None)
             self._end(request, "cancelled")
         for row, r in enumerate(self.running):
             if r is request:
@@ -159,20 +173,83 @@ class Batcher:
         return self.blocks.blocks_for(len(r.prompt) + r.max_new)
 
     def _take(self, row: int, r: Request) -> bool:
-        """Gives `r` row `row` and its cache blocks, the cached ones of its prompt's prefix first, and sets its
-        position after them; False (nothing changes) when the free blocks are too few."""
+        """Gives `r` row `row` and the cache blocks of its prompt and first token, the cached ones of its prompt's
+        prefix first, and sets its position after them; False (nothing changes) when the free blocks, less one
+        for each running request that may grow (the blocks they take next), are too few."""
         size, pool = self.blocks.block_size, self.blocks
         shares = pool.prefix_caching and r.prefix_id is not None and r.prompt_logprobs is None
         keys = block_keys(r.prefix_id, r.prompt, size) if shares else []
         cached = pool.match(keys, (len(r.prompt) - 1) // size) if keys else []  # one prompt token left to run
-        rest = pool.allocate(self._blocks_for(r) - len(cached))
+        need = pool.blocks_for(len(r.prompt) + min(r.max_new, 1)) - len(cached)
+        rest = pool.allocate(need) if pool.num_available - need >= self._growing() else None
         if rest is None:
             pool.release(cached)
             return False
-        self._held[row], self._keys[row] = cached + rest, keys
-        self.tables[row, : len(cached) + len(rest)] = cached + rest
-        self.running[row], self.position[row] = r, len(cached) * size
+        self._place(row, r, cached + rest)
+        self._keys[row], self.position[row] = keys, len(cached) * size
         return True
+
+    def _growing(self) -> int:
+        """The running requests that hold fewer blocks than they may come to need: the blocks a new request must
+        leave free."""
+        return sum(r is not None and len(held) < self._blocks_for(r) for r, held in zip(self.running, self._held))
+
+    def _place(self, row: int, r: Request, blocks: list[int], admitted: int | None = None) -> None:
+        """Puts `r` in row `row` over `blocks`, admitted now (or at `admitted`: a resumed request keeps its turn)."""
+        self._held[row] = blocks
+        self.tables[row, : len(blocks)] = blocks
+        self.running[row] = r
+        if admitted is None:
+            self._admissions += 1
+        self._admitted[row] = self._admissions if admitted is None else admitted
+
+    def _grow(self, decode: list[int]) -> bool:
+        """Gives each row of `decode` the block its next position needs; False when the blocks ran out."""
+        for row in decode:
+            held = self._held[row]
+            need = self.blocks.blocks_for(int(self.position[row]) + 1) - len(held)
+            if need > 0:
+                blocks = self.blocks.allocate(need)
+                if blocks is None:
+                    return False
+                self.tables[row, len(held): len(held) + need] = blocks
+                held.extend(blocks)
+        return True
+
+    def _preempt(self) -> None:
+        """Preempts the request admitted last (with no step in flight): a request past its prompt leaves its
+        blocks' keys and values in host memory, one whose prompt is going in starts it again; either goes back
+        to the head of the queue."""
+        row = max((row for row, r in enumerate(self.running) if r is not None), key=lambda row: self._admitted[row])
+        r = self.running[row]
+        if self.position[row] >= len(r.prompt):
+            held = self._held[row][: self.blocks.blocks_for(int(self.position[row]))]
+            self._swapped[r] = _Swapped(self.runner.read_blocks(self.cache, held), int(self.position[row]),
+                                        int(self._admitted[row]))
+        else:
+            r.prompt_out_logprobs.clear()
+        self._free(row)
+        self.waiting.appendleft(r)
+        self.preemptions += 1
+
+    def _resume(self) -> None:
+        """Preempted requests at the head of the queue take free rows and blocks and their keys and values back,
+        while both last (leaving, as admission does, a block for each running request)."""
+        free = [row for row, r in enumerate(self.running) if r is None]
+        while self.waiting and self.waiting[0] in self._swapped and free:
+            r = self.waiting[0]
+            saved = self._swapped[r]
+            need = self.blocks.blocks_for(saved.position + 1)
+            if self.blocks.num_available - need < self._growing():
+                return
+            blocks = self.blocks.allocate(need)
+            row = free.pop(0)
+            self.cache = self.runner.write_blocks(self.cache, blocks[: len(saved.blocks.k[0])], saved.blocks)
+            self._place(row, r, blocks, saved.admitted)
+            self.position[row], self.last_token[row] = saved.position, r.out[-1]
+            self._resumed.append(row)
+            del self._swapped[r]
+            self.waiting.popleft()
 
     def _free(self, row: int) -> None:
         """Ends row's hold on its request and blocks (a step in flight may still write them: a later step that
@@ -242,6 +319,8 @@ class Batcher:
         free = [row for row, r in enumerate(self.running) if r is None]
         for r in list(self.waiting):
             source = self._source_row(r)
+            if r in self._swapped:  # a fork preempted past its prompt: resumes as it is
+                continue
             if not free or source is None or self.position[source] < len(r.prompt) or not self._take(free[0], r):
                 continue
             row = free.pop(0)
@@ -268,7 +347,8 @@ class Batcher:
         under_way = [(row, r) for row, r in enumerate(self.running)
                      if r is not None and self.position[row] < len(r.prompt)]
         pieces, longest = [], 0
-        for row, r in under_way + list(zip(free, [r for r in self.waiting if not self._waits(r)])):
+        admissible = [] if self._swapped else [r for r in self.waiting if not self._waits(r)]
+        for row, r in under_way + list(zip(free, admissible)):
             width = self.prefill_chunk // bucket(len(pieces) + 1)  # the longest piece n + 1 pieces may have
             if width < 16 or longest > width:
                 break
@@ -284,10 +364,14 @@ class Batcher:
 
     def step(self) -> None:
         """One step: decodes the running rows and prefills the next prompt pieces, in one model call."""
-        sampled = (set() if self.in_flight is None
-                   else {row for row, r in self.in_flight.sampling if self.running[row] is r})
-        decode = [row for row, r in enumerate(self.running)  # rows whose prompt is in and that need more tokens
-                  if r is not None and self.position[row] >= len(r.prompt) and len(r.out) + (row in sampled) < r.max_new]
+        self._resume()
+        decode, sampled = self._decode_rows()
+        while not self._grow(decode):  # settle the step in flight (it may free blocks), else preempt; again
+            if self.in_flight is not None:
+                self._collect()
+            else:
+                self._preempt()
+            decode, sampled = self._decode_rows()
         pieces = self._pieces()
         if not decode and not pieces:  # every running request completes with the step in flight
             if self.in_flight is not None:
@@ -308,6 +392,15 @@ class Batcher:
         width = 0 if step.prefill is None else step.prefill.tokens.shape[1]
         self.in_flight = _InFlight(tokens, sampling, pieces, width, step_logprobs)
 
+    def _decode_rows(self) -> tuple[list[int], set[int]]:
+        """(the rows that decode in the next step: their prompt is in and they need more tokens, those of them
+        with a token in the step in flight)."""
+        sampled = (set() if self.in_flight is None
+                   else {row for row, r in self.in_flight.sampling if self.running[row] is r})
+        decode = [row for row, r in enumerate(self.running)
+                  if r is not None and self.position[row] >= len(r.prompt) and len(r.out) + (row in sampled) < r.max_new]
+        return decode, sampled
+
     def _build(self, decode: list[int], sampled: set[int], pieces: list[tuple[int, Request, int, int]],
                sampling: list[tuple[int, Request]]) -> Step:
         """The `Step` that decodes rows `decode` (those in `sampled` have a token in flight), prefills `pieces`
@@ -326,25 +419,31 @@ class Batcher:
         asked = ([r.logprobs for _, r in sampling if r.logprobs is not None]
                  + [r.prompt_logprobs for _, r, _, _ in pieces if r.prompt_logprobs is not None])
         width = top_width(max(asked)) if asked else 0
-        # [R, 1]: the step in flight's tokens on the device, else the host's, placed as those would be.
-        last = (self.runner.like_step_outputs(self.last_token[:, None]) if self.in_flight is None
-                else self.in_flight.tokens)
+        # [R, 1]: the step in flight's tokens on the device (but resumed rows': from the host), else the host's,
+        # placed as those would be.
+        if self.in_flight is None:
+            last = self.runner.like_step_outputs(self.last_token[:, None])
+        elif self._resumed:
+            last = self.runner.merge_tokens(self.in_flight.tokens, self.last_token[:, None],
+                                            np.isin(np.arange(n), self._resumed))
+        else:
+            last = self.in_flight.tokens
+        self._resumed = []
         decode_group = Group(last, np.where(active, self.position, 0)[:, None], active[:, None],
                              tables=self.tables.copy())
         prefill = prefill_last = prefill_next = None
         if pieces:
-            prefill, prefill_slots, prefill_last, prefill_next = self._pack(pieces, self.tables)
+            prefill, prefill_slots, prefill_last, prefill_next = self._pack(pieces)
             slots = np.concatenate([slots, prefill_slots.reshape(-1)])
         return Step(decode_group, prefill, slots, self.runner.pool.ranks.copy(),
                     Sampling(seeds, token_index, temps, top_ps), prefill_last, prefill_next if width else None,
                     nucleus=_nucleus(temps, top_ps), logprobs=width)
 
-    @staticmethod
-    def _pack(pieces: list[tuple[int, Request, int, int]], tables: np.ndarray
-              ) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
+    def _pack(self, pieces: list[tuple[int, Request, int, int]]) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
         """The prompt pieces as a padded group [Bp, Sp] (padding requests: slot -1, no valid token, so no cache
-        write; row 0) with their rows' block tables, their slots [Bp, Sp], each piece's `prefill_last` [Bp] and
-        the prompt token each piece token predicts [Bp, Sp] (-1: none)."""
+        write; row 0) with the first blocks of their rows' tables, as many as the longest piece's end needs (in
+        a power-of-two bucket: the attention reads only those), their slots [Bp, Sp], each piece's
+        `prefill_last` [Bp] and the prompt token each piece token predicts [Bp, Sp] (-1: none)."""
         tokens, positions, slots, valid = pack_prompts(
             [r.prompt[start: start + length] for _, r, start, length in pieces], [r.slot for _, r, _, _ in pieces],
             [start for _, _, start, _ in pieces])
@@ -355,7 +454,8 @@ class Batcher:
             last[i] = length - 1 if start + length == len(r.prompt) and r.max_new > 0 else -1
             after = r.prompt[start + 1: start + length + 1]
             following[i, : len(after)] = after
-        return Group(tokens, positions, valid, rows, tables[rows]), slots, last, following
+        blocks = bucket(max(self.blocks.blocks_for(start + length) for _, _, start, length in pieces))
+        return Group(tokens, positions, valid, rows, self.tables[rows, :blocks]), slots, last, following
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +469,16 @@ class _InFlight:
     pieces: list[tuple[int, Request, int, int]]
     piece_width: int
     logprobs: StepLogprobs | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Swapped:
+    """A preempted request's blocks (a `KVCache` of host arrays, [n, KV, P, D] per layer), its position and when
+    it was admitted."""
+
+    blocks: object
+    position: int
+    admitted: int
 
 
 def _nucleus(temps: np.ndarray, top_ps: np.ndarray) -> bool:

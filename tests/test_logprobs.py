@@ -11,6 +11,7 @@ from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.sampling import sample_seeds
 from jlora.scheduler import Batcher, Request
+from tests.batching import drive
 
 CFG = testing.tiny_config("llama")
 
@@ -185,21 +186,10 @@ def clone(r: Request) -> Request:
 
 
 def run_batcher(engine, requests, arrivals=None, cancels=(), blocks=(None, None)) -> None:
-    """Runs requests in a 4-row batcher: request i added before step arrivals[i], cancels (request, step);
-    blocks: (block size, number of blocks) of its cache (default: contiguous)."""
-    batcher = Batcher(engine.runner, 4, 96, prefill_chunk=16, block_size=blocks[0], num_blocks=blocks[1])
-    arrivals = arrivals or [0] * len(requests)
-    step = 0
-    while step <= max(arrivals) or batcher.busy:
-        for r, at in zip(requests, arrivals):
-            if at == step:
-                batcher.add(r)
-        for r, at in cancels:
-            if at == step and r.finish is None:
-                batcher.cancel(r)
-        if batcher.busy:
-            batcher.step()
-        step += 1
+    """`drive`s requests in a 4-row batcher; blocks: (block size, number of blocks) of its cache (default:
+    contiguous)."""
+    drive(Batcher(engine.runner, 4, 96, prefill_chunk=16, block_size=blocks[0], num_blocks=blocks[1]), requests,
+          arrivals, cancels)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -9,6 +9,7 @@ from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.scheduler import Batcher, Request
+from tests.batching import drive
 
 CFG = testing.tiny_config("llama")
 SIZE = 16
@@ -26,23 +27,10 @@ def engine(tmp_path_factory):
 
 
 def run(engine, requests, arrivals=None, cancels=(), caching=True, blocks=None) -> Batcher:
-    """Runs requests (request i added before step arrivals[i]; cancels: (request, step)) in a 4-row batcher
-    over a paged cache of 16-position blocks."""
+    """`drive`s requests in a 4-row batcher over a paged cache of `blocks` 16-position blocks."""
     batcher = Batcher(engine.runner, 4, 96, prefill_chunk=32, block_size=SIZE, num_blocks=blocks,
                       prefix_caching=caching)
-    arrivals = arrivals or [0] * len(requests)
-    step = 0
-    while step <= max(arrivals) or batcher.busy:
-        for r, at in zip(requests, arrivals):
-            if at == step:
-                batcher.add(r)
-        for r, at in cancels:
-            if at == step and r.finish is None:
-                batcher.cancel(r)
-        if batcher.busy:
-            batcher.step()
-        step += 1
-    return batcher
+    return drive(batcher, requests, arrivals, cancels)
 
 
 def alone(engine, r: Request) -> Request:
