@@ -15,6 +15,7 @@
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
 #   bash bench/run_gpu.sh tiers   # one adapter's cost per tier on the 8B shape (bench/studies/adapter_tiers.py)
 #   bash bench/run_gpu.sh scoring [ARGS]  # Engine.score, multiple choice, base / 1 / 32 adapters (bench/scoring.py ARGS)
+#   bash bench/run_gpu.sh paging [ARGS]   # the paged KV cache: rows per memory, shared prefixes, prompt rate (bench/paging.py ARGS)
 #   bash bench/run_gpu.sh tenancy [ARGS]  # N adapters over 32 slots (bench/tenancy.py ARGS; needs the serving packages)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
@@ -52,6 +53,7 @@ case "${1:-}" in
     done ;;
   tiers) python3 bench/studies/adapter_tiers.py --out "$out" 2>&1 | grep -E "^#|^rank" ;;
   scoring) python3 bench/scoring.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^\||^One|Error" ;;
+  paging) python3 bench/paging.py --out "$out" "${@:2}" 2>&1 | grep -E "^scale|^prefix|^prompt|Error" ;;
   tenancy) python3 bench/tenancy.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^alpha|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|scoring|tenancy" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|scoring|paging|tenancy" >&2; exit 2 ;;
 esac

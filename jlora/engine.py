@@ -382,9 +382,21 @@ class Engine:
 
     def new_batcher(self, num_rows: int, max_seq: int, progress=None) -> Batcher:
         """A `Batcher` of `num_rows` rows of up to `max_seq` positions over a new cache, as the config says
-        (`prefill_chunk`, `block_size`, `kv_blocks`, `prefix_caching`)."""
+        (`prefill_chunk`, `block_size`, `prefix_caching`, and `kv_blocks`, or as many blocks as `kv_cache_memory`
+        holds, at most what the rows hold at `max_seq`)."""
         c = self.config
-        return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size, c.kv_blocks,
+        blocks = c.kv_blocks
+        if c.kv_cache_memory is not None:
+            size = c.block_size or max_seq
+            cfg = self.model_config if self.runner.tp is None else self.runner.tp.layout  # KV heads as stored
+            block_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
+                           * jnp.dtype(self.runner.dtype).itemsize) // c.tensor_parallel  # per device
+            blocks = int(c.kv_cache_memory * 2**30 // block_bytes)
+            if blocks < 1:
+                raise ValueError(f"kv_cache_memory {c.kv_cache_memory} GiB holds no block of {size} positions "
+                                 f"({block_bytes / 2**20:.1f} MiB on each device)")
+            blocks = min(blocks, num_rows * -(-max_seq // size))
+        return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size or None, blocks,
                        c.prefix_caching)
 
     def _run(self, requests: list[Request], adapters: Sequence[str | None], progress=None) -> None:

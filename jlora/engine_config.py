@@ -17,8 +17,8 @@ __all__ = ["DTYPES", "EngineConfig"]
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _option(default, help: str, metavar: str | None = None, choices: tuple | None = None):
-    return dataclasses.field(default=default, metadata=dict(help=help, metavar=metavar, choices=choices))
+def _option(default, help: str, metavar: str | None = None, choices: tuple | None = None, kind: type = int):
+    return dataclasses.field(default=default, metadata=dict(help=help, metavar=metavar, choices=choices, kind=kind))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +41,16 @@ class EngineConfig:
         512, "prompt tokens prefilled per step at most (a power of two >= 16), beside the decoding rows; a longer "
              "prompt goes in pieces. Larger: fewer steps per prompt; smaller: a step that takes a prompt delays "
              "the decoding rows less", "TOKENS")
-    block_size: int | None = _option(
-        None, "positions per KV-cache block (a power of two >= 16); default: each request's cache is one block of "
-              "the longest request's length (a contiguous cache)", "POSITIONS")
+    block_size: int = _option(
+        16, "positions per KV-cache block (a power of two >= 16), or 0: each request's cache one block of the "
+            "longest request's length (a contiguous cache, no prefix caching across requests' blocks)", "POSITIONS")
     kv_blocks: int | None = _option(
-        None, "blocks in the KV cache, shared out to requests by their prompt + max_tokens (a request waits for "
-              "enough free blocks); default: max_batch requests at max_seq_len", "N")
+        None, "blocks in the KV cache, shared out to requests as their tokens need them (a request waits for "
+              "free blocks; when they run out, the request admitted last is preempted and resumed later); "
+              "default: what --kv-cache-memory holds, else max_batch requests at max_seq_len", "N")
+    kv_cache_memory: float | None = _option(
+        None, "GiB of each device's memory for the KV cache: sets the number of blocks (with --kv-blocks unset)",
+        "GIB", kind=float)
     prefix_caching: bool = _option(
         True, "keep the full blocks of prompts keyed by adapter (its load generation) and tokens, so a later "
               "request under the same adapter prefills only what follows its longest cached prefix")
@@ -67,10 +71,16 @@ class EngineConfig:
             _check_int(self, "max_cpu_loras", 0)
         if self.kv_blocks is not None:
             _check_int(self, "kv_blocks", 1)
-        if self.block_size is not None:
-            _check_int(self, "block_size", 1)
-            if self.block_size < 16 or self.block_size & (self.block_size - 1):
-                raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            value = self.kv_cache_memory
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"kv_cache_memory must be a number of GiB > 0, got {value!r}")
+            if self.kv_blocks is not None:
+                raise ValueError("give kv_blocks or kv_cache_memory, not both")
+            object.__setattr__(self, "kv_cache_memory", float(value))
+        _check_int(self, "block_size", 0)
+        if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a power of two >= 16, or 0, got {self.block_size}")
         if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
         if self.dtype is not None:  # a name or anything with one (jnp.bfloat16, np.dtype): kept as its name
@@ -102,7 +112,7 @@ class EngineConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                     help=meta["help"])
                 continue
-            parser.add_argument(flag, type=str if meta["choices"] else int, default=field.default,
+            parser.add_argument(flag, type=str if meta["choices"] else meta["kind"], default=field.default,
                                 choices=meta["choices"], metavar=meta["metavar"], help=meta["help"] + default)
 
     @classmethod

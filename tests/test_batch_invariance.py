@@ -61,12 +61,12 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
         seeds = rng.integers(0, 2**32, n).tolist()
         chunk = int(rng.choice([16, 32, 64, 512]))
         # A paged cache of 16-position blocks, sometimes so few that requests wait for blocks to free.
-        block_size, kv_blocks = (None, None) if rng.random() < 0.3 else (16, [None, 2, 3, 5][int(rng.integers(4))])
+        block_size, kv_blocks = (0, None) if rng.random() < 0.3 else (16, [None, 2, 3, 5][int(rng.integers(4))])
         engine.config = dataclasses.replace(engine.config, max_batch=max_batch, prefill_chunk=chunk,
                                             block_size=block_size, kv_blocks=kv_blocks)
         batched = engine.generate(prompts, adapters, max_new_tokens=max_new, stop_token_ids=stop, seed=seeds,
                                   **sampling)
-        engine.config = dataclasses.replace(engine.config, prefill_chunk=512, block_size=None, kv_blocks=None)
+        engine.config = dataclasses.replace(engine.config, prefill_chunk=512, block_size=0, kv_blocks=None)
         for i in range(n):
             (alone,) = engine.generate([prompts[i]], [adapters[i]], max_new_tokens=max_new, stop_token_ids=stop,
                                        seed=[seeds[i]], **sampling)

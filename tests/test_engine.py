@@ -211,3 +211,20 @@ def test_a_paged_cache_runs_more_rows_than_its_memory_holds_at_max_seq_len(engin
         engine.config = old
     assert [list(o) for o in out] == [list(a) for a in alone]
     assert max(peak) == 8  # rows beyond the 2 that the blocks hold at max_seq_len
+
+
+def test_kv_cache_memory_sets_the_number_of_blocks(engine):
+    """A block of 16 positions of the tiny float32 model is 2 layers x K and V x 2 KV heads x 16 x 16 x 4 bytes
+    = 8 KiB: 100 KiB holds 12 of them, capped at what the rows hold at max_seq; less than a block is refused."""
+    import dataclasses
+
+    old = engine.config
+    try:
+        engine.config = dataclasses.replace(old, block_size=16, kv_cache_memory=100 / 2**20)
+        assert engine.new_batcher(4, 64).blocks.num_blocks == 12
+        assert engine.new_batcher(2, 64).blocks.num_blocks == 8
+        engine.config = dataclasses.replace(old, block_size=16, kv_cache_memory=4 / 2**20)
+        with pytest.raises(ValueError, match="kv_cache_memory .* holds no block of 16 positions"):
+            engine.new_batcher(4, 64)
+    finally:
+        engine.config = old

@@ -22,10 +22,15 @@ from jlora import EngineConfig, cli
     (dict(backend="triton"), "backend must be one of"),
     (dict(evict="fifo"), "evict must be one of"),
     (dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
-    (dict(block_size=24), "block_size must be a power of two >= 16, got 24"),
-    (dict(block_size=8), "block_size must be a power of two >= 16, got 8"),
+    (dict(block_size=24), "block_size must be a power of two >= 16, or 0, got 24"),
+    (dict(block_size=8), "block_size must be a power of two >= 16, or 0, got 8"),
+    (dict(block_size=None), "block_size must be an integer >= 0, got None"),
     (dict(kv_blocks=0), "kv_blocks must be an integer >= 1, got 0"),
     (dict(prefix_caching="yes"), "prefix_caching must be True or False, got 'yes'"),
+    (dict(kv_cache_memory=0), "kv_cache_memory must be a number of GiB > 0, got 0"),
+    (dict(kv_cache_memory=float("nan")), "kv_cache_memory must be a number of GiB > 0, got nan"),
+    (dict(kv_cache_memory="2"), "kv_cache_memory must be a number of GiB > 0, got '2'"),
+    (dict(kv_cache_memory=2, kv_blocks=10), "give kv_blocks or kv_cache_memory, not both"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -53,11 +58,11 @@ def test_every_field_is_a_flag_with_its_default():
     EngineConfig.add_arguments(parser)
     assert EngineConfig.from_args(parser.parse_args([])) == EngineConfig()
     args = parser.parse_args(["--max-loras", "3", "--prefill-chunk", "64", "--dtype", "float32", "--evict",
-                              "refuse", "--max-cpu-loras", "5", "--backend", "reference"])
+                              "refuse", "--max-cpu-loras", "5", "--backend", "reference", "--kv-cache-memory", "1.5"])
     assert not EngineConfig.from_args(parser.parse_args(["--no-prefix-caching"])).prefix_caching
     assert EngineConfig.from_args(args, max_batch=2) == EngineConfig(
         max_loras=3, prefill_chunk=64, dtype="float32", evict="refuse", max_cpu_loras=5, backend="reference",
-        max_batch=2)
+        kv_cache_memory=1.5, max_batch=2)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
