@@ -4,14 +4,17 @@
 On bench/paging.py's 8B-shaped engine (`--tiny`: its tiny CPU model), paged (16-position blocks), three rounds
 of: a 1032-token prompt under a new prefix id (a miss: three prompt pieces), the same 1024-token prefix with
 other last tokens (a hit: one piece of 8 tokens), and a 12-token prompt (no prefix). Round 0 compiles.
+`--profile`: the host's functions by own time over the last round (cProfile).
 
-  python bench/studies/prefix_hit.py [--tiny]
+  python bench/studies/prefix_hit.py [--tiny] [--profile]
 """
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -31,7 +34,10 @@ def main() -> None:
         engine.config = dataclasses.replace(engine.config, block_size=16, kv_blocks=8192)
         batcher = engine.new_batcher(32, 4096)
         system = np.random.default_rng(0).integers(0, 1000, 1024).tolist()
+        profile = cProfile.Profile()
         for rep in range(3):
+            if rep == 2 and "--profile" in sys.argv:
+                profile.enable()
             for kind, prompt in (("miss", system + [rep, 1, 2, 3, 4, 5, 6, 7]),
                                  ("hit", system + [rep, 9, 8, 7, 6, 5, 4]), ("short", [rep + 5] * 12)):
                 batcher.add(Request(prompt, engine.pool.slot("a1"), 1, prefix_id=f"x{rep}"))
@@ -45,6 +51,9 @@ def main() -> None:
                     start = time.perf_counter()
                 print(rep, kind, " | ".join(f"host {h * 1e3:.1f} ms, device {d * 1e3:.1f} ms" for h, d in marks),
                       flush=True)
+        profile.disable()
+        if "--profile" in sys.argv:
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

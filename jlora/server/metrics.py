@@ -31,6 +31,8 @@ class Metrics:
                                       "prefix", registry=r)
         self.prefix_hit_rate = Gauge("jlora_prefix_cache_hit_rate", "Share of the prompt tokens looked up in the "
                                      "prefix cache that were found there", registry=r)
+        self.preemptions = Counter("jlora_preemptions", "Requests preempted when the KV cache's blocks ran out "
+                                   "(resumed later with the same tokens)", registry=r)
         self.step_seconds = Histogram("jlora_step_seconds", "Host time of one engine step (prefill or decode)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("jlora_time_to_first_token_seconds", "From intake to the first token",

@@ -44,6 +44,7 @@ class OnlineEngine:
         self.admission = Admission(engine.pool, engine.registry, engine.host, engine.loader,
                                    wake=lambda: self._inbox.put(("wake",)))
         self._queued = 0  # submitted, not yet taken in by the loop
+        self._preemptions_seen = 0  # the batcher's count already added to the metric
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jlora-engine", daemon=True)
@@ -136,6 +137,7 @@ class OnlineEngine:
         """Ends every waiting and running request with finish "failed" and starts over on a fresh cache."""
         old = self.batcher
         self.batcher = self.engine.new_batcher(old.num_rows, old.max_seq)
+        self._preemptions_seen = 0
         pending = [r for r, _ in self.admission.pending]
         self.admission.pending.clear()
         for r in [*pending, *old.waiting, *(r for r in old.running if r is not None)]:
@@ -172,4 +174,6 @@ class OnlineEngine:
         self.metrics.kv_blocks_used.set(blocks.num_blocks - blocks.num_available)
         self.metrics.kv_blocks_cached.set(blocks.num_cached)
         self.metrics.prefix_hit_rate.set(blocks.stats.hit_rate)
+        self.metrics.preemptions.inc(self.batcher.preemptions - self._preemptions_seen)
+        self._preemptions_seen = self.batcher.preemptions
         self.metrics.adapters(self.admission.stats, self.engine)

@@ -136,6 +136,8 @@ def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
     assert metric(server, "jlora_requests_running") == 0 and metric(server, "jlora_requests_waiting") == 0
     assert metric(server, "jlora_kv_cache_blocks_used") == 0 and metric(server, "jlora_kv_cache_blocks ") == 40
     assert 0 < metric(server, "jlora_prefix_cache_hit_rate") < 1 and metric(server, "jlora_kv_cache_blocks_cached") > 0
+    assert metric(server, "jlora_preemptions_total") >= 0 and "jlora_preemptions_total" in httpx.get(
+        server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert metric(server, 'jlora_requests_total{adapter="a0",outcome="length"}') >= adapters.count("a0")
 
 
