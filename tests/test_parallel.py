@@ -1,5 +1,5 @@
-"""Tensor parallelism on 4 virtual CPU devices: TP logits, generations (greedy and sampled), scores and
-log-probabilities equal single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
+"""Tensor parallelism on 4 virtual CPU devices: TP logits, generations (greedy and sampled, and through a
+preemption), scores and log-probabilities equal single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
 split along the vocabulary or replicated; adapter loads do not recompile and steps copy nothing between
 devices. Each case runs in a subprocess, since the device count must be set before JAX starts."""
 
@@ -25,6 +25,8 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     from jlora import testing
     from jlora.engine import Engine
     from jlora.runner import forward, generate_step
+    from jlora.scheduler import Batcher, Request
+    from tests.batching import drive
 
     root = tempfile.mkdtemp()
     cfg = testing.tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=128,
@@ -55,6 +57,10 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
             assert generate_step._cache_size() - compiled == 4, "a decode step compiled twice"
         scores = engine.score(prompts, [[7, 8, 9]] * len(prompts), adapters)  # log_softmax over split logits
         with_logprobs = engine.generate(prompts, adapters, max_new_tokens=4, logprobs=3)
+        # Two requests that outgrow a pool of 4 blocks: one is preempted (its blocks to host memory and back).
+        preempted = [Request(list(range(1, 11)), -1, 30, 0.9, seed=1), Request(list(range(5, 15)), -1, 30, seed=2)]
+        assert drive(Batcher(engine.runner, 2, 64, block_size=16, num_blocks=4), preempted).preemptions >= 1
+        generated.append([r.out for r in preempted])
         results.append((engine.prefill_logits(prompts, adapters), generated, scores, with_logprobs))
     (logits_1, gen_1, scores_1, lp_1), (logits_tp, gen_tp, scores_tp, lp_tp) = results
     for one, many in zip(logits_1, logits_tp):
