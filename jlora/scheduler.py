@@ -96,9 +96,9 @@ class Batcher:
     The KV cache is `num_blocks` blocks of `block_size` positions (default: `max_seq`, one block per row, a
     contiguous cache; `num_blocks` default: enough for every row at `max_seq`). A request is admitted (first
     come, first served) when a row is free and the free blocks cover its prompt and first token while leaving
-    one block for each running request that may grow; it takes further blocks as it grows, and gives its row and blocks
-    back when it ends. Rows may so outnumber what the blocks hold at `max_seq`; when the blocks run out, the
-    request admitted last is preempted (see the module docstring; `preemptions` counts them).
+    one block for each running request that may grow; it takes further blocks as it grows, and gives its row
+    and blocks back when it ends. Rows may so outnumber what the blocks hold at `max_seq`; when the blocks run
+    out, the request admitted last is preempted (see the module docstring; `preemptions` counts them).
 
     With `prefix_caching`, a request with a `prefix_id` (and no `prompt_logprobs`: those need every prompt
     token computed) starts from the longest run of full blocks of its prompt that an earlier request with the
