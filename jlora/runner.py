@@ -164,6 +164,14 @@ def _write_blocks(cache: KVCache, blocks, values: KVCache) -> KVCache:
     return jax.tree.map(lambda x, y: x.at[blocks].set(y.astype(x.dtype), mode="drop"), cache, values)
 
 
+def _padded(blocks: Sequence[int], fill: int) -> np.ndarray:
+    """Block ids [bucket(n)] int32: `blocks`, then `fill` (block 0 to read, an out-of-range id for a write to
+    drop): a power-of-two count keeps the block copies' compilations few."""
+    padded = np.full(bucket(len(blocks)), fill, np.int32)
+    padded[: len(blocks)] = blocks
+    return padded
+
+
 def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int] | None = None
                  ) -> tuple[np.ndarray, ...]:
     """Prompts (or pieces of prompts starting at positions `starts`, default 0) padded into power-of-two
@@ -258,25 +266,18 @@ class ModelRunner:
                              self.options(step.token_slot.size))
 
     def copy_blocks(self, cache: KVCache, sources: np.ndarray, targets: np.ndarray) -> KVCache:
-        """`copy_blocks` dispatched, padded to a power-of-two count (so few compilations)."""
-        n = bucket(len(sources))
-        src = np.zeros(n, np.int32)
-        dst = np.full(n, cache.k[0].shape[0], np.int32)  # out of range: dropped
-        src[: len(sources)], dst[: len(targets)] = sources, targets
-        return copy_blocks(cache, src, dst)
+        """`copy_blocks` dispatched, padded to a power-of-two count (`_padded`)."""
+        return copy_blocks(cache, _padded(sources, 0), _padded(targets, cache.k[0].shape[0]))
 
     def read_blocks(self, cache: KVCache, blocks: Sequence[int]) -> KVCache:
         """Blocks `blocks`' keys and values copied to host memory: a `KVCache` of numpy [n, KV, P, D] per layer."""
-        padded = np.zeros(bucket(len(blocks)), np.int32)  # a power-of-two count: few compilations
-        padded[: len(blocks)] = blocks
-        return jax.tree.map(lambda x: np.asarray(x)[: len(blocks)], _read_blocks(cache, padded))
+        return jax.tree.map(lambda x: np.asarray(x)[: len(blocks)], _read_blocks(cache, _padded(blocks, 0)))
 
     def write_blocks(self, cache: KVCache, blocks: Sequence[int], values: KVCache) -> KVCache:
         """The cache with `values` (as `read_blocks` gives them) written into blocks `blocks`."""
-        n = bucket(len(blocks))
-        padded = np.full(n, cache.k[0].shape[0], np.int32)  # out of range: dropped
-        padded[: len(blocks)] = blocks
-        values = jax.tree.map(lambda y: np.concatenate([y, np.zeros((n - len(y), *y.shape[1:]), y.dtype)]), values)
+        padded = _padded(blocks, cache.k[0].shape[0])  # out of range: dropped
+        pad = len(padded) - len(blocks)
+        values = jax.tree.map(lambda y: np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)]), values)
         return _write_blocks(cache, padded, values)
 
     def merge_tokens(self, tokens, host: np.ndarray, from_host: np.ndarray):

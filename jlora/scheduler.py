@@ -181,7 +181,7 @@ class Batcher:
         keys = block_keys(r.prefix_id, r.prompt, size) if shares else []
         cached = pool.match(keys, (len(r.prompt) - 1) // size) if keys else []  # one prompt token left to run
         need = pool.blocks_for(len(r.prompt) + min(r.max_new, 1)) - len(cached)
-        rest = pool.allocate(need) if pool.num_available - need >= self._growing() else None
+        rest = pool.allocate(need) if self._room_for(need) else None
         if rest is None:
             pool.release(cached)
             return False
@@ -189,10 +189,11 @@ class Batcher:
         self._keys[row], self.position[row] = keys, len(cached) * size
         return True
 
-    def _growing(self) -> int:
-        """The running requests that hold fewer blocks than they may come to need: the blocks a new request must
-        leave free."""
-        return sum(r is not None and len(held) < self._blocks_for(r) for r, held in zip(self.running, self._held))
+    def _room_for(self, need: int) -> bool:
+        """Whether `need` blocks may go to a request taking a row: the free blocks cover them and leave one for each
+        running request that holds fewer blocks than it may come to need (the blocks those take next)."""
+        growing = sum(r is not None and len(held) < self._blocks_for(r) for r, held in zip(self.running, self._held))
+        return self.blocks.num_available - need >= growing
 
     def _place(self, row: int, r: Request, blocks: list[int], admitted: int | None = None) -> None:
         """Puts `r` in row `row` over `blocks`, admitted now (or at `admitted`: a resumed request keeps its turn)."""
@@ -240,7 +241,7 @@ class Batcher:
             r = self.waiting[0]
             saved = self._swapped[r]
             need = self.blocks.blocks_for(saved.position + 1)
-            if self.blocks.num_available - need < self._growing():
+            if not self._room_for(need):
                 return
             blocks = self.blocks.allocate(need)
             row = free.pop(0)
