@@ -62,6 +62,26 @@ def test_a_request_that_runs_out_of_blocks_preempts_the_last_admitted_and_both_m
     check_no_leak(batcher)
 
 
+def test_a_request_cancelled_while_preempted_frees_its_host_copy(engine):
+    """The preempted request of the first test is cancelled while its blocks are in host memory (a client that
+    disconnects then): it never resumes, its host copy is dropped, and the other still matches alone."""
+    slot = engine.pool.slot("a")
+    requests = [Request(list(range(1, 11)), slot, 30, 0.9, seed=1), Request(list(range(5, 15)), -1, 30, seed=2)]
+    batcher = Batcher(engine.runner, 2, 64, block_size=16, num_blocks=4)
+    for r in requests:
+        batcher.add(r)
+    while not batcher._swapped:
+        batcher.step()
+    swapped = next(iter(batcher._swapped))
+    out = list(swapped.out)
+    batcher.cancel(swapped)
+    while batcher.busy:
+        batcher.step()
+    assert swapped.finish == "cancelled" and swapped.out == out
+    check_alone(engine, [r for r in requests if r is not swapped])
+    check_no_leak(batcher)
+
+
 def test_a_request_preempted_while_its_prompt_goes_in_starts_it_again(engine):
     """Three rows decode while a 480-token prompt is scored 16 tokens a step; the blocks the three take as they
     grow run out before it is in, so it is preempted (the last admitted), starts again once they end, and
