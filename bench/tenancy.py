@@ -185,6 +185,7 @@ def main() -> None:
                 tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in ("device", "host")]
                 loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s})
                          for s in ("disk_to_host", "host_to_device")]
+                steps = histogram(registry, "jlora_step_seconds", {})
                 record = send(client, url, args.rate, random_requests(rng, vocab, models), rng)
                 row = {"alpha": alpha, "adapters": n, "distinct": len(set(models)), **summarize(record, args.max_batch)}
                 cold_ttft = [r["ttft"] for r in record if r["index"] in cold]
@@ -197,6 +198,7 @@ def main() -> None:
                 for stage, before in zip(("disk_to_host", "host_to_device"), loads):
                     row[stage] = histogram_delta(before, histogram(registry, "jlora_adapter_load_seconds",
                                                                    {"stage": stage}))
+                row["step"] = histogram_delta(steps, histogram(registry, "jlora_step_seconds", {}))
                 d2h, h2d = row["disk_to_host"]["p99_ms"], row["host_to_device"]["p99_ms"]
                 # what the target bounds an on-disk request's TTFT p99 by: a load, then one step
                 row["load_plus_step_ms"] = None if d2h is None else d2h + (h2d or 0.0) + row["itl_p99_ms"]
@@ -239,7 +241,8 @@ def format_row(r: dict) -> str:
             f"TTFT p50 {r['ttft_p50_ms']:.0f} / p99 {r['ttft_p99_ms']:.0f} ms (on disk: {r['cold_requests']} requests, "
             f"p50 {ms(r['cold_ttft_p50_ms'])} / p99 {ms(r['cold_ttft_p99_ms'])} ms; load + step p99 "
             f"{ms(r['load_plus_step_ms'])} ms), ITL p50 {r['itl_p50_ms']:.2f} / "
-            f"p99 {r['itl_p99_ms']:.2f} ms, hits device {rate(r['device_hit_rate'])} host {rate(r['host_hit_rate'])}, "
+            f"p99 {r['itl_p99_ms']:.2f} ms, engine step p50 {ms(r['step']['p50_ms'])} / p99 "
+            f"{ms(r['step']['p99_ms'])} ms, hits device {rate(r['device_hit_rate'])} host {rate(r['host_hit_rate'])}, "
             f"loads disk->host {d2h['count']} p50 {ms(d2h['p50_ms'])} / p99 {ms(d2h['p99_ms'])} ms, host->device "
             f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms")
 

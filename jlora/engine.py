@@ -21,6 +21,7 @@ import numpy as np
 
 from jlora.adapters import AdapterError, AdapterPool, PoolFullError, check_adapter_name
 from jlora.adapters.registry import AdapterRegistry, HostTier
+from jlora.adapters.reader import ProcessReader
 from jlora.admission import Admission
 from jlora.engine_config import EngineConfig
 from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
@@ -100,7 +101,8 @@ class Engine:
         tp = TensorParallel.create(self.model_config, config.tensor_parallel) if config.tensor_parallel > 1 else None
         self.pool = AdapterPool(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                 dtype=dtype, evict=config.evict, tp=tp, max_extra_vocab=config.max_extra_vocab,
-                                max_seq_len=config.max_seq_len)
+                                max_seq_len=config.max_seq_len,
+                                reader=ProcessReader.shared(config.adapter_readers) if config.adapter_readers else None)
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp)
         self.registry = AdapterRegistry()
         self.host = HostTier(config.host_capacity)

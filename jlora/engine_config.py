@@ -29,6 +29,9 @@ class EngineConfig:
     max_cpu_loras: int | None = _option(
         None, "adapters kept read and converted in host memory, least recently used evicted (default: "
               "max_loras), so an adapter evicted from its slot comes back without reading its files", "N")
+    adapter_readers: int = _option(
+        4, "processes that read and convert adapter files, started as loads need them, so that a load never holds "
+           "the GIL the engine loop needs; 0: the loader threads read them", "N")
     max_lora_rank: int = _option(64, "the largest adapter rank accepted")
     max_extra_vocab: int = _option(
         256, "per adapter, the embedding and lm_head rows that may differ from the base model's: tokens it adds "
@@ -67,6 +70,7 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank", "max_batch", "max_seq_len", "tensor_parallel", "prefill_chunk"):
             _check_int(self, name, 1)
         _check_int(self, "max_extra_vocab", 0)
+        _check_int(self, "adapter_readers", 0)
         if self.max_cpu_loras is not None:
             _check_int(self, "max_cpu_loras", 0)
         if self.kv_blocks is not None:

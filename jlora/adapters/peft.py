@@ -29,7 +29,7 @@ from jlora.adapters.config import AdapterError, read_config
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import module_shapes
 
-__all__ = ["AdapterError", "HostAdapter", "read_adapter"]
+__all__ = ["AdapterError", "BaseRowsNeeded", "HostAdapter", "read_adapter"]
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
@@ -40,6 +40,10 @@ _KEY = re.compile(  # PEFT's tensor names, the adapter name removed
     r"|(?P<saved>base_layer\.weight|weight)|token_adapter\.(?P<tokens>trainable_tokens_delta)(?:\.default)?)$"
 )
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>\w+)$")
+
+
+class BaseRowsNeeded(AdapterError):
+    """`read_adapter` was given no base rows for an adapter that carries embedding rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +353,7 @@ def _row_overrides(adapter_dir, config, parts, saved_dtype, saved_whole, trainab
     if not weights and not trainable:
         return {}, {}, 0
     if base is None:
-        raise AdapterError(f"{adapter_dir}: carries embedding rows, but the base model's are not at hand")
+        raise BaseRowsNeeded(f"{adapter_dir}: carries embedding rows, but the base model's are not at hand")
     rows: dict[str, dict[int, np.ndarray]] = {}
     vocab = {}
     for module in EMBEDDING_MODULES:

@@ -1,8 +1,9 @@
 """The device slot pool: `max_loras` slots of fixed-shape stacked LoRA weights, loaded and evicted by name.
 
-A load is two calls: `prepare` parses and validates the adapter on the host (`read_adapter`; any thread), and
-`install` writes its slot with one jitted update of fixed shapes, so a failed load leaves every slot as it was
-and a successful one recompiles the model only when it is the first to target a part (`step_weights`).
+A load is two calls: `prepare` parses and validates the adapter on the host (`read_adapter`, in a child process
+when the pool has a `ProcessReader`; from any thread), and `install` writes its slot with one jitted update of
+fixed shapes, so a failed load leaves every slot as it was and a successful one recompiles the model only when
+it is the first to target a part (`step_weights`).
 `stage`, on any thread in between, copies the prepared adapter to the device, so that the update only writes
 device memory. When the pool is full, `install` evicts the least recently used adapter that no running request
 holds, or refuses (`evict="refuse"`).
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlora.adapters.config import AdapterError, check_adapter_name
-from jlora.adapters.peft import BaseRows, HostAdapter, read_adapter
+from jlora.adapters.peft import BaseRows, HostAdapter
+from jlora.adapters.reader import ProcessReader, ReadRequest
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides, module_shapes
 from jlora.pallas import kernel_rank
@@ -55,6 +57,7 @@ class BaseWeights(Protocol):
 
 
 _GROUP = "group:"  # a fused group g an adapter targets is `_GROUP + g` in `AdapterPool._targeted`
+_OPTIONAL = frozenset({"scale", "shift", "rows", "rope"})  # the optional parts' names in `_without_unused`
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -67,6 +70,16 @@ def _write_slot(weights: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRA
         return w.at[slot].set(jnp.zeros(w.shape[1:], w.dtype) if n is None else n.astype(w.dtype))
 
     return jax.tree.map(write, new, weights, is_leaf=lambda x: x is None)
+
+
+def _merged(full: LoRAWeights, part: LoRAWeights) -> LoRAWeights:
+    """`full` with the arrays of `part` (a `_without_unused` of it) in their places."""
+    merge = lambda f, p: None if f is None else {**f, **(p or {})}
+    layers = tuple(LayerLoRA(*(merge(getattr(f, n), getattr(p, n)) for n in ("a", "b", "scale", "shift")))
+                   for f, p in zip(full.layers, part.layers))
+    rest = {f.name: getattr(full, f.name) if getattr(part, f.name) is None else getattr(part, f.name)
+            for f in dataclasses.fields(full) if f.name != "layers"}
+    return LoRAWeights(layers=layers, **rest)
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes",))
@@ -108,7 +121,7 @@ class AdapterPool:
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, dtype,
                  evict: Literal["lru", "refuse"] = "lru", tp=None, max_extra_vocab: int = 256,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, reader: ProcessReader | None = None):
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1")
         if evict not in ("lru", "refuse"):
@@ -121,6 +134,7 @@ class AdapterPool:
         self.evict = evict
         self.max_extra_vocab = max_extra_vocab
         self.max_seq_len = max_seq_len
+        self.reader = reader  # reads adapter files in child processes; None: on the calling thread
         self.dtype = dtype
         self.tp = tp  # a jlora.parallel.TensorParallel: weights in its layout, split over its mesh
         self.layout = config if tp is None else tp.layout
@@ -220,9 +234,10 @@ class AdapterPool:
         Raises:
           AdapterError: the adapter is invalid.
         """
-        host = read_adapter(adapter_dir, self.config, self.max_lora_rank, self.rank,
-                            base=None if self.base is None else self.base.rows,
-                            max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len)
+        request = ReadRequest(adapter_dir, self.config, self.max_lora_rank, self.rank, self.max_extra_vocab,
+                              self.max_seq_len)
+        base = None if self.base is None else self.base.rows
+        host = request.read(base) if self.reader is None else self.reader.read(request, base)
         if (host.lm_head_rows or host.added) and self.tp is not None and self.tp.vocab_parallel:
             raise AdapterError(f"{adapter_dir}: lm_head rows that differ from the base model's (or added tokens) "
                                "are not supported with a vocab-parallel lm_head (tensor_parallel > 1)")
@@ -264,7 +279,11 @@ class AdapterPool:
                            if part is not None}
         slot = self._free_slot(name)
         self._allocate(features)
-        self.weights = _write_slot(self.weights, np.int32(slot), self._slot_values(host, scale, shift))
+        # Only the parts some adapter has targeted: the others are zero in every slot and stay so.
+        written = self._targeted | _OPTIONAL
+        part = _write_slot(self._without_unused(self.weights, written), np.int32(slot),
+                           self._without_unused(self._slot_values(host, scale, shift), written))
+        self.weights = _merged(self.weights, part)
         self.ranks[slot] = host.rank
         self.added[slot] = host.added
         self._features[slot] = features

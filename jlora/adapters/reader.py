@@ -1,0 +1,224 @@
+"""Adapter files read in child processes, so that reading them never holds the engine loop's GIL.
+
+`read_adapter` spends its time in safetensors reads and NumPy conversions, much of it holding the GIL: on a
+loader thread each of them makes the engine loop wait up to the interpreter's switch interval (5 ms) whenever
+it needs the GIL, which delays its steps while adapters load (docs/performance.md § Tenancy). `ProcessReader`
+runs `read_adapter` in child processes (`serve`, started as reads need them) and takes the
+arrays back through a shared-memory file mapped into this process: no copy, so taking a result holds the GIL
+for microseconds. A child that dies reading a file fails that adapter only and is replaced.
+
+Protocol, over the child's stdin and stdout: a request is a pickled `_Request`; the answer a pickled
+`(adapter, path, spans)`, the adapter pickled with its arrays out of band in the file at `path` at `spans`
+(offset, length), or `(error, None, None)`. Each is preceded by its length (8 bytes, little-endian).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import mmap
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+
+from jlora.adapters.config import AdapterError
+from jlora.adapters.peft import BaseRowsNeeded, HostAdapter, read_adapter
+from jlora.models.config import ModelConfig
+
+__all__ = ["ProcessReader", "ReadRequest"]
+
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None  # else the tmp dir
+_ALIGN = 64  # each array's offset in the file
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    """`read_adapter`'s arguments but the base rows (a child has no model)."""
+
+    adapter_dir: str
+    config: ModelConfig
+    max_rank: int
+    padded_rank: int
+    max_extra_vocab: int = 0
+    max_seq_len: int | None = None
+
+    def read(self, base=None) -> HostAdapter:
+        return read_adapter(self.adapter_dir, self.config, self.max_rank, self.padded_rank, base=base,
+                            max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len)
+
+
+class ProcessReader:
+    """Up to `processes` child processes that read adapters; `read` may be called from any number of threads
+    (each waits for a free child). The children hold no state: engines share one (`shared`)."""
+
+    _shared: ProcessReader | None = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, processes: int) -> ProcessReader:
+        """This process's reader, with at least `processes` children (ended at exit)."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls(processes)
+                atexit.register(cls._shared.close)
+            reader = cls._shared
+        with reader._lock:
+            reader.processes = max(reader.processes, processes)
+        return reader
+
+    def __init__(self, processes: int):
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.processes = processes
+        self._idle: queue.Queue[_Child] = queue.Queue()
+        self._lock = threading.Lock()
+        self._started = 0  # children alive or being started
+        self._children: list[_Child] = []
+
+    def read(self, request: ReadRequest, base=None) -> HostAdapter:
+        """`request.read(base)`, run in a child process. An adapter that needs the base model's rows (it carries
+        embedding layers) is read on this thread instead.
+
+        Raises:
+          AdapterError: the adapter is invalid, or reading it killed the child.
+        """
+        child = self._take()
+        try:
+            answer = child.ask(request)
+        except (OSError, EOFError, struct.error, pickle.UnpicklingError) as err:  # the child died
+            child.close()
+            with self._lock:
+                self._children.remove(child)
+            self._idle.put(None)  # its place: the next read starts a new child
+            raise AdapterError(f"{request.adapter_dir}: reading it ended the reader process "
+                               f"({type(err).__name__}: {err})") from None
+        self._idle.put(child)
+        result, path, spans = answer
+        if path is None:
+            if isinstance(result, BaseRowsNeeded):
+                return request.read(base)
+            raise result
+        return _mapped(result, path, spans)
+
+    def close(self) -> None:
+        """Ends the children (idle ones at once; a busy one when its stdin closes after its read)."""
+        with self._lock:
+            children, self._children, self._started = self._children, [], 0
+        for child in children:
+            child.close()
+
+    def _take(self) -> _Child:
+        """An idle child, a new one while fewer than `processes` run, else the next to become idle."""
+        with self._lock:
+            start = self._idle.empty() and self._started < self.processes
+            if start:
+                self._started += 1
+        if not start:
+            child = self._idle.get()
+            if child is not None:
+                return child
+        try:
+            child = _Child()
+        except BaseException:
+            with self._lock:
+                self._started -= 1
+            raise
+        with self._lock:
+            self._children.append(child)
+        return child
+
+
+class _Child:
+    """One child process and its pipes."""
+
+    def __init__(self):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the child never computes with JAX: no GPU for it
+        self.process = subprocess.Popen([sys.executable, "-c", "from jlora.adapters.reader import serve; serve()"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def ask(self, request: ReadRequest) -> tuple:
+        _send(self.process.stdin, pickle.dumps(request))
+        return pickle.loads(_receive(self.process.stdout))
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.process.stdout.close()
+
+
+def _send(pipe, data: bytes) -> None:
+    pipe.write(struct.pack("<Q", len(data)))
+    pipe.write(data)
+    pipe.flush()
+
+
+def _receive(pipe) -> bytes:
+    size, = struct.unpack("<Q", _exactly(pipe, 8))
+    return _exactly(pipe, size)
+
+
+def _exactly(pipe, size: int) -> bytes:
+    data = pipe.read(size)
+    if len(data) != size:
+        raise EOFError(f"the reader process's pipe closed ({len(data)} of {size} bytes)")
+    return data
+
+
+def _mapped(pickled: bytes, path: str, spans: list[tuple[int, int]]) -> HostAdapter:
+    """The adapter with its arrays over a private mapping of `path` (removed here): pages are shared with the
+    file until written, and the mapping lives as long as an array does."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            memory = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+    finally:
+        os.unlink(path)
+    view = memoryview(memory)
+    return pickle.loads(pickled, buffers=[view[offset:offset + length] for offset, length in spans])
+
+
+def _answer(request: ReadRequest) -> tuple:
+    """In the child: (the adapter pickled with its arrays out of band, the file holding them, their spans)."""
+    try:
+        adapter = request.read()
+    except AdapterError as err:  # BaseRowsNeeded included: the parent reads such an adapter itself
+        return err, None, None
+    except Exception as err:  # noqa: BLE001 - anything reading a hostile file raised: the parent re-raises it
+        return AdapterError(f"{request.adapter_dir}: {type(err).__name__}: {str(err)[:200]}"), None, None
+    buffers: list[pickle.PickleBuffer] = []
+    pickled = pickle.dumps(adapter, protocol=5, buffer_callback=buffers.append)
+    fd, path = tempfile.mkstemp(prefix="jlora-adapter-", dir=_SHM)
+    spans, offset = [], 0
+    with os.fdopen(fd, "wb") as f:
+        for buffer in buffers:
+            raw = buffer.raw()
+            offset = -(-offset // _ALIGN) * _ALIGN
+            f.seek(offset)
+            f.write(raw)
+            spans.append((offset, raw.nbytes))
+            offset += raw.nbytes
+    return pickled, path, spans
+
+
+def serve() -> None:
+    """A child's loop: answers requests from stdin until it closes."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
+    stdin = sys.stdin.buffer
+    while True:
+        try:
+            request = pickle.loads(_receive(stdin))
+        except EOFError:
+            return
+        _send(out, pickle.dumps(_answer(request), protocol=5))

@@ -1,0 +1,113 @@
+"""Adapters read in child processes (`ProcessReader`) equal those read on the calling thread, bit for bit; a
+child that dies fails one read and is replaced; no shared-memory file outlives its read."""
+
+import concurrent.futures
+import dataclasses
+import glob
+import os
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.adapters import AdapterError
+from jlora.adapters.reader import ProcessReader, ReadRequest
+from jlora.engine import Engine
+from jlora.models.config import ModelConfig
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "peft", "llama")
+CFG = testing.tiny_config("llama")
+
+
+def _leftover_files() -> list[str]:
+    return glob.glob(os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+                                  "jlora-adapter-*"))
+
+
+def _same(a, b) -> None:
+    """Equal pytrees, dataclasses (a HostAdapter), dicts and tuples of arrays, bit for bit."""
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b)
+        for field in dataclasses.fields(a):
+            _same(getattr(a, field.name), getattr(b, field.name))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _same(a[key], b[key])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+        assert len(la) == len(lb)
+        for x, y in zip(la, lb):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_every_peft_feature_reads_the_same_in_a_child_process():
+    """PEFT's own files of every feature (DoRA, LoRA bias, saved and added embedding rows, trainable tokens,
+    LongLoRA; those with embedding rows read back here with the base's) give the same slots either way."""
+    names = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, "adapter_config.json")))
+    assert {"dora", "bias", "emb", "tokens", "long"} <= set(names)
+    pools = []
+    for readers in (0, 2):
+        engine = Engine.from_pretrained(os.path.join(FIXTURES, "model"), dtype="float32", max_loras=len(names),
+                                        max_lora_rank=16, max_seq_len=64, max_extra_vocab=8, progress=False,
+                                        adapter_readers=readers)
+        assert (engine.pool.reader is None) == (readers == 0)
+        for name in names:
+            engine.load_adapter(name, os.path.join(FIXTURES, name))
+        pools.append(engine.pool)
+    (thread, process) = pools
+    assert thread.names == process.names
+    np.testing.assert_array_equal(thread.ranks, process.ranks)
+    _same(thread.weights, process.weights)
+    assert not _leftover_files()
+
+
+def test_many_threads_share_few_children(tmp_path):
+    config = ModelConfig.from_hf_config(CFG)
+    requests = []
+    for i in range(6):
+        path = str(tmp_path / f"a{i}")
+        testing.write_adapter(path, CFG, r=2 + i, alpha=8, seed=i, target_modules=["q_proj", "v_proj", "down_proj"])
+        requests.append(ReadRequest(path, config, 8, 16))
+    reader = ProcessReader(2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as threads:
+            got = list(threads.map(reader.read, requests))
+        assert len(reader._children) == 2
+        for request, adapter in zip(requests, got):
+            _same(adapter, request.read())
+    finally:
+        reader.close()
+    assert not _leftover_files()
+
+
+def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path):
+    config = ModelConfig.from_hf_config(CFG)
+    good = str(tmp_path / "good")
+    testing.write_adapter(good, CFG, r=4, alpha=8, seed=0)
+    bad = str(tmp_path / "bad")
+    testing.write_adapter(bad, CFG, r=4, alpha=8, seed=1)
+    with open(os.path.join(bad, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"\x10garbage")
+    reader = ProcessReader(1)
+    try:
+        with pytest.raises(AdapterError, match="cannot read safetensors"):
+            reader.read(ReadRequest(bad, config, 8, 16))
+        want = ReadRequest(good, config, 8, 16).read()
+        _same(reader.read(ReadRequest(good, config, 8, 16)), want)  # the same child, still serving
+
+        reader._children[0].process.kill()  # as if a file had crashed the parser
+        reader._children[0].process.wait()
+        with pytest.raises(AdapterError, match="ended the reader process"):
+            reader.read(ReadRequest(good, config, 8, 16))
+        _same(reader.read(ReadRequest(good, config, 8, 16)), want)  # a new child took its place
+        assert len(reader._children) == 1
+    finally:
+        reader.close()
+    assert not _leftover_files()
