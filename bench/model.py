@@ -7,7 +7,7 @@ distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head
 
   python bench/model.py [--quick] [--layers 32] [--backend auto] [--batches 1,8,32,64] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
-  python bench/model.py --profile [--tp 2]  # batch-32 decode step: device time by kernel vs wall time
+  python bench/model.py --profile [--tp 2] [--batches 1,8,32]  # decode steps: GPU time by kernel class and kernel
   python bench/model.py --engine [--tp 1,2]  # Engine.generate end to end: ms per decode step vs the bare step
   python bench/model.py --features      # batch-32 decode and a 2048-token prefill with 32 DoRA / bias adapters
 """
@@ -134,7 +134,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64", help="decode batch sizes (prefill runs with 32)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
-    parser.add_argument("--profile", action="store_true", help="where a batch-32 decode step spends its time")
+    parser.add_argument("--profile", action="store_true",
+                        help="where decode steps spend their time (batches 1, 8, 32 unless --batches)")
     parser.add_argument("--engine", action="store_true", help="Engine.generate end to end against the bare step")
     parser.add_argument("--features", action="store_true",
                         help="32 DoRA, LoRA-bias and added-token adapters against 32 plain ones")
@@ -151,7 +152,9 @@ def main() -> None:
     model_def, params = random_model(config)
     rng = np.random.default_rng(0)
     if args.profile:
-        return profile(config, model_def, params, int(args.tp or 1))
+        batches = (1, 8, 32) if args.batches == parser.get_default("batches") else args.batches.split(",")
+        return profile(config, model_def, params, int(args.tp or 1), tuple(int(b) for b in batches), bandwidth,
+                       device, args.out)
     if args.features:
         return features(config, model_def, params, device, args.out)
     if args.engine:
@@ -299,33 +302,92 @@ def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 3
     return g, st, cache, tokens, positions, cases, tp
 
 
-def profile(config, model_def, params, degree: int, rank: int = 16) -> None:
-    """Batch-32 decode at one TP degree, base and 32 distinct r=16 adapters: wall time per step, device kernel
-    time per step and GPU (the sum of kernel durations in a profiler trace; wall well above it means the GPUs
-    wait on the host or on each other) and the kernels that take the most of it."""
-    g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank)
-    for name, (lw, sl, ranks) in cases.items():
-        name = name if lw is None else f"{SLOTS} adapters r={rank}"
-        sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, lw, sl, ranks, 16, tp)
-        run = model_step(g, st, tokens, positions, lw, sl, ranks, 16, tp)
+# Kernel classes of a profile, by name: cuBLAS / CUTLASS / XLA GEMMs, the Pallas decode attention, the rest
+# (norms, RoPE, elementwise, the gather backend's LoRA fusions, sampling, copies).
+KERNEL_CLASSES = (("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("attention", ("decode_attention",)))
 
-        def steps():
-            nonlocal cache
-            for _ in range(STEPS):
-                logits, cache = run(cache)
-            return logits, cache
 
-        events = trace_events(steps)
-        kernels = kernel_durations(events)
-        per_step = STEPS * degree
-        busy = sum(map(sum, kernels.values())) / per_step
-        print(f"PROFILE TP={degree} {name}: wall {sec * 1e3:.2f} ms per step (host dispatch {dispatch * 1e3:.2f}), "
-              f"device kernels {busy / 1e3:.2f} ms "
-              f"per step and GPU, {sum(map(len, kernels.values())) / per_step:.0f} kernels", flush=True)
-        for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:40]:
-            print(f"  {sum(d) / per_step / 1e3:7.3f} ms  x{len(d) / per_step:5.0f}  {sum(d) / len(d):8.1f} µs  "
-                  f"{kname[:90]}", flush=True)
-        layer_timeline(events, config.num_layers)
+def kernel_class(name: str) -> str:
+    lower = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in lower for k in keys)), "other")
+
+
+def busy_union(events) -> float:
+    """µs in which at least one kernel runs (kernels on concurrent streams counted once)."""
+    total, end = 0.0, float("-inf")
+    for _, ts, dur, _, _ in sorted(events, key=lambda e: e[1]):
+        if ts + dur > end:
+            total += ts + dur - max(ts, end)
+            end = ts + dur
+    return total
+
+
+def profile(config, model_def, params, degree: int, batches: tuple[int, ...], bandwidth: float, device: str,
+            out_dir: str, rank: int = 16) -> None:
+    """Decode steps at each batch size of `batches` with 0, 1 and 32 distinct r=16 adapters on every module, at
+    one TP degree: wall time per step; the GPU's time busy (any kernel running) and idle; kernel time by class
+    (GEMMs, decode attention, the rest) with the GEMMs' bandwidth over the weight bytes and the attention's over
+    the KV bytes; the floor (weights + KV at the copy bandwidth); the kernels that take the most time; a layer
+    timeline. Rows go to model_profile.json."""
+    per_layer = sum(k * sum(n for _, n in outs) for k, outs in module_shapes(config).values())
+    weight_bytes = (config.num_layers * per_layer + config.vocab_size * config.hidden_size) * 2  # bf16, + lm_head
+    rows = []
+    for batch in batches:
+        g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank, batch)
+        lw, slots, ranks = cases["lora"]
+        kv_bytes = batch * CONTEXT * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2 // degree
+        floor = (weight_bytes / degree + kv_bytes) / bandwidth
+        for adapters, (lora, sl, rk) in ((0, cases["base"]), (1, (lw, jnp.zeros_like(slots), ranks)),
+                                         (SLOTS, (lw, slots, ranks))):
+            if adapters > batch:
+                continue
+            sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, lora, sl, rk, 16, tp)
+            run = model_step(g, st, tokens, positions, lora, sl, rk, 16, tp)
+
+            def steps():
+                nonlocal cache
+                for _ in range(STEPS):
+                    logits, cache = run(cache)
+                return logits, cache
+
+            events = trace_events(steps)
+            if not events:
+                print(f"batch {batch} adapters {adapters}: no GPU kernels in the trace (a GPU is needed)")
+                continue
+            per_step = STEPS * degree
+            by_class: dict[str, list[float]] = {}
+            for e in events:
+                by_class.setdefault(kernel_class(e[4]), []).append(e[2])
+            span = (max(e[1] + e[2] for e in events) - min(e[1] for e in events)) / STEPS  # per step, one GPU
+            busy = busy_union([e for e in events if e[0] == events[0][0]]) / STEPS
+            row = dict(batch=batch, adapters=adapters, rank=rank, tp=degree, wall_ms=sec * 1e3,
+                       dispatch_ms=dispatch * 1e3, trace_span_ms=span / 1e3, busy_ms=busy / 1e3,
+                       idle_ms=(span - busy) / 1e3, floor_ms=floor * 1e3, vs_floor=sec / floor,
+                       kernels=sum(map(len, by_class.values())) / per_step)
+            for c in ("gemm", "attention", "other"):
+                row[f"{c}_ms"] = sum(by_class.get(c, [])) / per_step / 1e3
+                row[f"{c}_kernels"] = len(by_class.get(c, [])) / per_step
+            row["gemm_TBps"] = weight_bytes / degree / (row["gemm_ms"] * 1e-3) / 1e12 if row["gemm_ms"] else None
+            row["attention_TBps"] = (kv_bytes / (row["attention_ms"] * 1e-3) / 1e12 if row["attention_ms"]
+                                     else None)
+            rows.append(row)
+            print(f"PROFILE batch {batch} adapters {adapters}: wall {row['wall_ms']:.2f} ms (floor {row['floor_ms']:.2f},"
+                  f" x{row['vs_floor']:.2f}; host dispatch {row['dispatch_ms']:.2f}); GPU busy {row['busy_ms']:.2f} / "
+                  f"idle {row['idle_ms']:.2f} ms of the traced step; kernels {row['kernels']:.0f}: GEMM "
+                  f"{row['gemm_ms']:.2f} ms ({row['gemm_TBps'] or 0:.2f} TB/s over the weights), attention "
+                  f"{row['attention_ms']:.2f} ms ({row['attention_TBps'] or 0:.2f} TB/s over the KV), other "
+                  f"{row['other_ms']:.2f} ms in {row['other_kernels']:.0f} kernels", flush=True)
+            kernels = kernel_durations(events)
+            for kname, d in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:25]:
+                print(f"  {sum(d) / per_step / 1e3:7.3f} ms  x{len(d) / per_step:5.0f}  {sum(d) / len(d):8.1f} µs  "
+                      f"{kernel_class(kname):9s} {kname[:80]}", flush=True)
+            if batch == max(batches):
+                layer_timeline(events, config.num_layers)
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "model_profile.json"), "w") as f:  # after every case
+                json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "context": CONTEXT,
+                           "weight_bytes": weight_bytes, "rows": rows}, f, indent=1)
+        del cases, cache, st, lw
 
 
 def layer_timeline(events, num_layers: int, mark: str = "decode_attention") -> None:

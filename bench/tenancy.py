@@ -53,7 +53,7 @@ TARGETS = ("q_proj", "v_proj")
 def build_engine(tiny: bool, args, root: str) -> tuple[Engine, dict]:
     """The engine (no adapters yet) and the HF config of its model."""
     options = dict(max_loras=args.max_loras, max_lora_rank=max(RANKS), max_batch=args.max_batch, max_seq_len=512,
-                   max_cpu_loras=args.max_cpu_loras)
+                   max_cpu_loras=args.max_cpu_loras, prefill_chunk=args.prefill_chunk)
     if tiny:
         cfg = testing.tiny_config("llama", vocab_size=256)
         testing.write_model(f"{root}/m", cfg, seed=0)
@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--max-loras", type=int, default=32, help="device slots")
     parser.add_argument("--max-cpu-loras", type=int, default=128, help="host tier: adapters")
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step at most")
     parser.add_argument("--tiny", action="store_true", help="a tiny float32 model (a smoke run on CPU)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -218,8 +219,8 @@ def save(args, device: str, rows: list[dict]) -> None:
         r["itl_p99_vs_fewest"] = r["itl_p99_ms"] / fewest[r["alpha"]]["itl_p99_ms"]
     os.makedirs(args.out, exist_ok=True)
     name = "tenancy_tiny" if args.tiny else "tenancy"
-    result = {"device": device, "max_batch": args.max_batch, "max_loras": args.max_loras,
-              "max_cpu_loras": args.max_cpu_loras, "rate": args.rate, "requests": args.requests, "ranks": RANKS,
+    result = {"device": device, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
+              "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "rate": args.rate, "requests": args.requests, "ranks": RANKS,
               "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -249,7 +250,8 @@ def format_row(r: dict) -> str:
 
 def write_table(result: dict, path: str) -> None:
     with open(path, "w") as f:
-        f.write(f"Device: {result['device']}; batch {result['max_batch']}; {result['max_loras']} device slots, host "
+        f.write(f"Device: {result['device']}; batch {result['max_batch']}, prefill_chunk {result['prefill_chunk']}; "
+                f"{result['max_loras']} device slots, host "
                 f"tier {result['max_cpu_loras']} adapters; q_proj + v_proj adapters of ranks "
                 f"{'/'.join(map(str, result['ranks']))}; Poisson arrivals at {result['rate']:g} req/s, "
                 f"{result['requests']} requests per run.\n\n"
