@@ -220,8 +220,8 @@ def save(args, device: str, rows: list[dict]) -> None:
     os.makedirs(args.out, exist_ok=True)
     name = "tenancy_tiny" if args.tiny else "tenancy"
     result = {"device": device, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
-              "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "rate": args.rate, "requests": args.requests, "ranks": RANKS,
-              "rows": rows}
+              "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "rate": args.rate,
+              "requests": args.requests, "ranks": RANKS, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     write_table(result, os.path.join(args.out, f"{name}.md"))

@@ -48,9 +48,9 @@ class BaseRowsNeeded(AdapterError):
 
 @dataclasses.dataclass(frozen=True)
 class HostAdapter:
-    """One adapter converted for a slot (float32 NumPy, scaling folded into the B side), holding only what it
-    targets: a slot's other parts are written as zeros on the device, so they cost neither host memory nor a
-    transfer.
+    """One adapter converted for a slot (float32 NumPy until `with_dtype`, scaling folded into the B side),
+    holding only what it targets: a slot's other parts are written as zeros on the device, so they cost neither
+    host memory nor a transfer.
 
     Besides A and B per module: `bias` and `magnitude` per (layer, group) key (`(None, "lm_head")` for the
     lm_head), each [N] over the group's fused columns (magnitude with a mask of the DoRA columns); `embed_rows`
@@ -69,6 +69,13 @@ class HostAdapter:
     lm_head_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     added: int = 0  # tokens past the base vocabulary (ids V .. V + added - 1)
     rope_factor: float = 1.0  # LongLoRA: positions divided by this for the adapter's tokens
+
+    def with_dtype(self, dtype) -> HostAdapter:
+        """The adapter with its A and B in `dtype` (as a slot stores them: rounding on the host is the device's
+        round-to-nearest-even); arrays already in it are kept, not copied."""
+        cast = lambda ab: None if ab is None else tuple(x.astype(dtype, copy=False) for x in ab)
+        layers = tuple({g: cast(ab) for g, ab in layer.items()} for layer in self.layers)
+        return dataclasses.replace(self, layers=layers, embed=cast(self.embed), lm_head=cast(self.lm_head))
 
 
 @dataclasses.dataclass(frozen=True)

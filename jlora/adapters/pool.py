@@ -102,12 +102,13 @@ def _without_slot_axis(stack: jax.Array) -> jax.sharding.Sharding:
     return sharding
 
 
-def _in_dtype(host: HostAdapter, dtype) -> HostAdapter:
-    """The adapter's A and B in the pool's dtype (as its slot stores them: the host tier keeps half as many
-    bytes in bf16; rounding on the host is the device's round-to-nearest-even)."""
-    cast = lambda ab: None if ab is None else tuple(x.astype(dtype) for x in ab)
-    return dataclasses.replace(host, layers=tuple({g: cast(ab) for g, ab in layer.items()} for layer in host.layers),
-                               embed=cast(host.embed), lm_head=cast(host.lm_head))
+def _own(host: HostAdapter) -> HostAdapter:
+    """The adapter with its small arrays (bias, magnitudes, rows) copied: none a view that would keep a
+    `ProcessReader`'s mapping of the float32 arrays alive in the host tier."""
+    own = lambda parts: {k: tuple(np.array(x) for x in v) if isinstance(v, tuple) else np.array(v)
+                         for k, v in parts.items()}
+    return dataclasses.replace(host, bias=own(host.bias), magnitude=own(host.magnitude),
+                               embed_rows=own(host.embed_rows), lm_head_rows=own(host.lm_head_rows))
 
 
 class AdapterPool:
@@ -235,7 +236,7 @@ class AdapterPool:
           AdapterError: the adapter is invalid.
         """
         request = ReadRequest(adapter_dir, self.config, self.max_lora_rank, self.rank, self.max_extra_vocab,
-                              self.max_seq_len)
+                              self.max_seq_len, jnp.dtype(self.dtype).name)
         base = None if self.base is None else self.base.rows
         host = request.read(base) if self.reader is None else self.reader.read(request, base)
         if (host.lm_head_rows or host.added) and self.tp is not None and self.tp.vocab_parallel:
@@ -245,7 +246,7 @@ class AdapterPool:
         if self.tp is not None:
             host = self.tp.permute_adapter(host)
             scale, shift = (None if x is None else self.tp.permute_columns(x) for x in (scale, shift))
-        return PreparedAdapter(_in_dtype(host, self.dtype), scale, shift)
+        return PreparedAdapter(_own(host.with_dtype(self.dtype)), scale, shift)
 
     def stage(self, prepared: PreparedAdapter) -> PreparedAdapter:
         """`prepared` with its A and B copied to the device(s), placed as a slot holds them, once the copy is
@@ -311,7 +312,7 @@ class AdapterPool:
             return None, None
         if host.magnitude and self.base is None:
             raise AdapterError(f"{adapter_dir}: DoRA needs the base model's weights, which are not at hand")
-        scale, shift = {}, dict(host.bias)
+        scale, shift = {}, {k: np.array(v) for k, v in host.bias.items()}  # copies: `host` may be a mapping's view
         for key, (magnitude, mask) in host.magnitude.items():
             layer, group = key
             w, base_bias = self.base.linear(layer, group)

@@ -3,11 +3,11 @@
 `read_adapter` spends its time in safetensors reads and NumPy conversions, much of it holding the GIL: on a
 loader thread each of them makes the engine loop wait up to the interpreter's switch interval (5 ms) whenever
 it needs the GIL, which delays its steps while adapters load (docs/performance.md § Tenancy). `ProcessReader`
-runs `read_adapter` in child processes (`serve`, started as reads need them) and takes the
-arrays back through a shared-memory file mapped into this process: no copy, so taking a result holds the GIL
-for microseconds. A child that dies reading a file fails that adapter only and is replaced.
+runs `read_adapter` in child processes (`serve`, started as reads need them) and takes the arrays back through
+a shared-memory file mapped into this process: no copy, so taking a result holds the GIL for microseconds. A
+child that dies reading a file fails that adapter only and is replaced.
 
-Protocol, over the child's stdin and stdout: a request is a pickled `_Request`; the answer a pickled
+Protocol, over the child's stdin and stdout: a request is a pickled `ReadRequest`; the answer a pickled
 `(adapter, path, spans)`, the adapter pickled with its arrays out of band in the file at `path` at `spans`
 (offset, length), or `(error, None, None)`. Each is preceded by its length (8 bytes, little-endian).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import io
 import mmap
 import os
 import pickle
@@ -25,6 +26,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+
+import jax.numpy as jnp
+import numpy as np
 
 from jlora.adapters.config import AdapterError
 from jlora.adapters.peft import BaseRowsNeeded, HostAdapter, read_adapter
@@ -38,7 +42,9 @@ _ALIGN = 64  # each array's offset in the file
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
-    """`read_adapter`'s arguments but the base rows (a child has no model)."""
+    """`read_adapter`'s arguments but the base rows (a child has no model), and `dtype`: the type A and B come
+    back in (the slots'; the cast holds the GIL too), unless the adapter has DoRA magnitudes, whose column
+    factors are computed from its float32 A and B."""
 
     adapter_dir: str
     config: ModelConfig
@@ -46,10 +52,12 @@ class ReadRequest:
     padded_rank: int
     max_extra_vocab: int = 0
     max_seq_len: int | None = None
+    dtype: str = "float32"
 
     def read(self, base=None) -> HostAdapter:
-        return read_adapter(self.adapter_dir, self.config, self.max_rank, self.padded_rank, base=base,
-                            max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len)
+        adapter = read_adapter(self.adapter_dir, self.config, self.max_rank, self.padded_rank, base=base,
+                               max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len)
+        return adapter if adapter.magnitude else adapter.with_dtype(jnp.dtype(self.dtype))
 
 
 class ProcessReader:
@@ -188,6 +196,21 @@ def _mapped(pickled: bytes, path: str, spans: list[tuple[int, int]]) -> HostAdap
     return pickle.loads(pickled, buffers=[view[offset:offset + length] for offset, length in spans])
 
 
+class _OutOfBand(pickle.Pickler):
+    """Pickles NumPy arrays out of band whatever their dtype (NumPy's own pickling keeps bfloat16 in band)."""
+
+    def reducer_override(self, obj):
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            raw = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+            return _array, (pickle.PickleBuffer(raw), obj.dtype, obj.shape)
+        return NotImplemented
+
+
+def _array(buffer, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """An array over `buffer` (no copy)."""
+    return np.frombuffer(buffer, dtype).reshape(shape)
+
+
 def _answer(request: ReadRequest) -> tuple:
     """In the child: (the adapter pickled with its arrays out of band, the file holding them, their spans)."""
     try:
@@ -197,7 +220,9 @@ def _answer(request: ReadRequest) -> tuple:
     except Exception as err:  # noqa: BLE001 - anything reading a hostile file raised: the parent re-raises it
         return AdapterError(f"{request.adapter_dir}: {type(err).__name__}: {str(err)[:200]}"), None, None
     buffers: list[pickle.PickleBuffer] = []
-    pickled = pickle.dumps(adapter, protocol=5, buffer_callback=buffers.append)
+    data = io.BytesIO()
+    _OutOfBand(data, protocol=5, buffer_callback=buffers.append).dump(adapter)
+    pickled = data.getvalue()
     fd, path = tempfile.mkstemp(prefix="jlora-adapter-", dir=_SHM)
     spans, offset = [], 0
     with os.fdopen(fd, "wb") as f:

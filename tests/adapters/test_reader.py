@@ -74,13 +74,14 @@ def test_many_threads_share_few_children(tmp_path):
     for i in range(6):
         path = str(tmp_path / f"a{i}")
         testing.write_adapter(path, CFG, r=2 + i, alpha=8, seed=i, target_modules=["q_proj", "v_proj", "down_proj"])
-        requests.append(ReadRequest(path, config, 8, 16))
+        requests.append(ReadRequest(path, config, 8, 16, dtype="bfloat16" if i % 2 else "float32"))
     reader = ProcessReader(2)
     try:
         with concurrent.futures.ThreadPoolExecutor(6) as threads:
             got = list(threads.map(reader.read, requests))
         assert len(reader._children) == 2
         for request, adapter in zip(requests, got):
+            assert adapter.layers[0]["qkv"][0].dtype.name == request.dtype  # cast in the child
             _same(adapter, request.read())
     finally:
         reader.close()
