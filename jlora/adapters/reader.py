@@ -222,18 +222,33 @@ def _answer(request: ReadRequest) -> tuple:
     buffers: list[pickle.PickleBuffer] = []
     data = io.BytesIO()
     _OutOfBand(data, protocol=5, buffer_callback=buffers.append).dump(adapter)
-    pickled = data.getvalue()
-    fd, path = tempfile.mkstemp(prefix="jlora-adapter-", dir=_SHM)
+    failure = None
+    for directory in dict.fromkeys((_SHM, None)):  # shared memory may be small (a container's 64 MB): then /tmp
+        try:
+            return data.getvalue(), *_written(buffers, directory)
+        except OSError as err:
+            failure = err
+    return AdapterError(f"{request.adapter_dir}: cannot hand the adapter over ({failure})"), None, None
+
+
+def _written(buffers: list[pickle.PickleBuffer], directory: str | None) -> tuple[str, list[tuple[int, int]]]:
+    """(path, spans): the buffers in a new file of `directory` (None: the temporary directory), removed again
+    when writing fails."""
+    fd, path = tempfile.mkstemp(prefix="jlora-adapter-", dir=directory)
     spans, offset = [], 0
-    with os.fdopen(fd, "wb") as f:
-        for buffer in buffers:
-            raw = buffer.raw()
-            offset = -(-offset // _ALIGN) * _ALIGN
-            f.seek(offset)
-            f.write(raw)
-            spans.append((offset, raw.nbytes))
-            offset += raw.nbytes
-    return pickled, path, spans
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for buffer in buffers:
+                raw = buffer.raw()
+                offset = -(-offset // _ALIGN) * _ALIGN
+                f.seek(offset)
+                f.write(raw)
+                spans.append((offset, raw.nbytes))
+                offset += raw.nbytes
+    except OSError:
+        os.unlink(path)
+        raise
+    return path, spans
 
 
 def serve() -> None:

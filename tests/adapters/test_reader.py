@@ -112,3 +112,23 @@ def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path):
     finally:
         reader.close()
     assert not _leftover_files()
+
+
+def test_a_full_shared_memory_hands_over_through_the_temporary_directory(tmp_path, monkeypatch):
+    """A container's /dev/shm is often 64 MB: a child that cannot write there writes to the temporary directory,
+    and one that can write nowhere fails that adapter with a message that says so."""
+    from jlora.adapters import reader
+
+    path = str(tmp_path / "a")
+    testing.write_adapter(path, CFG, r=4, alpha=8, seed=0)
+    request = ReadRequest(path, ModelConfig.from_hf_config(CFG), 8, 16)
+    monkeypatch.setattr(reader, "_SHM", str(tmp_path / "no-such-shm"))
+    pickled, file, spans = reader._answer(request)
+    assert os.path.dirname(file) == tempfile.gettempdir()
+    _same(reader._mapped(pickled, file, spans), request.read())
+    assert not os.path.exists(file)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-tmp"))
+    error, file, _ = reader._answer(request)
+    assert file is None and isinstance(error, AdapterError)
+    assert "cannot hand the adapter over" in str(error) and "no-such-tmp" in str(error)
