@@ -16,6 +16,8 @@ from jlora import EngineConfig, cli
     (dict(max_seq_len=True), "max_seq_len must be an integer >= 1, got True"),
     (dict(max_extra_vocab=-1), "max_extra_vocab must be an integer >= 0, got -1"),
     (dict(max_cpu_loras=-2), "max_cpu_loras must be an integer >= 0, got -2"),
+    (dict(adapter_readers=-1), "adapter_readers must be an integer >= 0, got -1"),
+    (dict(adapter_readers=1.5), "adapter_readers must be an integer >= 0, got 1.5"),
     (dict(prefill_chunk=100), "prefill_chunk must be a power of two >= 16, got 100"),
     (dict(prefill_chunk=8), "prefill_chunk must be a power of two >= 16, got 8"),
     (dict(dtype="int8"), "dtype must be one of"),
