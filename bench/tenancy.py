@@ -48,6 +48,7 @@ from serve import compile_waves, percentile, random_requests, send, start_server
 
 RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "v_proj")
+STAGES = ("disk_to_host", "host_to_device", "slot_write")  # jlora_adapter_load_seconds' stages
 
 
 def build_engine(tiny: bool, args, root: str) -> tuple[Engine, dict]:
@@ -185,7 +186,7 @@ def main() -> None:
                 touched.update(models)
                 tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in ("device", "host")]
                 loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s})
-                         for s in ("disk_to_host", "host_to_device")]
+                         for s in STAGES]
                 steps = histogram(registry, "jlora_step_seconds", {})
                 record = send(client, url, args.rate, random_requests(rng, vocab, models), rng)
                 row = {"alpha": alpha, "adapters": n, "distinct": len(set(models)), **summarize(record, args.max_batch)}
@@ -196,7 +197,7 @@ def main() -> None:
                 for tier, (hits, misses) in zip(("device", "host"), tiers):
                     hits, misses = getattr(stats, f"{tier}_hits") - hits, getattr(stats, f"{tier}_misses") - misses
                     row[f"{tier}_hit_rate"] = hits / (hits + misses) if hits + misses else None
-                for stage, before in zip(("disk_to_host", "host_to_device"), loads):
+                for stage, before in zip(STAGES, loads):
                     row[stage] = histogram_delta(before, histogram(registry, "jlora_adapter_load_seconds",
                                                                    {"stage": stage}))
                 row["step"] = histogram_delta(steps, histogram(registry, "jlora_step_seconds", {}))
@@ -236,6 +237,12 @@ def rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def slot_writes(r: dict) -> str:
+    """The slot writes' count and host time p50 / p99 (rows saved before they were measured: -)."""
+    w = r.get("slot_write") or {"count": 0}
+    return "-" if not w["count"] else f"{w['count']} p50 {w['p50_ms']:.1f} / p99 {w['p99_ms']:.1f} ms"
+
+
 def format_row(r: dict) -> str:
     d2h, h2d = r["disk_to_host"], r["host_to_device"]
     return (f"alpha {r['alpha']:g} N {r['adapters']:5d} ({r['distinct']} used): {r['tokens_per_s']:6.0f} tok/s, "
@@ -245,7 +252,7 @@ def format_row(r: dict) -> str:
             f"p99 {r['itl_p99_ms']:.2f} ms, engine step p50 {ms(r['step']['p50_ms'])} / p99 "
             f"{ms(r['step']['p99_ms'])} ms, hits device {rate(r['device_hit_rate'])} host {rate(r['host_hit_rate'])}, "
             f"loads disk->host {d2h['count']} p50 {ms(d2h['p50_ms'])} / p99 {ms(d2h['p99_ms'])} ms, host->device "
-            f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms")
+            f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms, slot writes {slot_writes(r)}")
 
 
 def write_table(result: dict, path: str) -> None:
@@ -257,8 +264,8 @@ def write_table(result: dict, path: str) -> None:
                 f"{result['requests']} requests per run.\n\n"
                 "| α | N | used | tok/s | vs fewest N | TTFT p50 ms | TTFT p99 ms | on disk: requests | TTFT p50 ms | "
                 "TTFT p99 ms | load + step p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 vs fewest N | device hits | host hits | "
-                "disk→host loads | p50 ms | p99 ms | host→device loads | p50 ms | p99 ms |\n"
-                f"|{'---|' * 22}\n")
+                "disk→host loads | p50 ms | p99 ms | host→device loads | p50 ms | p99 ms | slot writes (host time) |\n"
+                f"|{'---|' * 23}\n")
         for r in result["rows"]:
             d2h, h2d = r["disk_to_host"], r["host_to_device"]
             f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['distinct']} | {r['tokens_per_s']:.0f} | "
@@ -268,7 +275,7 @@ def write_table(result: dict, path: str) -> None:
                     f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
                     f"{rate(r['device_hit_rate'])} | {rate(r['host_hit_rate'])} | {d2h['count']} | "
                     f"{ms(d2h['p50_ms'])} | {ms(d2h['p99_ms'])} | {h2d['count']} | {ms(h2d['p50_ms'])} | "
-                    f"{ms(h2d['p99_ms'])} |\n")
+                    f"{ms(h2d['p99_ms'])} | {slot_writes(r)} |\n")
 
 
 def plot(result: dict, path: str) -> None:

@@ -48,7 +48,8 @@ logger = logging.getLogger("jlora.admission")
 @dataclasses.dataclass
 class AdapterStats:
     """What `Admission` counts, for metrics: per tier, requests that found their adapter there or not, and load
-    latencies (seconds) not yet taken by a reader."""
+    latencies (seconds) not yet taken by a reader: disk to host and host to device on loader threads, and the
+    slot write's host time on the engine loop (between two steps)."""
 
     device_hits: int = 0
     device_misses: int = 0
@@ -56,6 +57,7 @@ class AdapterStats:
     host_misses: int = 0
     disk_to_host: list[float] = dataclasses.field(default_factory=list)
     host_to_device: list[float] = dataclasses.field(default_factory=list)
+    slot_write: list[float] = dataclasses.field(default_factory=list)
 
 
 class Admission:
@@ -208,10 +210,12 @@ class Admission:
             if self.pool.in_use(entry.name):
                 return False
             self.pool.unload(entry.name)
+        start = time.monotonic()
         try:
             self.pool.install(entry.name, future.result(), entry.generation)
         except PoolFullError:
             return False
+        self.stats.slot_write.append(time.monotonic() - start)
         del self._loads[entry.generation]
         self._writes += 1
         return True

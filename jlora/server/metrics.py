@@ -9,7 +9,7 @@ from jlora.scheduler import Request
 
 __all__ = ["Metrics"]
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
@@ -46,8 +46,9 @@ class Metrics:
         self.tier_misses = Counter("jlora_adapter_tier_misses", "Requests whose adapter was not in the tier",
                                    ["tier"], registry=r)
         self.load_seconds = Histogram("jlora_adapter_load_seconds", "Adapter loads: disk to host (read, check, "
-                                      "convert) and host to device (the copy, on a loader thread)", ["stage"],
-                                      buckets=_LATENCY_BUCKETS, registry=r)
+                                      "convert, in a reader process), host to device (the copy, on a loader "
+                                      "thread) and slot_write (the engine loop's host time, between two steps)",
+                                      ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.resident = Gauge("jlora_adapters_resident", "Adapters in device slots", registry=r)
         self.host_adapters = Gauge("jlora_adapters_host", "Adapters in the host tier", registry=r)
         self.registered = Gauge("jlora_adapters_registered", "Adapters registered", registry=r)
@@ -64,7 +65,7 @@ class Metrics:
             self.tier_misses.labels(tier).inc(misses - getattr(seen, f"{tier}_misses"))
             setattr(seen, f"{tier}_hits", hits)
             setattr(seen, f"{tier}_misses", misses)
-        for stage in ("disk_to_host", "host_to_device"):
+        for stage in ("disk_to_host", "host_to_device", "slot_write"):
             times = getattr(stats, stage)
             while times:
                 self.load_seconds.labels(stage).observe(times.pop())
