@@ -103,8 +103,8 @@ def _without_slot_axis(stack: jax.Array) -> jax.sharding.Sharding:
 
 
 def _own(host: HostAdapter) -> HostAdapter:
-    """The adapter with its small arrays (bias, magnitudes, rows) copied: none a view that would keep a
-    `ProcessReader`'s mapping of the float32 arrays alive in the host tier."""
+    """The adapter with its small arrays (bias, magnitudes, rows) copied, so that neither the host tier nor the
+    column factors keep a `ProcessReader`'s mapping alive once A and B are cast away from it (DoRA)."""
     own = lambda parts: {k: tuple(np.array(x) for x in v) if isinstance(v, tuple) else np.array(v)
                          for k, v in parts.items()}
     return dataclasses.replace(host, bias=own(host.bias), magnitude=own(host.magnitude),
@@ -238,7 +238,7 @@ class AdapterPool:
         request = ReadRequest(adapter_dir, self.config, self.max_lora_rank, self.rank, self.max_extra_vocab,
                               self.max_seq_len, jnp.dtype(self.dtype).name)
         base = None if self.base is None else self.base.rows
-        host = request.read(base) if self.reader is None else self.reader.read(request, base)
+        host = _own(request.read(base) if self.reader is None else self.reader.read(request, base))
         if (host.lm_head_rows or host.added) and self.tp is not None and self.tp.vocab_parallel:
             raise AdapterError(f"{adapter_dir}: lm_head rows that differ from the base model's (or added tokens) "
                                "are not supported with a vocab-parallel lm_head (tensor_parallel > 1)")
@@ -246,7 +246,7 @@ class AdapterPool:
         if self.tp is not None:
             host = self.tp.permute_adapter(host)
             scale, shift = (None if x is None else self.tp.permute_columns(x) for x in (scale, shift))
-        return PreparedAdapter(_own(host.with_dtype(self.dtype)), scale, shift)
+        return PreparedAdapter(host.with_dtype(self.dtype), scale, shift)
 
     def stage(self, prepared: PreparedAdapter) -> PreparedAdapter:
         """`prepared` with its A and B copied to the device(s), placed as a slot holds them, once the copy is
@@ -312,7 +312,7 @@ class AdapterPool:
             return None, None
         if host.magnitude and self.base is None:
             raise AdapterError(f"{adapter_dir}: DoRA needs the base model's weights, which are not at hand")
-        scale, shift = {}, {k: np.array(v) for k, v in host.bias.items()}  # copies: `host` may be a mapping's view
+        scale, shift = {}, dict(host.bias)
         for key, (magnitude, mask) in host.magnitude.items():
             layer, group = key
             w, base_bias = self.base.linear(layer, group)

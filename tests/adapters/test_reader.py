@@ -47,20 +47,30 @@ def _same(a, b) -> None:
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_every_peft_feature_reads_the_same_in_a_child_process():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_peft_feature_reads_the_same_in_a_child_process(dtype):
     """PEFT's own files of every feature (DoRA, LoRA bias, saved and added embedding rows, trainable tokens,
-    LongLoRA; those with embedding rows read back here with the base's) give the same slots either way."""
+    LongLoRA; those with embedding rows read back here with the base's) give the same slots either way, in
+    float32 and in bf16 (A and B cast by the child). Those a bf16 engine refuses (lm_head rows that
+    differ from the bf16 base) are refused with the same message either way."""
     names = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, "adapter_config.json")))
     assert {"dora", "bias", "emb", "tokens", "long"} <= set(names)
-    pools = []
+    pools, outcomes = [], []
     for readers in (0, 2):
-        engine = Engine.from_pretrained(os.path.join(FIXTURES, "model"), dtype="float32", max_loras=len(names),
-                                        max_lora_rank=16, max_seq_len=64, max_extra_vocab=8, progress=False,
+        engine = Engine.from_pretrained(os.path.join(FIXTURES, "model"), dtype=dtype, max_loras=len(names),
+                                        max_lora_rank=16, max_seq_len=64, max_extra_vocab=128, progress=False,
                                         adapter_readers=readers)
         assert (engine.pool.reader is None) == (readers == 0)
+        outcome = {}
         for name in names:
-            engine.load_adapter(name, os.path.join(FIXTURES, name))
+            try:
+                engine.load_adapter(name, os.path.join(FIXTURES, name))
+            except AdapterError as err:
+                outcome[name] = str(err)
         pools.append(engine.pool)
+        outcomes.append(outcome)
+    assert outcomes[0] == outcomes[1]
+    assert {"plain", "long", "emb"} <= set(pools[0].names) and (dtype == "bfloat16" or not outcomes[0]), outcomes[0]
     (thread, process) = pools
     assert thread.names == process.names
     np.testing.assert_array_equal(thread.ranks, process.ranks)
