@@ -102,7 +102,8 @@ class Engine:
         self.pool = AdapterPool(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                 dtype=dtype, evict=config.evict, tp=tp, max_extra_vocab=config.max_extra_vocab,
                                 max_seq_len=config.max_seq_len,
-                                reader=ProcessReader.shared(config.adapter_readers) if config.adapter_readers else None)
+                                reader=ProcessReader.shared(config.adapter_readers) if config.adapter_readers else None,
+                                read_timeout=config.adapter_read_timeout)
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp)
         self.registry = AdapterRegistry()
         self.host = HostTier(config.host_capacity)

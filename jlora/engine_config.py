@@ -32,6 +32,10 @@ class EngineConfig:
     adapter_readers: int = _option(
         4, "processes that read and convert adapter files, started as loads need them, so that a load never holds "
            "the GIL the engine loop needs; 0: the loader threads read them", "N")
+    adapter_read_timeout: float = _option(
+        120.0, "seconds a reader process may take to read one adapter (storage that hangs, a file that never "
+               "ends) before it is stopped and the adapter fails to load; only with adapter_readers > 0",
+        "SECONDS", kind=float)
     max_lora_rank: int = _option(64, "the largest adapter rank accepted")
     max_extra_vocab: int = _option(
         256, "per adapter, the embedding and lm_head rows that may differ from the base model's: tokens it adds "
@@ -76,12 +80,10 @@ class EngineConfig:
         if self.kv_blocks is not None:
             _check_int(self, "kv_blocks", 1)
         if self.kv_cache_memory is not None:
-            value = self.kv_cache_memory
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value < float("inf"):
-                raise ValueError(f"kv_cache_memory must be a number of GiB > 0, got {value!r}")
+            _check_positive(self, "kv_cache_memory", "GiB")
             if self.kv_blocks is not None:
                 raise ValueError("give kv_blocks or kv_cache_memory, not both")
-            object.__setattr__(self, "kv_cache_memory", float(value))
+        _check_positive(self, "adapter_read_timeout", "seconds")
         _check_int(self, "block_size", 0)
         if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16, or 0, got {self.block_size}")
@@ -131,3 +133,10 @@ def _check_int(config: EngineConfig, name: str, minimum: int) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     object.__setattr__(config, name, int(value))
+
+
+def _check_positive(config: EngineConfig, name: str, unit: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a number of {unit} > 0, got {value!r}")
+    object.__setattr__(config, name, float(value))

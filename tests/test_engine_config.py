@@ -18,6 +18,8 @@ from jlora import EngineConfig, cli
     (dict(max_cpu_loras=-2), "max_cpu_loras must be an integer >= 0, got -2"),
     (dict(adapter_readers=-1), "adapter_readers must be an integer >= 0, got -1"),
     (dict(adapter_readers=1.5), "adapter_readers must be an integer >= 0, got 1.5"),
+    (dict(adapter_read_timeout=0), "adapter_read_timeout must be a number of seconds > 0, got 0"),
+    (dict(adapter_read_timeout=None), "adapter_read_timeout must be a number of seconds > 0, got None"),
     (dict(prefill_chunk=100), "prefill_chunk must be a power of two >= 16, got 100"),
     (dict(prefill_chunk=8), "prefill_chunk must be a power of two >= 16, got 8"),
     (dict(dtype="int8"), "dtype must be one of"),

@@ -105,8 +105,22 @@ def _targets(cfg: dict, module: str) -> bool:
     return any(module == t or module.endswith("." + t) for t in (target or ()))
 
 
-def _read_tensors(adapter_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(float32 tensors, their dtypes as saved) of adapter_model.safetensors."""
+def _size_limits(config: ModelConfig, max_rank: int, max_extra_vocab: int) -> tuple[int, int]:
+    """(values in one tensor, values in all) past twice what an adapter of rank <= `max_rank` for this model
+    holds: the A, B, bias and magnitude of every module of every layer, and per embedding layer its LoRA, a
+    saved copy and trainable-token rows of up to V + `max_extra_vocab` rows. Twice: a file just past a limit
+    gets the message that names which (more added tokens, a larger rank, ...)."""
+    h, rows = config.hidden_size, config.vocab_size + max_extra_vocab
+    widths = [(k, n) for k, outs in module_shapes(config).values() for _, n in outs]
+    per_layer = sum(max_rank * (k + n) + 2 * n for k, n in widths)
+    embedding = 2 * rows * h + max_rank * (rows + h) + 2 * rows
+    one = max(rows * h, max_rank * max(rows, *(max(k, n) for k, n in widths)))
+    return 2 * one, 2 * (config.num_layers * per_layer + 2 * embedding)
+
+
+def _read_tensors(adapter_dir: str, limits: tuple[int, int]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(float32 tensors, their dtypes as saved) of adapter_model.safetensors, whose header is checked against
+    `limits` (`_size_limits`) before any data is read: a hostile header never makes a reader allocate."""
     path = os.path.join(adapter_dir, "adapter_model.safetensors")
     if not os.path.isfile(path):
         if os.path.isfile(os.path.join(adapter_dir, "adapter_model.bin")):
@@ -115,6 +129,16 @@ def _read_tensors(adapter_dir: str) -> tuple[dict[str, np.ndarray], dict[str, st
     tensors, dtypes = {}, {}
     try:
         with safe_open(path, framework="numpy") as f:  # NumPy: no JAX dispatch on a loader thread
+            total = 0
+            for key in f.keys():
+                values = math.prod(f.get_slice(key).get_shape())
+                total += values
+                if values > limits[0]:
+                    raise AdapterError(f"{path}: tensor {_shown(key)} holds {values} values, more than any LoRA "
+                                       f"weight of this model ({limits[0]} at most)")
+            if total > limits[1]:
+                raise AdapterError(f"{path}: {total} values in all, more than an adapter of this model up to "
+                                   f"max_lora_rank holds ({limits[1]} at most)")
             for key in f.keys():
                 t = f.get_tensor(key)
                 if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
@@ -173,7 +197,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
         rows than `max_extra_vocab`.
     """
     cfg = read_config(adapter_dir)
-    tensors, dtypes = _read_tensors(adapter_dir)
+    tensors, dtypes = _read_tensors(adapter_dir, _size_limits(config, max_rank, max_extra_vocab))
     layers_to_transform = cfg.get("layers_to_transform")
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]

@@ -122,7 +122,8 @@ class AdapterPool:
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, dtype,
                  evict: Literal["lru", "refuse"] = "lru", tp=None, max_extra_vocab: int = 256,
-                 max_seq_len: int | None = None, reader: ProcessReader | None = None):
+                 max_seq_len: int | None = None, reader: ProcessReader | None = None,
+                 read_timeout: float | None = None):
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1")
         if evict not in ("lru", "refuse"):
@@ -136,6 +137,7 @@ class AdapterPool:
         self.max_extra_vocab = max_extra_vocab
         self.max_seq_len = max_seq_len
         self.reader = reader  # reads adapter files in child processes; None: on the calling thread
+        self.read_timeout = read_timeout  # seconds a child may take to read one adapter (None: no limit)
         self.dtype = dtype
         self.tp = tp  # a jlora.parallel.TensorParallel: weights in its layout, split over its mesh
         self.layout = config if tp is None else tp.layout
@@ -238,7 +240,7 @@ class AdapterPool:
         request = ReadRequest(adapter_dir, self.config, self.max_lora_rank, self.rank, self.max_extra_vocab,
                               self.max_seq_len, jnp.dtype(self.dtype).name)
         base = None if self.base is None else self.base.rows
-        host = _own(request.read(base) if self.reader is None else self.reader.read(request, base))
+        host = _own(request.read(base) if self.reader is None else self.reader.read(request, base, self.read_timeout))
         if (host.lm_head_rows or host.added) and self.tp is not None and self.tp.vocab_parallel:
             raise AdapterError(f"{adapter_dir}: lm_head rows that differ from the base model's (or added tokens) "
                                "are not supported with a vocab-parallel lm_head (tensor_parallel > 1)")

@@ -88,24 +88,35 @@ class ProcessReader:
         self._started = 0  # children alive or being started
         self._children: list[_Child] = []
 
-    def read(self, request: ReadRequest, base=None) -> HostAdapter:
+    def read(self, request: ReadRequest, base=None, timeout: float | None = None) -> HostAdapter:
         """`request.read(base)`, run in a child process. An adapter that needs the base model's rows (it carries
-        embedding layers) is read on this thread instead.
+        embedding layers) is read on this thread instead. A child that has not answered after `timeout` seconds
+        (storage that hangs, a file that never ends) is killed and replaced.
 
         Raises:
-          AdapterError: the adapter is invalid, or reading it killed the child.
+          AdapterError: the adapter is invalid, reading it killed the child, or it took longer than `timeout`.
         """
         child = self._take()
+        stopped = threading.Event()
+        timer = None if timeout is None else threading.Timer(timeout, lambda: (stopped.set(), child.process.kill()))
+        if timer is not None:
+            timer.start()
         try:
             answer = child.ask(request)
         except (OSError, EOFError, struct.error, pickle.UnpicklingError) as err:  # the child died
-            child.close()
-            with self._lock:
-                self._children.remove(child)
-            self._idle.put(None)  # its place: the next read starts a new child
+            self._replace(child, timer)
+            if stopped.is_set():
+                raise AdapterError(f"{request.adapter_dir}: reading it took longer than {timeout:g} s "
+                                   "(adapter_read_timeout); the reader process was stopped") from None
             raise AdapterError(f"{request.adapter_dir}: reading it ended the reader process "
                                f"({type(err).__name__}: {err})") from None
-        self._idle.put(child)
+        if timer is not None:
+            timer.cancel()
+            timer.join()  # settled: a kill that raced the answer has happened (its answer still counts)
+        if stopped.is_set():
+            self._replace(child, None)
+        else:
+            self._idle.put(child)
         result, path, spans = answer
         if path is None:
             if isinstance(result, BaseRowsNeeded):
@@ -117,8 +128,21 @@ class ProcessReader:
         """Ends the children (idle ones at once; a busy one when its stdin closes after its read)."""
         with self._lock:
             children, self._children, self._started = self._children, [], 0
+            while not self._idle.empty():  # a later read starts a new child
+                self._idle.get_nowait()
         for child in children:
             child.close()
+
+    def _replace(self, child: _Child, timer: threading.Timer | None) -> None:
+        """Ends a child that died or was stopped; the next read starts a new one in its place."""
+        if timer is not None:
+            timer.cancel()
+            timer.join()
+        child.close()
+        with self._lock:
+            if child in self._children:  # else `close` took it
+                self._children.remove(child)
+                self._idle.put(None)
 
     def _take(self) -> _Child:
         """An idle child, a new one while fewer than `processes` run, else the next to become idle."""

@@ -76,11 +76,26 @@ def _add(path, drop=False, **new):
     save_file(({} if drop else load_file(file)) | new, file)
 
 
+def _claimed(path, shape):
+    """adapter_model.safetensors holding one bf16 tensor of `shape` whose data is a hole: a sparse file of any
+    size, as a hostile header would point at."""
+    header = json.dumps({f"{_Q}.lora_A.weight": {"dtype": "BF16", "shape": list(shape),
+                                                 "data_offsets": [0, 2 * int(np.prod(shape))]}}).encode()
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + 2 * int(np.prod(shape)))
+
+
 BAD = {
     "missing dir": (lambda p: None, "adapter_config.json not found"),
     "missing weights": (lambda p: os.remove(os.path.join(p, "adapter_model.safetensors")), "adapter_model.safetensors not found"),
     "corrupt safetensors": (lambda p: open(os.path.join(p, "adapter_model.safetensors"), "wb").write(b"\x10garbage"),
                             "cannot read safetensors"),
+    "a header that claims a 4 GB tensor": (lambda p: _claimed(p, (1 << 17, 1 << 14)),
+                                           r"holds 2147483648 values, more than any LoRA weight of this model"),
+    "more weights than an adapter holds": (lambda p: _add(p, drop=True, **{
+        f"x.{i}.lora_A.weight": np.ones((8, 64), np.float32) for i in range(4000)}), "values in all, more than an "
+                                           "adapter of this model up to max_lora_rank holds"),
     "rank too big": (lambda p: None, "rank 16 exceeds max_lora_rank=8"),
     "shape mismatch": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: t[k][:, :32]}),
                        "do not fit the base layer"),

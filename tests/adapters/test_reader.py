@@ -1,11 +1,13 @@
 """Adapters read in child processes (`ProcessReader`) equal those read on the calling thread, bit for bit; a
-child that dies fails one read and is replaced; no shared-memory file outlives its read."""
+child that dies or hangs fails one read and is replaced; no shared-memory file outlives its read."""
 
 import concurrent.futures
 import dataclasses
 import glob
 import os
+import signal
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -119,6 +121,30 @@ def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path):
             reader.read(ReadRequest(good, config, 8, 16))
         _same(reader.read(ReadRequest(good, config, 8, 16)), want)  # a new child took its place
         assert len(reader._children) == 1
+    finally:
+        reader.close()
+    assert not _leftover_files()
+
+
+def test_a_read_that_hangs_is_stopped_at_the_timeout(tmp_path):
+    """A child that never answers (storage that hangs: here a stopped process) is killed at the timeout; the
+    read fails with a message that names the limit, and the next read gets a new child. A read that answers
+    in time is unaffected by its timer."""
+    config = ModelConfig.from_hf_config(CFG)
+    path = str(tmp_path / "a")
+    testing.write_adapter(path, CFG, r=4, alpha=8, seed=0)
+    request, want = ReadRequest(path, config, 8, 16), ReadRequest(path, config, 8, 16).read()
+    reader = ProcessReader(1)
+    try:
+        _same(reader.read(request, timeout=60), want)
+        stuck = reader._children[0].process
+        os.kill(stuck.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(AdapterError, match=r"took longer than 0.5 s \(adapter_read_timeout\)"):
+            reader.read(request, timeout=0.5)
+        assert time.monotonic() - start < 10 and stuck.poll() is not None  # killed, not left stopped
+        _same(reader.read(request, timeout=60), want)
+        assert len(reader._children) == 1 and reader._children[0].process is not stuck
     finally:
         reader.close()
     assert not _leftover_files()
