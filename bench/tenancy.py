@@ -4,7 +4,8 @@ N distinct PEFT adapters (q_proj and v_proj, PEFT's default for Llama; ranks dra
 random bf16) are written to local disk and registered on a Llama-3-8B-shaped model with random weights
 (`--tiny`: a tiny float32 model, a CPU smoke run). A request picks adapter k of the N with weight
 1 / (k + 1)^α (α = 1, and a flatter α = 0.5) and arrives at Poisson times of `--rate` per second: 65-128
-random prompt tokens, 16-256 output tokens (ignore_eos), streamed through uvicorn to a client process.
+random prompt tokens, 16-256 output tokens (ignore_eos), streamed through uvicorn to a client process. Every
+run of one α sends the same arrival times, prompts and lengths; only the adapters drawn differ.
 
 Runs go N ascending for each α on one server, so the tiers carry over from run to run; before each run a
 wave of one request per slot's worth of the most popular adapters makes them resident (N = `--max-loras`:
@@ -176,6 +177,7 @@ def main() -> None:
         compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])
         touched = {"a0"}
         for alpha in alphas:
+            trace_seed = int(rng.integers(1 << 31))
             for n in counts:
                 warm = [f"a{k}" for k in range(min(n, args.max_loras))]
                 send(client, url, float("inf"), random_requests(rng, vocab, warm), rng)
@@ -188,7 +190,8 @@ def main() -> None:
                 loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s})
                          for s in STAGES]
                 steps = histogram(registry, "jlora_step_seconds", {})
-                record = send(client, url, args.rate, random_requests(rng, vocab, models), rng)
+                trace = np.random.default_rng(trace_seed)  # every N of an α: the same arrivals and lengths
+                record = send(client, url, args.rate, random_requests(trace, vocab, models), trace)
                 row = {"alpha": alpha, "adapters": n, "distinct": len(set(models)), **summarize(record, args.max_batch)}
                 cold_ttft = [r["ttft"] for r in record if r["index"] in cold]
                 row["cold_requests"] = len(cold_ttft)
