@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -158,18 +159,25 @@ async def _send_all(url: str, requests: list[dict], delays: list[float]) -> list
     return record
 
 
-def start_server(app) -> tuple[object, str]:
-    """`app` served by uvicorn on a free localhost port from a daemon thread: the server, its completions URL."""
+def start_server(app) -> tuple[Callable[[], None], str]:
+    """`app` served by uvicorn on a free localhost port from a thread: a function that stops it (and waits until
+    it has), its completions URL."""
     import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     while not server.started:
         time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}/v1/completions"
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join()  # before the interpreter's shutdown, which would refuse the threads uvicorn's own ends
+
+    return stop, f"http://127.0.0.1:{port}/v1/completions"
 
 
 def random_requests(rng, vocab: int, models: list[str]) -> list[dict]:
@@ -204,7 +212,7 @@ def main() -> None:
         print(f"# {device}: bare engine loop, batch {args.max_batch} on {ADAPTERS} r={RANK} adapters: "
               f"{bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s", flush=True)
         online = OnlineEngine(engine, max_waiting=100_000)
-        server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
+        stop_server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
         vocab = engine.model_config.vocab_size
         client = multiprocessing.get_context("spawn").Pool(1)
         compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])  # with and without LoRA
@@ -224,7 +232,7 @@ def main() -> None:
                   f"inter-token p50 {row['itl_p50_ms']:.2f} / p99 {row['itl_p99_ms']:.2f} ms "
                   f"(p50 x{row['itl_p50_vs_bare_step']:.2f} the bare step)", flush=True)
         client.close()
-        server.should_exit = True
+        stop_server()
     os.makedirs(args.out, exist_ok=True)
     name = "serve_tiny" if args.tiny else "serve"
     result = {"device": device, "max_batch": args.max_batch, "adapters": ADAPTERS, "rank": RANK, "bare": bare,

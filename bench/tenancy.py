@@ -171,7 +171,7 @@ def main() -> None:
         for i, path in enumerate(paths):
             engine.register_adapter(f"a{i}", path)
         online = OnlineEngine(engine, max_waiting=100_000)
-        server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
+        stop_server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
         vocab, stats, registry = engine.model_config.vocab_size, online.admission.stats, online.metrics.registry
         client = multiprocessing.get_context("spawn").Pool(1)
         compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])
@@ -211,7 +211,7 @@ def main() -> None:
                 print(format_row(row), flush=True)
                 save(args, device, rows)  # after every run: a call cut short keeps what it measured
         client.close()
-        server.should_exit = True
+        stop_server()
 
 
 def save(args, device: str, rows: list[dict]) -> None:
