@@ -5,7 +5,7 @@ the slot write (`AdapterPool.install`, the engine loop's share).
 PEFT's default Llama targets (q_proj, v_proj) at ranks 8, 16 and 64, in a pool of max_lora_rank 64 (the
 tenancy benchmark's mix): the bound on how many adapters a host tier holds and how fast adapters move.
 
-    python3 bench/studies/adapter_tiers.py [--out DIR]
+    python3 bench/studies/adapter_tiers.py [--saved float32|bfloat16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,6 +38,8 @@ def host_bytes(prepared) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--saved", default="float32", choices=("float32", "bfloat16"),
+                        help="the files' dtype (PEFT saves the training dtype's)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     config, hf = llama3_8b(args.layers), llama3_8b_hf(args.layers)
@@ -47,6 +50,9 @@ def main() -> None:
         for rank in (8, 16, 64):
             path = f"{root}/r{rank}"
             testing.write_adapter(path, hf, r=rank, alpha=2 * rank, seed=rank, target_modules=["q_proj", "v_proj"])
+            if args.saved != "float32":
+                file = f"{path}/adapter_model.safetensors"
+                save_file({k: v.astype(jnp.dtype(args.saved)) for k, v in load_file(file).items()}, file)
             files = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
             times = {"prepare": [], "stage": [], "install": []}
 
@@ -68,9 +74,10 @@ def main() -> None:
                   f"disk->host {rows[-1]['prepare_ms']:7.1f} ms  host->device {rows[-1]['stage_ms']:7.1f} ms  "
                   f"slot write {rows[-1]['install_ms']:7.1f} ms", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "adapter_tiers.json"), "w") as f:
-        json.dump({"device": device, "layers": args.layers, "rows": rows}, f, indent=1)
-    print(f"# {device}, {args.layers} layers, pool max_lora_rank 64, bf16", flush=True)
+    suffix = "" if args.saved == "float32" else f"_{args.saved}"
+    with open(os.path.join(args.out, f"adapter_tiers{suffix}.json"), "w") as f:
+        json.dump({"device": device, "layers": args.layers, "saved": args.saved, "rows": rows}, f, indent=1)
+    print(f"# {device}, {args.layers} layers, files in {args.saved}, pool max_lora_rank 64, bf16", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from jlora.adapters.config import AdapterError, read_config
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import module_shapes
 
-__all__ = ["AdapterError", "BaseRowsNeeded", "HostAdapter", "read_adapter"]
+__all__ = ["AdapterError", "BaseRowsNeeded", "HostAdapter", "as_dtype", "read_adapter"]
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
@@ -48,7 +48,7 @@ class BaseRowsNeeded(AdapterError):
 
 @dataclasses.dataclass(frozen=True)
 class HostAdapter:
-    """One adapter converted for a slot (float32 NumPy until `with_dtype`, scaling folded into the B side),
+    """One adapter converted for a slot (NumPy; A and B in a slot's dtype, scaling folded into the B side),
     holding only what it targets: a slot's other parts are written as zeros on the device, so they cost neither
     host memory nor a transfer.
 
@@ -73,7 +73,7 @@ class HostAdapter:
     def with_dtype(self, dtype) -> HostAdapter:
         """The adapter with its A and B in `dtype` (as a slot stores them: rounding on the host is the device's
         round-to-nearest-even); arrays already in it are kept, not copied."""
-        cast = lambda ab: None if ab is None else tuple(x.astype(dtype, copy=False) for x in ab)
+        cast = lambda ab: None if ab is None else tuple(as_dtype(x, dtype) for x in ab)
         layers = tuple({g: cast(ab) for g, ab in layer.items()} for layer in self.layers)
         return dataclasses.replace(self, layers=layers, embed=cast(self.embed), lm_head=cast(self.lm_head))
 
@@ -105,6 +105,30 @@ def _targets(cfg: dict, module: str) -> bool:
     return any(module == t or module.endswith("." + t) for t in (target or ()))
 
 
+_BFLOAT16 = np.dtype(jax.numpy.bfloat16)
+
+
+def _float32(x: np.ndarray) -> np.ndarray:
+    """`x` (any floating type) as float32, exactly; bfloat16 by widening its bits (NumPy's cast, through
+    ml_dtypes, is about four times slower, and an adapter is tens of millions of values)."""
+    if x.dtype == _BFLOAT16:
+        return np.left_shift(x.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+    return x.astype(np.float32, copy=False)
+
+
+def as_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    """`x` (any floating type) in `dtype`, rounded once from its float32 value (to the nearest, ties to even, as
+    the device rounds); `x` itself when already in it."""
+    dtype = np.dtype(dtype)
+    return x if x.dtype == dtype else _float32(x).astype(dtype)
+
+
+def _finite(x: np.ndarray) -> bool:
+    if x.dtype == _BFLOAT16:  # an exponent of all ones is inf or NaN (np.isfinite on bfloat16 is slow)
+        return not ((x.view(np.uint16) & 0x7F80) == 0x7F80).any()
+    return bool(np.isfinite(x).all())
+
+
 def _size_limits(config: ModelConfig, max_rank: int, max_extra_vocab: int) -> tuple[int, int]:
     """(values in one tensor, values in all) past twice what an adapter of rank <= `max_rank` for this model
     holds: the A, B, bias and magnitude of every module of every layer, and per embedding layer its LoRA, a
@@ -119,7 +143,8 @@ def _size_limits(config: ModelConfig, max_rank: int, max_extra_vocab: int) -> tu
 
 
 def _read_tensors(adapter_dir: str, limits: tuple[int, int]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(float32 tensors, their dtypes as saved) of adapter_model.safetensors, whose header is checked against
+    """(tensors in the floating types saved, those types' names) of adapter_model.safetensors, whose header is
+    checked against
     `limits` (`_size_limits`) before any data is read: a hostile header never makes a reader allocate."""
     path = os.path.join(adapter_dir, "adapter_model.safetensors")
     if not os.path.isfile(path):
@@ -144,9 +169,9 @@ def _read_tensors(adapter_dir: str, limits: tuple[int, int]) -> tuple[dict[str, 
                 if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
                     raise AdapterError(f"{path}: tensor {_shown(key)} has dtype {t.dtype}; LoRA weights must be "
                                        "floating")
-                tensors[key], dtypes[key] = t.astype(np.float32), t.dtype.name
-                if not np.isfinite(tensors[key]).all():  # one inf would make every token of the adapter inf
-                    bad = int((~np.isfinite(tensors[key])).sum())
+                tensors[key], dtypes[key] = t, t.dtype.name
+                if not _finite(t):  # one inf would make every token of the adapter inf
+                    bad = int((~np.isfinite(_float32(t))).sum())
                     raise AdapterError(f"{path}: tensor {_shown(key)} holds {bad} non-finite values (NaN or inf)")
     except AdapterError:
         raise
@@ -184,12 +209,14 @@ def _trainable_tokens(adapter_dir: str, cfg: dict) -> dict[str, list[int]]:
 
 def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_rank: int, *,
                  base: BaseRows | None = None, max_extra_vocab: int = 0,
-                 max_seq_len: int | None = None) -> HostAdapter:
+                 max_seq_len: int | None = None, dtype=np.float32) -> HostAdapter:
     """Parses and validates a PEFT adapter directory into slot arrays zero-padded to `padded_rank`.
 
     `base` gives the base model's embedding rows, needed only for adapters that carry embedding layers;
     `max_extra_vocab` bounds both the tokens an adapter adds and the rows it may change per embedding layer;
-    `max_seq_len` bounds a LongLoRA adapter's context.
+    `max_seq_len` bounds a LongLoRA adapter's context. A and B come back in `dtype` (a slot's), each value
+    rounded once from float32 (the scaling applied in float32), except an adapter with DoRA (use_dora), whose
+    column factors are computed from them: float32.
 
     Raises:
       AdapterError: missing or corrupt files, unsupported features, unknown modules, ranks above
@@ -202,6 +229,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]
     use_dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
+    dtype = np.dtype(np.float32 if use_dora else dtype)
     saved_whole = list(cfg.get("modules_to_save") or [])
     for name in saved_whole:
         if name.rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head"):
@@ -219,7 +247,8 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                                                   "saved" if m["saved"] else "tokens")
         if kind in parts.get(m["module"], {}):
             raise AdapterError(f"{adapter_dir}: {m['module']}: two tensors for its {kind} ({_shown(key)})")
-        parts.setdefault(m["module"], {})[kind] = value
+        # A and B as saved (a layer's go into the slot's dtype once), the rest in float32
+        parts.setdefault(m["module"], {})[kind] = value if kind in ("A", "B") else _float32(value)
         if kind == "saved":
             saved_dtype[m["module"]] = dtypes[key]
 
@@ -274,13 +303,14 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
             if (b.shape[0] if is_embed else a.shape[1]) != h or vocab_rows < v:
                 want = ((rank, v), (h, rank)) if is_embed else ((rank, h), (v, rank))
                 raise AdapterError(f"{adapter_dir}: {module}: A {a.shape}, B {b.shape}; the base model needs {want}")
-            full_lora[module] = (a, scale * b)
+            a, b = _float32(a), scale * _float32(b)
+            full_lora[module] = (a, b)
             if is_embed:
-                embed = (np.zeros((r_pad, v), np.float32), np.zeros((h, r_pad), np.float32))
-                embed[0][:rank], embed[1][:, :rank] = a[:, :v], scale * b
+                embed = (np.zeros((r_pad, v), dtype), np.zeros((h, r_pad), dtype))
+                embed[0][:rank], embed[1][:, :rank] = as_dtype(a[:, :v], dtype), as_dtype(b, dtype)
             else:
-                lm_head = (np.zeros((r_pad, h), np.float32), np.zeros((v, r_pad), np.float32))
-                lm_head[0][:rank], lm_head[1][:, :rank] = a, scale * b[:v]
+                lm_head = (np.zeros((r_pad, h), dtype), np.zeros((v, r_pad), dtype))
+                lm_head[0][:rank], lm_head[1][:, :rank] = as_dtype(a, dtype), as_dtype(b[:v], dtype)
                 if "bias" in kinds:
                     bias[None, "lm_head"] = _vector(adapter_dir, module, "lora_B bias", kinds["bias"], v, scale)
                 if "mag" in kinds:
@@ -301,12 +331,12 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                     f"(in {k}, out {n})"
                 )
             if group not in layers[layer]:
-                layers[layer][group] = (np.zeros((len(outs) * r_pad, k), np.float32),
-                                        np.zeros((sum(m for _, m in outs), r_pad), np.float32))
+                layers[layer][group] = (np.zeros((len(outs) * r_pad, k), dtype),
+                                        np.zeros((sum(m for _, m in outs), r_pad), dtype))
             ga, gb = layers[layer][group]
             col = sum(m for _, m in outs[:i])
-            ga[i * r_pad : i * r_pad + rank] = a
-            gb[col : col + n, :rank] = scale * b
+            ga[i * r_pad : i * r_pad + rank] = as_dtype(a, dtype)
+            gb[col : col + n, :rank] = as_dtype(scale * _float32(b), dtype)
             width = sum(m for _, m in outs)
             if "bias" in kinds:
                 bias.setdefault((layer, group), np.zeros(width, np.float32))[col : col + n] = \

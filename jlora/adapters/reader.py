@@ -42,9 +42,8 @@ _ALIGN = 64  # each array's offset in the file
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
-    """`read_adapter`'s arguments but the base rows (a child has no model), and `dtype`: the type A and B come
-    back in (the slots'; the cast holds the GIL too), unless the adapter has DoRA magnitudes, whose column
-    factors are computed from its float32 A and B."""
+    """`read_adapter`'s arguments but the base rows (a child has no model); `dtype` the slots' type, which A
+    and B come back in (float32 for DoRA)."""
 
     adapter_dir: str
     config: ModelConfig
@@ -55,9 +54,9 @@ class ReadRequest:
     dtype: str = "float32"
 
     def read(self, base=None) -> HostAdapter:
-        adapter = read_adapter(self.adapter_dir, self.config, self.max_rank, self.padded_rank, base=base,
-                               max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len)
-        return adapter if adapter.magnitude else adapter.with_dtype(jnp.dtype(self.dtype))
+        return read_adapter(self.adapter_dir, self.config, self.max_rank, self.padded_rank, base=base,
+                            max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len,
+                            dtype=jnp.dtype(self.dtype))
 
 
 class ProcessReader:
