@@ -77,6 +77,17 @@ def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
     return used * per_slot + tokens * lora.embed_a.shape[1] * 2
 
 
+def weight_bytes(config: ModelConfig) -> int:
+    """Bytes of the base weights a decode step reads: every layer's projections and the lm_head, bf16."""
+    per_layer = sum(k * sum(n for _, n in outs) for k, outs in module_shapes(config).values())
+    return (config.num_layers * per_layer + config.vocab_size * config.hidden_size) * 2
+
+
+def kv_bytes(config: ModelConfig, batch: int, context: int = CONTEXT) -> int:
+    """Bytes of K and V a decode step of `batch` requests at `context` positions reads, bf16."""
+    return batch * context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2
+
+
 def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp=None):
     """cache -> (logits, cache): one jitted model call on these inputs."""
     call, options = Call(Batch.of(tokens, positions), token_slot, ranks), StepOptions(block_m, BACKEND, tp)
@@ -178,10 +189,14 @@ def main() -> None:
 
     def record(kind, batch, tokens, rank, adapters, sec, base_sec, lora=None):
         floor = None if lora is None else base_sec + adapter_bytes(lora, adapters, tokens) / bandwidth
+        # the base step's own floor (decode: its weights and KV read once at the copy bandwidth)
+        base_floor = (weight_bytes(config) + kv_bytes(config, batch)) / bandwidth if kind == "decode" else None
         row = dict(kind=kind, batch=batch, tokens=tokens, rank=rank, adapters=adapters, ms=sec * 1e3,
                    tokens_per_s=tokens / sec, overhead_vs_base=sec / base_sec,
                    floor_ms=None if floor is None else floor * 1e3,
-                   vs_floor=None if floor is None else sec / floor)
+                   vs_floor=None if floor is None else sec / floor,
+                   base_floor_ms=None if base_floor is None else base_floor * 1e3,
+                   base_vs_floor=None if base_floor is None else base_sec / base_floor)
         rows.append(row)
         save()
         extra = "" if floor is None else f"  floor {floor * 1e3:7.3f} ms  x{sec / floor:5.2f} of floor"
@@ -329,14 +344,12 @@ def profile(config, model_def, params, degree: int, batches: tuple[int, ...], ba
     (GEMMs, decode attention, the rest) with the GEMMs' bandwidth over the weight bytes and the attention's over
     the KV bytes; the floor (weights + KV at the copy bandwidth); the kernels that take the most time; a layer
     timeline. Rows go to model_profile.json."""
-    per_layer = sum(k * sum(n for _, n in outs) for k, outs in module_shapes(config).values())
-    weight_bytes = (config.num_layers * per_layer + config.vocab_size * config.hidden_size) * 2  # bf16, + lm_head
     rows = []
     for batch in batches:
         g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank, batch)
         lw, slots, ranks = cases["lora"]
-        kv_bytes = batch * CONTEXT * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2 // degree
-        floor = (weight_bytes / degree + kv_bytes) / bandwidth
+        weights, kv_read = weight_bytes(config) / degree, kv_bytes(config, batch) / degree  # per device
+        floor = (weights + kv_read) / bandwidth
         for adapters, (lora, sl, rk) in ((0, cases["base"]), (1, (lw, jnp.zeros_like(slots), ranks)),
                                          (SLOTS, (lw, slots, ranks))):
             if adapters > batch:
@@ -367,8 +380,8 @@ def profile(config, model_def, params, degree: int, batches: tuple[int, ...], ba
             for c in ("gemm", "attention", "other"):
                 row[f"{c}_ms"] = sum(by_class.get(c, [])) / per_step / 1e3
                 row[f"{c}_kernels"] = len(by_class.get(c, [])) / per_step
-            row["gemm_TBps"] = weight_bytes / degree / (row["gemm_ms"] * 1e-3) / 1e12 if row["gemm_ms"] else None
-            row["attention_TBps"] = (kv_bytes / (row["attention_ms"] * 1e-3) / 1e12 if row["attention_ms"]
+            row["gemm_TBps"] = weights / (row["gemm_ms"] * 1e-3) / 1e12 if row["gemm_ms"] else None
+            row["attention_TBps"] = (kv_read / (row["attention_ms"] * 1e-3) / 1e12 if row["attention_ms"]
                                      else None)
             rows.append(row)
             print(f"PROFILE batch {batch} adapters {adapters}: wall {row['wall_ms']:.2f} ms (floor {row['floor_ms']:.2f},"
@@ -386,7 +399,7 @@ def profile(config, model_def, params, degree: int, batches: tuple[int, ...], ba
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, "model_profile.json"), "w") as f:  # after every case
                 json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "context": CONTEXT,
-                           "weight_bytes": weight_bytes, "rows": rows}, f, indent=1)
+                           "weight_bytes": weight_bytes(config), "rows": rows}, f, indent=1)
         del cases, cache, st, lw
 
 

@@ -1,0 +1,57 @@
+"""The decode-floor targets (issue #39) checked against a `bench/model.py` run: one line per target row, the
+measured ratio, its bound and whether it is met; exit status 1 when one is not (or cannot be read).
+
+  - the base decode step at batch 1 and 32: at most 1.15x its floor (weights + KV at the copy bandwidth);
+  - one r=16 adapter at batch 32: at most 1.04x the base step;
+  - every LoRA decode row: at most 1.08x its floor (the base step + the adapters' bytes);
+  - every LoRA prefill row: at most 1.09x its floor.
+The kernel table's rows (within 3 % of the last run) come from bench/kernels.py, not this file.
+
+  python bench/decode_targets.py [bench/results/model.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+BOUNDS = {"base": 1.15, "one adapter": 1.04, "decode": 1.08, "prefill": 1.09}
+
+
+def checks(rows: list[dict]) -> list[tuple[str, str, float | None, float]]:
+    """(target, row, measured ratio or None where the file lacks it, bound) for each target row of `rows`."""
+    out = []
+    for batch in (1, 32):
+        row = next((r for r in rows if r["kind"] == "decode" and r["adapters"] == 0 and r["batch"] == batch), None)
+        out.append(("base step / its floor", f"decode batch {batch}", row and row.get("base_vs_floor"),
+                     BOUNDS["base"]))
+    row = next((r for r in rows if r["kind"] == "decode" and r["batch"] == 32 and r["adapters"] == 1
+                and r["rank"] == 16), None)
+    out.append(("one adapter / the base step", "decode batch 32, 1 adapter r=16", row and row["overhead_vs_base"],
+                BOUNDS["one adapter"]))
+    for r in rows:
+        if r["adapters"]:
+            out.append((f"{r['kind']} with LoRA / its floor",
+                        f"{r['kind']} batch {r['batch']}, {r['tokens']} tokens, {r['adapters']} "
+                        f"adapter{'s' * (r['adapters'] > 1)} r={r['rank']}",
+                        r["vs_floor"], BOUNDS[r["kind"]]))
+    return out
+
+
+def main() -> int:
+    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/model.json"
+    with open(path) as f:
+        result = json.load(f)
+    print(f"# {path}: {result['device']}, copy bandwidth {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s\n")
+    print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
+    met = True
+    for target, row, ratio, bound in checks(result["rows"]):
+        ok = ratio is not None and ratio <= bound
+        met &= ok
+        shown = "not in this file (rerun bench/model.py)" if ratio is None else f"{ratio:.3f}x"
+        print(f"| {target} | {row} | {shown} | {bound:.2f}x | {'yes' if ok else 'no'} |")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""bench/decode_targets.py reads a bench/model.py result against issue #39's bounds: each target row, met or not,
+and an exit status that says whether all are."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import decode_targets  # noqa: E402
+
+
+def _row(kind, batch, adapters, rank=16, **ratios):
+    return {"kind": kind, "batch": batch, "tokens": batch * (512 if kind == "prefill" else 1), "adapters": adapters,
+            "rank": rank if adapters else 0, "overhead_vs_base": 1.0, "vs_floor": None, "base_vs_floor": None,
+            **ratios}
+
+
+def _run(tmp_path, monkeypatch, capsys, rows):
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"device": "GPU", "copy_bandwidth_Bps": 4e12, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(path)])
+    return decode_targets.main(), capsys.readouterr().out
+
+
+def test_every_target_met_exits_zero(tmp_path, monkeypatch, capsys):
+    rows = [_row("decode", 1, 0, base_vs_floor=1.15), _row("decode", 32, 0, base_vs_floor=1.1),
+            _row("decode", 32, 1, overhead_vs_base=1.04, vs_floor=1.0), _row("decode", 64, 32, 64, vs_floor=1.08),
+            _row("prefill", 4, 4, vs_floor=1.09)]
+    status, out = _run(tmp_path, monkeypatch, capsys, rows)
+    assert status == 0 and out.count("| yes |") == 6 and "| no |" not in out
+
+
+def test_a_row_past_its_bound_or_missing_fails(tmp_path, monkeypatch, capsys):
+    rows = [_row("decode", 1, 0, base_vs_floor=1.16), _row("decode", 32, 1, overhead_vs_base=1.0, vs_floor=1.0)]
+    status, out = _run(tmp_path, monkeypatch, capsys, rows)
+    assert status == 1
+    assert "| decode batch 1 | 1.160x | 1.15x | no |" in out
+    assert "| decode batch 32 | not in this file (rerun bench/model.py) | 1.15x | no |" in out
+    assert "| decode batch 32, 1 adapter r=16 | 1.000x | 1.04x | yes |" in out
