@@ -107,7 +107,11 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp)
         self.registry = AdapterRegistry()
         self.host = HostTier(config.host_capacity)
-        self.loader = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="jlora-adapter-load")
+        # Loads run on loader threads, at least one per reader process so that all of them read at once; at most
+        # twice as many loads are under way or staged on the device at a time (`Admission`).
+        threads = max(4, config.adapter_readers)
+        self.loader = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jlora-adapter-load")
+        self.max_loads = 2 * threads
 
     @classmethod
     def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None, *, progress: bool = True,
@@ -409,7 +413,8 @@ class Engine:
         rows = bucket(min(len(requests), self.config.max_batch))
         batcher = self.new_batcher(rows, bucket(longest, 16), progress)
         loaded = threading.Event()
-        admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set)
+        admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set,
+                              max_loads=self.max_loads)
         for r, a in zip(requests, adapters):
             admission.submit(r, a)
         idle_polls = 0  # polls in a row that admitted nothing with no load running

@@ -63,6 +63,7 @@ def test_every_peft_feature_reads_the_same_in_a_child_process(dtype):
                                         max_lora_rank=16, max_seq_len=64, max_extra_vocab=128, progress=False,
                                         adapter_readers=readers)
         assert (engine.pool.reader is None) == (readers == 0)
+        assert engine.loader._max_workers == 4 and engine.max_loads == 8  # readers <= 4: the defaults
         outcome = {}
         for name in names:
             try:
@@ -168,3 +169,11 @@ def test_a_full_shared_memory_hands_over_through_the_temporary_directory(tmp_pat
     error, file, _ = reader._answer(request)
     assert file is None and isinstance(error, AdapterError)
     assert "cannot hand the adapter over" in str(error) and "no-such-tmp" in str(error)
+
+
+def test_the_loader_keeps_every_reader_busy():
+    """More reader processes than the 4 loader threads: as many threads, so all of them read at once."""
+    engine = Engine.from_pretrained(os.path.join(FIXTURES, "model"), dtype="float32", progress=False,
+                                    adapter_readers=6)
+    assert engine.loader._max_workers == 6 and engine.max_loads == 12
+    assert engine.pool.reader.processes >= 6
