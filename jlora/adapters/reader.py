@@ -177,6 +177,8 @@ class _Child:
         return pickle.loads(_receive(self.process.stdout))
 
     def close(self) -> None:
+        """Ends the process and removes any file it left half handed over (it was killed while writing one, or
+        after writing it but before its answer was read)."""
         try:
             self.process.stdin.close()
         except OSError:
@@ -185,7 +187,15 @@ class _Child:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
         self.process.stdout.close()
+        for directory in dict.fromkeys(d for d in (_SHM, tempfile.gettempdir()) if d):
+            for name in os.listdir(directory):
+                if name.startswith(_prefix(self.process.pid)):
+                    try:
+                        os.unlink(os.path.join(directory, name))
+                    except OSError:  # removed meanwhile
+                        pass
 
 
 def _send(pipe, data: bytes) -> None:
@@ -204,6 +214,11 @@ def _exactly(pipe, size: int) -> bytes:
     if len(data) != size:
         raise EOFError(f"the reader process's pipe closed ({len(data)} of {size} bytes)")
     return data
+
+
+def _prefix(pid: int) -> str:
+    """The names of the files a child of process id `pid` hands adapters over in begin with this."""
+    return f"jlora-adapter-{pid}-"
 
 
 def _mapped(pickled: bytes, path: str, spans: list[tuple[int, int]]) -> HostAdapter:
@@ -257,7 +272,7 @@ def _answer(request: ReadRequest) -> tuple:
 def _written(buffers: list[pickle.PickleBuffer], directory: str | None) -> tuple[str, list[tuple[int, int]]]:
     """(path, spans): the buffers in a new file of `directory` (None: the temporary directory), removed again
     when writing fails."""
-    fd, path = tempfile.mkstemp(prefix="jlora-adapter-", dir=directory)
+    fd, path = tempfile.mkstemp(prefix=_prefix(os.getpid()), dir=directory)
     spans, offset = [], 0
     try:
         with os.fdopen(fd, "wb") as f:

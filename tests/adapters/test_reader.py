@@ -23,9 +23,11 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "peft", "ll
 CFG = testing.tiny_config("llama")
 
 
+SHARED = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # where answers are handed over
+
+
 def _leftover_files() -> list[str]:
-    return glob.glob(os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                                  "jlora-adapter-*"))
+    return glob.glob(os.path.join(SHARED, "jlora-adapter-*"))
 
 
 def _same(a, b) -> None:
@@ -116,12 +118,15 @@ def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path):
         want = ReadRequest(good, config, 8, 16).read()
         _same(reader.read(ReadRequest(good, config, 8, 16)), want)  # the same child, still serving
 
-        reader._children[0].process.kill()  # as if a file had crashed the parser
-        reader._children[0].process.wait()
+        dead = reader._children[0].process
+        half_written = os.path.join(SHARED, f"jlora-adapter-{dead.pid}-x")
+        open(half_written, "wb").close()  # as if it had died writing its answer
+        dead.kill()  # as if a file had crashed the parser
+        dead.wait()
         with pytest.raises(AdapterError, match="ended the reader process"):
             reader.read(ReadRequest(good, config, 8, 16))
         _same(reader.read(ReadRequest(good, config, 8, 16)), want)  # a new child took its place
-        assert len(reader._children) == 1
+        assert len(reader._children) == 1 and not os.path.exists(half_written)
     finally:
         reader.close()
     assert not _leftover_files()
