@@ -1,4 +1,4 @@
-"""XLA compile options of the model's jitted steps: which GPU steps run their CUDA graphs concurrently.
+"""XLA compile options of the model's jitted steps: which GPU steps run as CUDA graphs, and which concurrently.
 
 XLA records a GPU step's kernels into CUDA graphs (command buffers). By default a graph runs them one after
 another; with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT` it gets only the data dependencies, so
@@ -6,8 +6,15 @@ independent kernels overlap: the LoRA shrink, which reads the same x as the base
 beside that GEMM instead of after it. With the model's `base_first` (the gate|up base GEMM scheduled before
 its LoRA kernels, so the GEMM keeps the graph's stream) decode gains at every batch size but one, where it is
 level, so decode steps compile CONCURRENT and prefill keeps XLA's default (no gain there and more temporary
-memory). The per-size table: docs/performance.md (bench/results/scheduling.json). An XLA_FLAGS that sets the
-mode wins over all of this.
+memory). The per-size table: docs/performance.md (bench/results/scheduling.json).
+
+Steps that carry prompt tokens run without graphs (`xla_gpu_enable_command_buffer` empty): XLA records a graph
+once and records it again, every command, whenever a buffer it uses has moved since its last launch. A decode
+step, launched every step with the same buffers, keeps its graph; the prompt steps' many shapes (prompt and
+block-table buckets) launch between one another and find their buffers moved, so each launch re-records a graph
+of about 1,200 kernels, which took 12-24 ms of host time on the 8B shape where a launch of its kernels one by
+one takes a few (docs/performance.md, § The paged KV cache). An XLA_FLAGS that sets either option wins over
+all of this.
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ import jax
 __all__ = ["concurrent_graphs", "step_compiler_options", "step_jit"]
 
 _SCHEDULING = "xla_gpu_command_buffer_scheduling_mode"
+_GRAPHS = "xla_gpu_enable_command_buffer"
 
 
-def _flag_mode() -> str | None:
-    """The scheduling mode XLA_FLAGS sets, or None where it sets none."""
-    match = re.search(rf"{_SCHEDULING}=(\w+)", os.environ.get("XLA_FLAGS", ""))
+def _flag(name: str) -> str | None:
+    """The value XLA_FLAGS gives option `name`, or None where it sets none."""
+    match = re.search(rf"{name}=([\w,]*)", os.environ.get("XLA_FLAGS", ""))
     return match and match.group(1)
 
 
@@ -35,17 +43,20 @@ def concurrent_graphs(seq_len: int) -> bool:
     do, at every batch size (module doc), unless XLA_FLAGS sets the mode itself (then whether it sets CONCURRENT).
     The engine's steps then order the gate|up base GEMM before its LoRA kernels (`CallOptions.base_first`),
     which pays only under these graphs."""
-    mode = _flag_mode()
+    mode = _flag(_SCHEDULING)
     return seq_len == 1 if mode is None else mode == "CONCURRENT"
 
 
 def step_compiler_options(seq_len: int) -> dict[str, str]:
     """`jax.jit(..., compiler_options=...)` for a model step of seq_len tokens per request: CONCURRENT graph
-    scheduling for decode steps, else XLA's default (module doc); nothing when XLA_FLAGS sets the mode (it
-    applies as it is). Ignored off GPU."""
-    if _flag_mode() is not None or not concurrent_graphs(seq_len):
-        return {}
-    return {_SCHEDULING: "CONCURRENT"}
+    scheduling for decode steps, no graphs for steps with prompt tokens (module doc); an option XLA_FLAGS sets
+    applies as it is. Ignored off GPU."""
+    options = {}
+    if _flag(_SCHEDULING) is None and concurrent_graphs(seq_len):
+        options[_SCHEDULING] = "CONCURRENT"
+    if _flag(_GRAPHS) is None and seq_len > 1:
+        options[_GRAPHS] = ""
+    return options
 
 
 def step_jit(*, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...] = ()):

@@ -1,4 +1,5 @@
-"""Which model steps compile with CONCURRENT CUDA-graph scheduling, and the jit wrapper that applies it."""
+"""Which model steps compile with CONCURRENT CUDA-graph scheduling and which without graphs, and the jit wrapper
+that applies it."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,12 +10,13 @@ from jlora.models.llama import Batch
 from jlora.step import Call
 
 CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
 
 
 @pytest.mark.parametrize(("seq", "concurrent"), [(1, True), (16, False), (128, False)])
-def test_decode_steps_run_concurrent_graphs(monkeypatch, seq, concurrent):
+def test_decode_steps_run_concurrent_graphs_and_prompt_steps_none(monkeypatch, seq, concurrent):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert step_compiler_options(seq) == (CONCURRENT if concurrent else {})
+    assert step_compiler_options(seq) == (CONCURRENT if concurrent else NO_GRAPHS)
     assert concurrent_graphs(seq) == concurrent
 
 
@@ -22,8 +24,16 @@ def test_decode_steps_run_concurrent_graphs(monkeypatch, seq, concurrent):
 def test_xla_flags_that_set_the_mode_win(monkeypatch, mode, concurrent):
     monkeypatch.setenv("XLA_FLAGS", f"--xla_gpu_command_buffer_scheduling_mode={mode}")
     assert step_compiler_options(1) == {}
+    assert step_compiler_options(16) == NO_GRAPHS
     assert concurrent_graphs(1) == concurrent
     assert concurrent_graphs(16) == concurrent
+
+
+@pytest.mark.parametrize("graphs", ["", "FUSION,CUBLAS"])
+def test_xla_flags_that_set_the_graphs_win(monkeypatch, graphs):
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer={graphs} --xla_foo=1")
+    assert step_compiler_options(16) == {}
+    assert step_compiler_options(1) == CONCURRENT
 
 
 def test_step_jit_compiles_each_shape_under_its_options(monkeypatch):
@@ -34,10 +44,10 @@ def test_step_jit_compiles_each_shape_under_its_options(monkeypatch):
         return call.batch.groups[0].tokens * params + model_def
 
     params = jnp.float32(3.0)
-    for seq in (1, 16, 1):  # decode: CONCURRENT; 16 tokens: the default; the second decode reuses the first compile
+    for seq in (1, 16, 1):  # decode: CONCURRENT; 16 tokens: no graphs; the second decode reuses the first compile
         tokens = jnp.asarray(np.random.default_rng(seq).normal(size=(8, seq)), jnp.float32)
         call = Call(Batch.of(tokens, tokens), jnp.zeros(8 * seq, jnp.int32), jnp.zeros(2, jnp.int32))
         np.testing.assert_allclose(step(2, params, call), tokens * 3 + 2, rtol=1e-6)
     assert step.with_options(CONCURRENT)._cache_size() == 1
-    assert step.with_options({})._cache_size() == 1
+    assert step.with_options(NO_GRAPHS)._cache_size() == 1
     assert step._cache_size() == 2
