@@ -13,8 +13,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class Metrics:
-    """Requests by adapter and outcome, tokens, running and waiting requests, KV-cache blocks, step time, time to
-    first token; adapters registered, on the host and in slots, per-tier hits and misses, load latencies, runtime
+    """Requests by adapter and outcome, tokens, running and waiting requests, KV-cache blocks, step time and the
+    interval between steps, time to first token; adapters registered, on the host and in slots, per-tier hits and misses, load latencies, runtime
     registrations and evictions."""
 
     def __init__(self):
@@ -35,6 +35,10 @@ class Metrics:
                                    "(resumed later with the same tokens)", registry=r)
         self.step_seconds = Histogram("jlora_step_seconds", "Host time of one engine step (prefill or decode)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_interval_seconds = Histogram(
+            "jlora_step_interval_seconds", "From one engine step's start to the next's while requests run: what "
+            "each row a step decodes waits for its token (the inter-token latency, server side)",
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("jlora_time_to_first_token_seconds", "From intake to the first token",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.adapter_loads = Counter("jlora_adapter_loads", "Adapters registered at runtime (load_lora_adapter)",

@@ -145,10 +145,13 @@ class OnlineEngine:
             r._notify()
 
     def _loop(self) -> None:
+        last_start = None  # the last step's start while requests have run since
         while not self._stop.is_set():
             # Admit first: the last step may have freed the slots that waiting requests need, and an idle loop
             # then blocks until something arrives.
             self.admission.poll(self.batcher.add)
+            if not self.batcher.busy:
+                last_start = None  # idle: the wait for work is no interval between steps
             try:  # block for work when idle; between steps take whatever has arrived
                 self._take(self._inbox.get(block=not self.batcher.busy))
                 while True:
@@ -158,6 +161,9 @@ class OnlineEngine:
             self.admission.poll(self.batcher.add)  # what just arrived
             if self.batcher.busy:
                 start = time.monotonic()
+                if last_start is not None:
+                    self.metrics.step_interval_seconds.observe(start - last_start)
+                last_start = start
                 try:
                     self.batcher.step()
                 except Exception as err:  # a failed step must not hang its requests, nor stop the server

@@ -139,6 +139,22 @@ def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
     assert metric(server, "jlora_preemptions_total") >= 0 and "jlora_preemptions_total" in httpx.get(
         server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert metric(server, 'jlora_requests_total{adapter="a0",outcome="length"}') >= adapters.count("a0")
+    # the step intervals: at least one per token past a request's first, fewer than the steps
+    intervals, steps = metric(server, "jlora_step_interval_seconds_count"), metric(server, "jlora_step_seconds_count")
+    assert max(lengths) - 1 <= intervals < steps
+
+
+def test_step_intervals_leave_out_idle_time(server):
+    """Two short requests a second apart: the step intervals add up to their steps' time, not the idle second."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": "the dog", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    before = metric(server, "jlora_step_interval_seconds_sum"), metric(server, "jlora_step_interval_seconds_count")
+    assert httpx.post(server + "/v1/completions", json=body, headers=headers).status_code == 200
+    time.sleep(1.0)
+    assert httpx.post(server + "/v1/completions", json=body, headers=headers).status_code == 200
+    total = metric(server, "jlora_step_interval_seconds_sum") - before[0]
+    count = metric(server, "jlora_step_interval_seconds_count") - before[1]
+    assert count >= 6 and total < 0.9, (count, total)
 
 
 def test_a_client_that_disconnects_frees_its_row(server):
