@@ -144,8 +144,8 @@ def _size_limits(config: ModelConfig, max_rank: int, max_extra_vocab: int) -> tu
 
 def _read_tensors(adapter_dir: str, limits: tuple[int, int]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors in the floating types saved, those types' names) of adapter_model.safetensors, whose header is
-    checked against
-    `limits` (`_size_limits`) before any data is read: a hostile header never makes a reader allocate."""
+    checked against `limits` (`_size_limits`) before any data is read: a hostile header never makes a reader
+    allocate."""
     path = os.path.join(adapter_dir, "adapter_model.safetensors")
     if not os.path.isfile(path):
         if os.path.isfile(os.path.join(adapter_dir, "adapter_model.bin")):

@@ -112,16 +112,19 @@ class ProcessReader:
         if timer is not None:
             timer.cancel()
             timer.join()  # settled: a kill that raced the answer has happened (its answer still counts)
-        if stopped.is_set():
-            self._replace(child, None)
-        else:
-            self._idle.put(child)
         result, path, spans = answer
-        if path is None:
-            if isinstance(result, BaseRowsNeeded):
-                return request.read(base)
-            raise result
-        return _mapped(result, path, spans)
+        try:
+            adapter = None if path is None else _mapped(result, path, spans)  # before a stopped child's files go
+        finally:
+            if stopped.is_set():
+                self._replace(child, None)
+            else:
+                self._idle.put(child)
+        if adapter is not None:
+            return adapter
+        if isinstance(result, BaseRowsNeeded):
+            return request.read(base)
+        raise result
 
     def close(self) -> None:
         """Ends the children (idle ones at once; a busy one when its stdin closes after its read)."""
