@@ -148,10 +148,12 @@ def test_step_intervals_leave_out_idle_time(server):
     """Two short requests a second apart: the step intervals add up to their steps' time, not the idle second."""
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "tiny", "prompt": "the dog", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    complete = lambda: httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=120).status_code
+    assert complete() == 200  # its steps compiled before anything is measured
     before = metric(server, "jlora_step_interval_seconds_sum"), metric(server, "jlora_step_interval_seconds_count")
-    assert httpx.post(server + "/v1/completions", json=body, headers=headers).status_code == 200
+    assert complete() == 200
     time.sleep(1.0)
-    assert httpx.post(server + "/v1/completions", json=body, headers=headers).status_code == 200
+    assert complete() == 200
     total = metric(server, "jlora_step_interval_seconds_sum") - before[0]
     count = metric(server, "jlora_step_interval_seconds_count") - before[1]
     assert count >= 6 and total < 0.9, (count, total)
@@ -162,9 +164,9 @@ def test_a_client_that_disconnects_frees_its_row(server):
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "a1", "prompt": "the dog", "max_tokens": MAX_SEQ - 8, "stream": True, "temperature": 0,
             "ignore_eos": True}
-    with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers) as response:
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers, timeout=120) as response:
         assert response.status_code == 200
-        next(response.iter_lines())  # the first chunk, then hang up
+        next(response.iter_lines())  # the first chunk (after a compile, on a busy machine), then hang up
     for _ in range(100):
         if metric(server, 'jlora_requests_total{adapter="a1",outcome="cancelled"}') > cancelled:
             break
