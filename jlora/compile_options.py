@@ -11,10 +11,10 @@ memory). The per-size table: docs/performance.md (bench/results/scheduling.json)
 Steps that carry prompt tokens run without graphs (`xla_gpu_enable_command_buffer` empty): XLA records a graph
 once and records it again, every command, whenever a buffer it uses has moved since its last launch. A decode
 step, launched every step with the same buffers, keeps its graph; the prompt steps' many shapes (prompt and
-block-table buckets) launch between one another and find their buffers moved, so each launch would re-record a
-graph of about 1,200 kernels: the likely cause of the 12-24 ms of host time a prefix hit's step took on the 8B
-shape, where launching its kernels one by one should take a few (not yet measured: docs/performance.md,
-§ The paged KV cache). An XLA_FLAGS that sets either option wins over all of this.
+block-table buckets) launch between one another and find their buffers moved, so a launch re-records a graph of
+about 1,200 kernels. Launched one by one instead, its kernels' launch hides the device work: faster for a
+prefix hit, slower for a short prompt alone whose graph had been kept (docs/performance.md, § The paged KV
+cache). An XLA_FLAGS that sets either option wins over all of this.
 """
 
 from __future__ import annotations
