@@ -49,7 +49,7 @@ from serve import compile_waves, percentile, random_requests, send, start_server
 
 RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "v_proj")
-STAGES = ("disk_to_host", "host_to_device", "slot_write")  # jlora_adapter_load_seconds' stages
+STAGES = ("queued", "disk_to_host", "host_to_device", "slot_wait", "slot_write")  # jlora_adapter_load_seconds' stages
 
 
 def build_engine(tiny: bool, args, root: str) -> tuple[Engine, dict]:
@@ -246,6 +246,15 @@ def slot_writes(r: dict) -> str:
     return "-" if not w["count"] else f"{w['count']} p50 {w['p50_ms']:.1f} / p99 {w['p99_ms']:.1f} ms"
 
 
+def waits(r: dict) -> str:
+    """p50 / p99 ms of the loads' waits for a loader thread and for a slot (rows saved before they were measured: -)."""
+    q, w = r.get("queued"), r.get("slot_wait")
+    if not q or not q["count"]:
+        return "-"
+    return (f"thread {ms(q['p50_ms'])} / {ms(q['p99_ms'])}, slot "
+            + ("-" if not w["count"] else f"{ms(w['p50_ms'])} / {ms(w['p99_ms'])}"))
+
+
 def format_row(r: dict) -> str:
     d2h, h2d = r["disk_to_host"], r["host_to_device"]
     return (f"alpha {r['alpha']:g} N {r['adapters']:5d} ({r['distinct']} used): {r['tokens_per_s']:6.0f} tok/s, "
@@ -255,7 +264,8 @@ def format_row(r: dict) -> str:
             f"p99 {r['itl_p99_ms']:.2f} ms, engine step p50 {ms(r['step']['p50_ms'])} / p99 "
             f"{ms(r['step']['p99_ms'])} ms, hits device {rate(r['device_hit_rate'])} host {rate(r['host_hit_rate'])}, "
             f"loads disk->host {d2h['count']} p50 {ms(d2h['p50_ms'])} / p99 {ms(d2h['p99_ms'])} ms, host->device "
-            f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms, slot writes {slot_writes(r)}")
+            f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms, waits {waits(r)} ms, "
+            f"slot writes {slot_writes(r)}")
 
 
 def write_table(result: dict, path: str) -> None:
@@ -267,8 +277,9 @@ def write_table(result: dict, path: str) -> None:
                 f"{result['requests']} requests per run.\n\n"
                 "| α | N | used | tok/s | vs fewest N | TTFT p50 ms | TTFT p99 ms | on disk: requests | TTFT p50 ms | "
                 "TTFT p99 ms | load + step p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 vs fewest N | device hits | host hits | "
-                "disk→host loads | p50 ms | p99 ms | host→device loads | p50 ms | p99 ms | slot writes (host time) |\n"
-                f"|{'---|' * 23}\n")
+                "disk→host loads | p50 ms | p99 ms | host→device loads | p50 ms | p99 ms | waits p50 / p99 ms | "
+                "slot writes (host time) |\n"
+                f"|{'---|' * 24}\n")
         for r in result["rows"]:
             d2h, h2d = r["disk_to_host"], r["host_to_device"]
             f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['distinct']} | {r['tokens_per_s']:.0f} | "
@@ -278,7 +289,7 @@ def write_table(result: dict, path: str) -> None:
                     f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
                     f"{rate(r['device_hit_rate'])} | {rate(r['host_hit_rate'])} | {d2h['count']} | "
                     f"{ms(d2h['p50_ms'])} | {ms(d2h['p99_ms'])} | {h2d['count']} | {ms(h2d['p50_ms'])} | "
-                    f"{ms(h2d['p99_ms'])} | {slot_writes(r)} |\n")
+                    f"{ms(h2d['p99_ms'])} | {waits(r)} | {slot_writes(r)} |\n")
 
 
 def plot(result: dict, path: str) -> None:

@@ -48,8 +48,10 @@ logger = logging.getLogger("jlora.admission")
 @dataclasses.dataclass
 class AdapterStats:
     """What `Admission` counts, for metrics: per tier, requests that found their adapter there or not, and load
-    latencies (seconds) not yet taken by a reader: disk to host and host to device on loader threads, and the
-    slot write's host time on the engine loop (between two steps)."""
+    latencies (seconds) not yet taken by a reader: queued (a started load waiting for a loader thread), disk to
+    host and host to device on loader threads, slot_wait (a staged copy waiting to be written: for a slot that no
+    running request holds, or for the next poll) and the slot write's host time on the engine loop (between two
+    steps)."""
 
     device_hits: int = 0
     device_misses: int = 0
@@ -58,6 +60,8 @@ class AdapterStats:
     disk_to_host: list[float] = dataclasses.field(default_factory=list)
     host_to_device: list[float] = dataclasses.field(default_factory=list)
     slot_write: list[float] = dataclasses.field(default_factory=list)
+    queued: list[float] = dataclasses.field(default_factory=list)
+    slot_wait: list[float] = dataclasses.field(default_factory=list)
 
 
 class Admission:
@@ -83,6 +87,7 @@ class Admission:
         self.stats = AdapterStats()
         self.pending: collections.deque[tuple[Request, Registration | None]] = collections.deque()
         self._loads: dict[int, concurrent.futures.Future] = {}  # generation -> its load (the staged adapter)
+        self._staged_at: dict[int, float] = {}  # generation -> when its load ended (time.monotonic())
         self._blocked: Request | None = None  # the first request here whose adapter is loaded and waits for a slot
         self._passes = 0  # requests admitted past it
         self._writes = 0  # slot writes in the current poll
@@ -152,6 +157,7 @@ class Admission:
         wanted = {entry.generation for _, entry in keep if entry is not None}
         for generation in [g for g, f in self._loads.items() if f.done() and g not in wanted]:
             del self._loads[generation]  # its requests were cancelled meanwhile: the host tier may keep it
+            self._staged_at.pop(generation, None)
         for _, entry in keep:
             if len(self._loads) >= self.max_loads:
                 break
@@ -176,6 +182,7 @@ class Admission:
 
         def load() -> PreparedAdapter:
             nonlocal prepared
+            self.stats.queued.append(time.monotonic() - submitted)
             try:
                 if prepared is None:
                     start = time.monotonic()
@@ -185,6 +192,7 @@ class Admission:
                 start = time.monotonic()
                 staged = self.pool.stage(prepared)
                 self.stats.host_to_device.append(time.monotonic() - start)
+                self._staged_at[entry.generation] = time.monotonic()
                 return staged
             except Exception as err:  # AdapterError, or anything else reading it raised: not retried either
                 reason = str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
@@ -194,6 +202,7 @@ class Admission:
                 self.registry.fail(entry, f"adapter {entry.name!r} cannot be loaded: {reason}")
                 raise
 
+        submitted = time.monotonic()
         future = self.loader.submit(load)
         self._loads[entry.generation] = future
         future.add_done_callback(lambda _: self.wake())
@@ -216,6 +225,7 @@ class Admission:
         except PoolFullError:
             return False
         self.stats.slot_write.append(time.monotonic() - start)
+        self.stats.slot_wait.append(start - self._staged_at.pop(entry.generation, start))
         del self._loads[entry.generation]
         self._writes += 1
         return True

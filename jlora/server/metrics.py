@@ -49,9 +49,11 @@ class Metrics:
                                  registry=r)
         self.tier_misses = Counter("jlora_adapter_tier_misses", "Requests whose adapter was not in the tier",
                                    ["tier"], registry=r)
-        self.load_seconds = Histogram("jlora_adapter_load_seconds", "Adapter loads: disk to host (read, check, "
-                                      "convert, in a reader process), host to device (the copy, on a loader "
-                                      "thread) and slot_write (the engine loop's host time, between two steps)",
+        self.load_seconds = Histogram("jlora_adapter_load_seconds", "Adapter loads: queued (waiting for a loader "
+                                      "thread), disk_to_host (read, check, convert, in a reader process), "
+                                      "host_to_device (the copy, on a loader thread), slot_wait (the copy waiting "
+                                      "for a free slot) and slot_write (the engine loop's host time, between two "
+                                      "steps)",
                                       ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.resident = Gauge("jlora_adapters_resident", "Adapters in device slots", registry=r)
         self.host_adapters = Gauge("jlora_adapters_host", "Adapters in the host tier", registry=r)
@@ -69,7 +71,7 @@ class Metrics:
             self.tier_misses.labels(tier).inc(misses - getattr(seen, f"{tier}_misses"))
             setattr(seen, f"{tier}_hits", hits)
             setattr(seen, f"{tier}_misses", misses)
-        for stage in ("disk_to_host", "host_to_device", "slot_write"):
+        for stage in ("queued", "disk_to_host", "host_to_device", "slot_wait", "slot_write"):
             times = getattr(stats, stage)
             while times:
                 self.load_seconds.labels(stage).observe(times.pop())
