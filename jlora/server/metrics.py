@@ -14,8 +14,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 class Metrics:
     """Requests by adapter and outcome, tokens, running and waiting requests, KV-cache blocks, step time and the
-    interval between steps, time to first token; adapters registered, on the host and in slots, per-tier hits and misses, load latencies, runtime
-    registrations and evictions."""
+    interval between steps, time to first token; adapters registered, on the host and in slots, per-tier hits and
+    misses, load latencies and waits, runtime registrations and evictions."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
