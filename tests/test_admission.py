@@ -177,14 +177,14 @@ def test_passing_is_free_while_an_adapter_loads_and_bounded_once_it_waits_for_a_
     admission.submit(later, "hot")
     admission.poll(admitted.append)
     assert admitted == [hot]  # cold is loaded and waits for the slot `hot` holds: no more passing
-    time.sleep(0.2)
+    time.sleep(0.5)
     hot.finish = "length"
     hot._notify()  # releases the slot
     admission.poll(admitted.append)
     assert admitted == [hot, cold] and engine.resident_adapters == ["cold"]
-    stats = admission.stats  # the load's waits: for a loader thread (none free: at once), then for the slot
-    assert len(stats.queued) == 1 and stats.queued[0] < 0.2
-    assert len(stats.slot_wait) == 1 and stats.slot_wait[0] >= 0.2
+    stats = admission.stats  # the load's waits: for a loader thread (one was free), then for the slot
+    assert len(stats.queued) == 1 and stats.queued[0] < 0.5
+    assert len(stats.slot_wait) == 1 and stats.slot_wait[0] >= 0.5
 
 
 def test_one_slot_write_per_poll(root):
