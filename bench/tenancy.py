@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import pyplot  # noqa: E402
 from jlora import testing  # noqa: E402
+from jlora.admission import AdapterStats  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
 from jlora.server.chat import ChatTemplate  # noqa: E402
@@ -49,7 +50,6 @@ from serve import compile_waves, percentile, random_requests, send, start_server
 
 RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "v_proj")
-STAGES = ("queued", "disk_to_host", "host_to_device", "slot_wait", "slot_write")  # jlora_adapter_load_seconds' stages
 
 
 def build_engine(tiny: bool, args, root: str) -> tuple[Engine, dict]:
@@ -188,7 +188,7 @@ def main() -> None:
                 touched.update(models)
                 tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in ("device", "host")]
                 loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s})
-                         for s in STAGES]
+                         for s in AdapterStats.STAGES]
                 steps = histogram(registry, "jlora_step_seconds", {})
                 trace = np.random.default_rng(trace_seed)  # every N of an α: the same arrivals and lengths
                 record = send(client, url, args.rate, random_requests(trace, vocab, models), trace)
@@ -200,7 +200,7 @@ def main() -> None:
                 for tier, (hits, misses) in zip(("device", "host"), tiers):
                     hits, misses = getattr(stats, f"{tier}_hits") - hits, getattr(stats, f"{tier}_misses") - misses
                     row[f"{tier}_hit_rate"] = hits / (hits + misses) if hits + misses else None
-                for stage, before in zip(STAGES, loads):
+                for stage, before in zip(AdapterStats.STAGES, loads):
                     row[stage] = histogram_delta(before, histogram(registry, "jlora_adapter_load_seconds",
                                                                    {"stage": stage}))
                 row["step"] = histogram_delta(steps, histogram(registry, "jlora_step_seconds", {}))

@@ -35,6 +35,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 from jlora.adapters import AdapterError, AdapterPool, PoolFullError, PreparedAdapter
 from jlora.adapters.registry import AdapterRegistry, HostTier, Registration
@@ -62,6 +63,9 @@ class AdapterStats:
     slot_write: list[float] = dataclasses.field(default_factory=list)
     queued: list[float] = dataclasses.field(default_factory=list)
     slot_wait: list[float] = dataclasses.field(default_factory=list)
+
+    # the load-latency lists above, in a load's order (jlora_adapter_load_seconds' stages)
+    STAGES: ClassVar[tuple[str, ...]] = ("queued", "disk_to_host", "host_to_device", "slot_wait", "slot_write")
 
 
 class Admission:

@@ -71,7 +71,7 @@ class Metrics:
             self.tier_misses.labels(tier).inc(misses - getattr(seen, f"{tier}_misses"))
             setattr(seen, f"{tier}_hits", hits)
             setattr(seen, f"{tier}_misses", misses)
-        for stage in ("queued", "disk_to_host", "host_to_device", "slot_wait", "slot_write"):
+        for stage in AdapterStats.STAGES:
             times = getattr(stats, stage)
             while times:
                 self.load_seconds.labels(stage).observe(times.pop())
