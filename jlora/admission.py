@@ -10,8 +10,9 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   and every later one for the same registration, without retrying.
 - **Slot writes between steps.** `poll` writes a staged adapter into a free slot or the slot of the least
   recently used idle adapter (`AdapterPool.install`: one jitted write of device memory), one per poll: a
-  write costs the loop a few milliseconds, and a burst of finished loads must not stall one step by all of
-  them. An adapter is idle when no admitted request holds it, so a slot is only rewritten once every request
+  write costs the loop a few milliseconds of host time, and a burst of finished loads must not stall one step
+  by all of them. The engine loops poll with writes while a step runs (`Batcher.step`'s `while_in_flight`),
+  where that host time overlaps the device's, and without them just before a step. An adapter is idle when no admitted request holds it, so a slot is only rewritten once every request
   that used it has ended; a step still in flight that read the slot's old weights holds its own reference to
   them (the write donates the stack and XLA orders it after the step's reads).
 - **Admission order.** Requests are taken first come, first served, except that a request whose adapter is
@@ -95,6 +96,7 @@ class Admission:
         self._blocked: Request | None = None  # the first request here whose adapter is loaded and waits for a slot
         self._passes = 0  # requests admitted past it
         self._writes = 0  # slot writes in the current poll
+        self._may_write = True  # whether the current poll may write a slot
 
     def submit(self, request: Request, adapter: str | None) -> None:
         """Queues `request` for `adapter` (None: the base model). An adapter not registered ends it at once with
@@ -128,12 +130,12 @@ class Admission:
         """Whether some request waits for a disk -> host load still running."""
         return any(not f.done() for f in self._loads.values())
 
-    def poll(self, add: Callable[[Request], None]) -> None:
-        """Installs finished loads into slots, admits every request it may, in order, into `add`, and starts the
-        loads that the requests left waiting need."""
+    def poll(self, add: Callable[[Request], None], write: bool = True) -> None:
+        """Installs a finished load into a slot (unless `write` is False), admits every request it may, in order,
+        into `add`, and starts the loads that the requests left waiting need."""
         keep: collections.deque = collections.deque()
         blocked = None  # the first request here whose adapter is loaded and waits for a slot
-        self._writes = 0
+        self._writes, self._may_write = 0, write
         for request, entry in self.pending:
             if entry is not None:
                 current = self.registry.get(entry.name)
@@ -214,7 +216,7 @@ class Admission:
     def _install(self, entry: Registration) -> bool:
         """Writes entry's staged adapter into a slot if its load is done and a slot is free or idle."""
         future = self._loads.get(entry.generation)
-        if future is None or not future.done() or self._writes >= 1:
+        if future is None or not future.done() or not self._may_write or self._writes >= 1:
             return False
         if future.exception() is not None:  # the registry holds the failure: the next poll ends its requests
             del self._loads[entry.generation]

@@ -420,12 +420,12 @@ class Engine:
         idle_polls = 0  # polls in a row that admitted nothing with no load running
         try:
             while admission.pending or batcher.busy:
-                admission.poll(batcher.add)
+                admission.poll(batcher.add, write=not batcher.busy)  # writes go while a step runs
                 refused = next((r for r in requests if r.finish in ("error", "failed")), None)
                 if refused is not None:
                     raise (AdapterError if refused.finish == "failed" else ValueError)(refused.error)
                 if batcher.busy:
-                    batcher.step()
+                    batcher.step(lambda: admission.poll(batcher.add))
                     idle_polls = 0
                 elif admission.pending:
                     if admission.waiting_for_loads:

@@ -363,8 +363,11 @@ class Batcher:
             longest = max(longest, length)
         return pieces
 
-    def step(self) -> None:
-        """One step: decodes the running rows and prefills the next prompt pieces, in one model call."""
+    def step(self, while_in_flight: Callable[[], None] | None = None) -> None:
+        """One step: decodes the running rows and prefills the next prompt pieces, in one model call.
+
+        `while_in_flight`, if given, runs once the step is dispatched and before the step before it is read: host
+        work there overlaps the device's two steps, where after `step` returns it overlaps one."""
         self._resume()
         decode, sampled = self._decode_rows()
         while not self._grow(decode):  # settle the step in flight (it may free blocks), else preempt; again
@@ -388,6 +391,8 @@ class Batcher:
         self.position[decode] += 1
         for row, _, start, length in pieces:
             self.position[row] = start + length
+        if while_in_flight is not None:
+            while_in_flight()
         if self.in_flight is not None:
             self._collect()  # while the step just dispatched runs
         width = 0 if step.prefill is None else step.prefill.tokens.shape[1]

@@ -153,6 +153,45 @@ def test_loads_are_bounded_and_the_loop_writes_only_staged_copies(root, resident
     assert [r.out for r in requests] == [list(w) for w in want]
 
 
+def test_the_engine_loop_writes_slots_while_a_step_runs(root, resident, monkeypatch):
+    """A slot write costs the loop host time: while requests run, the loop writes slots only between a step's
+    dispatch and the read of the step before it (`Batcher.step`'s `while_in_flight`), where the device has two
+    steps to run; a poll just before a step admits without writing. Every request gets its adapter's tokens."""
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_cpu_loras=0, max_lora_rank=8,
+                                    progress=False)
+    names = [f"a{i:02d}" for i in range(6)]
+    for name in names:
+        engine.register_adapter(name, str(root / "lib" / name))
+    writes, batchers, step, install = [], [], Batcher.step, engine.pool.install
+    dispatched = threading.local()
+
+    def spy_step(self, while_in_flight=None):
+        batchers[:] = [self]
+
+        def hook():
+            dispatched.on = True
+            try:
+                while_in_flight()
+            finally:
+                dispatched.on = False
+        step(self, hook if while_in_flight else None)
+
+    def spy_install(name, prepared, generation=0):
+        slot = install(name, prepared, generation)  # raises PoolFullError while both slots' holders run
+        writes.append((getattr(dispatched, "on", False), batchers[0].busy if batchers else False))
+        return slot
+
+    monkeypatch.setattr(Batcher, "step", spy_step)
+    monkeypatch.setattr(engine.pool, "install", spy_install)
+    lengths = [14, 2, 3, 2, 3, 2]  # the first request holds a slot while the others take turns in the other
+    requests = [Request([3, 4, 5], -1, m) for m in lengths]
+    engine._run(requests, names)
+    assert len(writes) == 6 and any(inside for inside, _ in writes)
+    assert all(inside or not busy for inside, busy in writes), writes  # never just before a step
+    for r, name, m in zip(requests, names, lengths):
+        assert r.out == list(resident.generate([[3, 4, 5]], [name], max_new_tokens=m)[0]), name
+
+
 def _wait_for_loads(admission: Admission) -> None:
     concurrent.futures.wait(list(admission._loads.values()), timeout=60)
 

@@ -199,7 +199,7 @@ def test_a_paged_cache_runs_more_rows_than_its_memory_holds_at_max_seq_len(engin
     alone = [engine.generate([p], [a], max_new_tokens=6)[0] for p, a in zip(prompts, adapters)]
     peak = []
     step = Batcher.step
-    monkeypatch.setattr(Batcher, "step", lambda self: peak.append(self.num_running) or step(self))
+    monkeypatch.setattr(Batcher, "step", lambda self, *a: peak.append(self.num_running) or step(self, *a))
     old = engine.config
     engine.config = dataclasses.replace(old, max_batch=8, block_size=16, kv_blocks=8)
     try:

@@ -148,8 +148,9 @@ class OnlineEngine:
         last_start = None  # the last step's start while requests have run since
         while not self._stop.is_set():
             # Admit first: the last step may have freed the slots that waiting requests need, and an idle loop
-            # then blocks until something arrives.
-            self.admission.poll(self.batcher.add)
+            # then blocks until something arrives. While steps run, slots are written during a step (`poll`'s
+            # host time then overlaps the device's) and requests for resident adapters admitted before one.
+            self.admission.poll(self.batcher.add, write=not self.batcher.busy)
             if not self.batcher.busy:
                 last_start = None  # idle: the wait for work is no interval between steps
             try:  # block for work when idle; between steps take whatever has arrived
@@ -158,14 +159,14 @@ class OnlineEngine:
                     self._take(self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            self.admission.poll(self.batcher.add)  # what just arrived
+            self.admission.poll(self.batcher.add, write=not self.batcher.busy)  # what just arrived
             if self.batcher.busy:
                 start = time.monotonic()
                 if last_start is not None:
                     self.metrics.step_interval_seconds.observe(start - last_start)
                 last_start = start
                 try:
-                    self.batcher.step()
+                    self.batcher.step(lambda: self.admission.poll(self.batcher.add))
                 except Exception as err:  # a failed step must not hang its requests, nor stop the server
                     traceback.print_exc()
                     self._fail_all(f"the engine step failed: {type(err).__name__}: {err}")
