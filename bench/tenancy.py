@@ -7,7 +7,9 @@ random bf16) are written to local disk and registered on a Llama-3-8B-shaped mod
 random prompt tokens, 16-256 output tokens (ignore_eos), streamed through uvicorn to a client process. Every
 run of one α sends the same arrival times, prompts and lengths; only the adapters drawn differ.
 
-Runs go N ascending for each α on one server, so the tiers carry over from run to run; before each run a
+Runs go N ascending for each α on one server, so the tiers carry over from run to run. Before an α's first
+run, its arrivals are sent once, unmeasured, on resident adapters: a step shape first seen compiles for
+seconds, and waves of requests sent at once do not make every shape arrivals make. Before each run a
 wave of one request per slot's worth of the most popular adapters makes them resident (N = `--max-loras`:
 every adapter resident, no loads), and the OS drops the adapter files' pages (posix_fadvise), so a read
 from disk is one. Per run: throughput, TTFT and inter-token latency (p50 / p99), the TTFT of requests that
@@ -182,6 +184,10 @@ def main() -> None:
                 warm = [f"a{k}" for k in range(min(n, args.max_loras))]
                 send(client, url, float("inf"), random_requests(rng, vocab, warm), rng)
                 touched.update(warm)
+                if n == counts[0]:  # the α's arrivals once on resident adapters: the step shapes they make compile
+                    trace = np.random.default_rng(trace_seed)
+                    send(client, url, args.rate, random_requests(trace, vocab, [warm[i % len(warm)]
+                                                                                for i in range(args.requests)]), trace)
                 drop_page_cache(paths[:n])
                 models = pick_models(rng, n, alpha, args.requests)
                 cold = {i for i, m in enumerate(models) if m not in touched}

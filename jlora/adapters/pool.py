@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from typing import Literal, Protocol
 
 import jax
@@ -148,6 +149,7 @@ class AdapterPool:
             (self.weights.embed_a, self.weights.embed_b), (self.weights.lm_head_a, self.weights.lm_head_b)))
         self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
         self._step_cache = None  # (weights, features in use, step_weights)
+        self._staging = threading.Lock()  # held by the `stage` copying
         self.ranks = np.zeros(max_loras, np.int32)
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
@@ -257,13 +259,16 @@ class AdapterPool:
         The host tier keeps the host copy; a staged copy lives until it is installed."""
         host = prepared.host
         layers_at, embed_at, lm_head_at = self._slot_shardings
-        # One copy call per layer: one call for every array stalled an engine loop running beside it by up to
-        # 29-60 ms on an H200, one per layer by under 2 ms (docs/performance.md, § Tenancy).
-        layers = tuple(jax.device_put(layer, {g: (a_at[g], b_at[g]) for g in layer})
-                       for layer, (a_at, b_at) in zip(host.layers, layers_at))
-        embed, lm_head = (None if part is None else jax.device_put(part, at)
-                          for part, at in ((host.embed, embed_at), (host.lm_head, lm_head_at)))
-        layers, embed, lm_head = jax.block_until_ready((layers, embed, lm_head))
+        # One copy call per layer, and one adapter's copy at a time: one call for every array stalled an engine
+        # loop running beside it by up to 29-60 ms on an H200, one per layer by under 2 ms; and each copy running
+        # beside another slowed the loop's steps further while copying no faster in all (docs/performance.md,
+        # § Tenancy).
+        with self._staging:
+            layers = tuple(jax.device_put(layer, {g: (a_at[g], b_at[g]) for g in layer})
+                           for layer, (a_at, b_at) in zip(host.layers, layers_at))
+            embed, lm_head = (None if part is None else jax.device_put(part, at)
+                              for part, at in ((host.embed, embed_at), (host.lm_head, lm_head_at)))
+            layers, embed, lm_head = jax.block_until_ready((layers, embed, lm_head))
         return dataclasses.replace(prepared, host=dataclasses.replace(host, layers=layers, embed=embed,
                                                                       lm_head=lm_head))
 
