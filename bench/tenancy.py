@@ -40,6 +40,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import serve  # noqa: E402
 from common import pyplot  # noqa: E402
 from jlora import testing  # noqa: E402
 from jlora.admission import AdapterStats  # noqa: E402
@@ -185,9 +186,10 @@ def main() -> None:
                 send(client, url, float("inf"), random_requests(rng, vocab, warm), rng)
                 touched.update(warm)
                 if n == counts[0]:  # the α's arrivals once on resident adapters: the step shapes they make compile
-                    trace = np.random.default_rng(trace_seed)
-                    send(client, url, args.rate, random_requests(trace, vocab, [warm[i % len(warm)]
-                                                                                for i in range(args.requests)]), trace)
+                    trace = np.random.default_rng(trace_seed)  # (serve.send: not `send`, which a study may time)
+                    serve.send(client, url, args.rate, random_requests(trace, vocab, [warm[i % len(warm)]
+                                                                                      for i in range(args.requests)]),
+                               trace)
                 drop_page_cache(paths[:n])
                 models = pick_models(rng, n, alpha, args.requests)
                 cold = {i for i, m in enumerate(models) if m not in touched}
