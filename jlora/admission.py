@@ -8,13 +8,14 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   staged on the device and not yet installed, started in the waiting requests' order: a staged copy holds
   device memory until a slot takes it. A load that fails fails its requests ("failed", the loader's message)
   and every later one for the same registration, without retrying.
-- **Slot writes between steps.** `poll` writes a staged adapter into a free slot or the slot of the least
+- **Slot writes while a step runs.** `poll` writes a staged adapter into a free slot or the slot of the least
   recently used idle adapter (`AdapterPool.install`: one jitted write of device memory), one per poll: a
   write costs the loop a few milliseconds of host time, and a burst of finished loads must not stall one step
   by all of them. The engine loops poll with writes while a step runs (`Batcher.step`'s `while_in_flight`),
-  where that host time overlaps the device's, and without them just before a step. An adapter is idle when no admitted request holds it, so a slot is only rewritten once every request
-  that used it has ended; a step still in flight that read the slot's old weights holds its own reference to
-  them (the write donates the stack and XLA orders it after the step's reads).
+  where that host time overlaps the device's, and without them just before a step. An adapter is idle when
+  no admitted request holds it, so a slot is only rewritten once every request that used it has ended; a step
+  still in flight that read the slot's old weights holds its own reference to them (the write donates the
+  stack and XLA orders it after the step's reads).
 - **Admission order.** Requests are taken first come, first served, except that a request whose adapter is
   in a slot passes one that waits for its adapter. While that adapter's load runs, passing costs it nothing
   (loads start in arrival order, whatever passes); once the load is done and the request waits only for a
