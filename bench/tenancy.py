@@ -19,7 +19,8 @@ p50 / p99 from the server's histogram, interpolated within buckets as Prometheus
 Table (tenancy.md), JSON and a plot (tenancy.png).
 
   python bench/tenancy.py [--adapters 32,128,512,1000] [--alphas 1,0.5] [--rate 16] [--requests 384]
-                          [--max-loras 32] [--max-cpu-loras 128] [--max-batch 32] [--out bench/results] [--tiny]
+                          [--max-loras 32] [--max-cpu-loras 128] [--adapter-readers 4] [--max-batch 32]
+                          [--out bench/results] [--tiny]
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ TARGETS = ("q_proj", "v_proj")
 def build_engine(tiny: bool, args, root: str) -> tuple[Engine, dict]:
     """The engine (no adapters yet) and the HF config of its model."""
     options = dict(max_loras=args.max_loras, max_lora_rank=max(RANKS), max_batch=args.max_batch, max_seq_len=512,
-                   max_cpu_loras=args.max_cpu_loras, prefill_chunk=args.prefill_chunk)
+                   max_cpu_loras=args.max_cpu_loras, prefill_chunk=args.prefill_chunk,
+                   adapter_readers=args.adapter_readers)
     if tiny:
         cfg = testing.tiny_config("llama", vocab_size=256)
         testing.write_model(f"{root}/m", cfg, seed=0)
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=384, help="requests per run")
     parser.add_argument("--max-loras", type=int, default=32, help="device slots")
     parser.add_argument("--max-cpu-loras", type=int, default=128, help="host tier: adapters")
+    parser.add_argument("--adapter-readers", type=int, default=4, help="reader processes (and loader threads)")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step at most")
     parser.add_argument("--tiny", action="store_true", help="a tiny float32 model (a smoke run on CPU)")
@@ -232,7 +235,8 @@ def save(args, device: str, rows: list[dict]) -> None:
     os.makedirs(args.out, exist_ok=True)
     name = "tenancy_tiny" if args.tiny else "tenancy"
     result = {"device": device, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
-              "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "rate": args.rate,
+              "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
+              "adapter_readers": args.adapter_readers, "rate": args.rate,
               "requests": args.requests, "ranks": RANKS, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -280,7 +284,7 @@ def write_table(result: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write(f"Device: {result['device']}; batch {result['max_batch']}, prefill_chunk {result['prefill_chunk']}; "
                 f"{result['max_loras']} device slots, host "
-                f"tier {result['max_cpu_loras']} adapters; q_proj + v_proj adapters of ranks "
+                f"tier {result['max_cpu_loras']} adapters, {result.get('adapter_readers', 4)} readers; q_proj + v_proj adapters of ranks "
                 f"{'/'.join(map(str, result['ranks']))}; Poisson arrivals at {result['rate']:g} req/s, "
                 f"{result['requests']} requests per run.\n\n"
                 "| α | N | used | tok/s | vs fewest N | TTFT p50 ms | TTFT p99 ms | on disk: requests | TTFT p50 ms | "

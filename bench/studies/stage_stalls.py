@@ -3,7 +3,8 @@ issuing the copy: the interval of a loop that does 1 ms of Python and then waits
 1 or 2 threads copy 8B-shaped adapters (q_proj + v_proj, ranks 8-64) to the device without pause.
 
 Ways: `none` (no copies), `one call` (one `jax.device_put` for every array of an adapter, as `AdapterPool.stage`
-did), `per layer` (one call per layer, one adapter at a time: `AdapterPool.stage`). The answer is in docs/performance.md, § Tenancy.
+did), `per layer` (one call per layer, one adapter at a time:
+`AdapterPool.stage`). The answer is in docs/performance.md, § Tenancy.
 
   python bench/studies/stage_stalls.py [--layers 32] [--steps 800]
 """
