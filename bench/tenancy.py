@@ -284,7 +284,8 @@ def write_table(result: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write(f"Device: {result['device']}; batch {result['max_batch']}, prefill_chunk {result['prefill_chunk']}; "
                 f"{result['max_loras']} device slots, host "
-                f"tier {result['max_cpu_loras']} adapters, {result.get('adapter_readers', 4)} readers; q_proj + v_proj adapters of ranks "
+                f"tier {result['max_cpu_loras']} adapters, {result.get('adapter_readers', 4)} readers; "
+                "q_proj + v_proj adapters of ranks "
                 f"{'/'.join(map(str, result['ranks']))}; Poisson arrivals at {result['rate']:g} req/s, "
                 f"{result['requests']} requests per run.\n\n"
                 "| α | N | used | tok/s | vs fewest N | TTFT p50 ms | TTFT p99 ms | on disk: requests | TTFT p50 ms | "
