@@ -3,7 +3,7 @@ against its weight floor, the q|k|v and o GEMMs ran at 2.9 TB/s at batch 1).
 
 For each projection [K, N] of a Llama-3-8B layer (q|k|v 4096 x 6144, o 4096 x 4096, gate|up 4096 x 28672, down
 14336 x 4096) and M = 1, 8 and 32 rows of bf16 activations: device time per call of `x @ w` under XLA, and of a
-Pallas (Triton) kernel for every tiling below, over 8 distinct weights in turn (so that L2 holds none), with the
+Pallas (Triton) kernel for every tiling below, over 32 distinct weights (so that L2 holds none and XLA merges no two calls), with the
 weight bytes over that time against the copy bandwidth measured in the same run. The Pallas kernel: program
 (n, s) computes a [16, BN] f32 block of the rows (padded to 16, Triton's smallest dot) over K split s of
 `splits`, BK columns at a time; XLA then sums the splits (counted in its time). Every tiling's output is checked
@@ -34,7 +34,7 @@ from kernels import CALLS, device_time_per_call  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 ROWS = (1, 8, 32)
-WEIGHTS = 8  # distinct weights per shape, used in turn
+WEIGHTS = CALLS  # distinct weights per shape, one per call: XLA merges dots that share an operand
 TILES = [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
          for bn, bk, s in itertools.product((64, 128), (64, 128), (1, 2, 4, 8))]
 
@@ -103,12 +103,14 @@ def main() -> None:
     for (name, (k_dim, n_dim)), m in itertools.product(shapes.items(), rows):
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k_dim, n_dim), jnp.bfloat16) * 0.02
               for i in range(weights)]
-        x = jax.random.normal(jax.random.fold_in(key, 99), (m, k_dim), jnp.bfloat16)
+        # One activation and one weight per call: XLA merged repeated products, and dots that share an operand.
+        xs = [jax.random.normal(jax.random.fold_in(key, 99 + i), (m, k_dim), jnp.bfloat16) for i in range(CALLS)]
+        x = xs[0]
         nbytes = k_dim * n_dim * 2
 
         def timed(matmul):
-            fn = jax.jit(lambda x, ws: [matmul(x, ws[i % len(ws)]) for i in range(CALLS)])
-            return device_time_per_call(fn, x, ws)[0] if gpu else None
+            fn = jax.jit(lambda xs, ws: [matmul(x, ws[i % len(ws)]) for i, x in enumerate(xs)])
+            return device_time_per_call(fn, xs, ws)[0] if gpu else None
 
         row = {"shape": name, "k": k_dim, "n": n_dim, "m": m, "weight_bytes": nbytes}
         row["xla_us"] = (t := timed(jnp.dot)) and t * 1e6

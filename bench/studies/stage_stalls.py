@@ -4,7 +4,8 @@ issuing the copy: the interval of a loop that does 1 ms of Python and then waits
 
 Ways: `none` (no copies), `one call` (one `jax.device_put` for every array of an adapter, as `AdapterPool.stage`
 did), `per layer` (one call per layer, one adapter at a time:
-`AdapterPool.stage`). The answer is in docs/performance.md, § Tenancy.
+`AdapterPool.stage`), `pinned` (one copy per layer from arrays already in pinned host memory, as a host tier
+that kept them so would copy). The answer is in docs/performance.md, § Tenancy.
 
   python bench/studies/stage_stalls.py [--layers 32] [--steps 800]
 """
@@ -36,6 +37,19 @@ def one_call(pool: AdapterPool, prepared) -> None:
     jax.block_until_ready(jax.device_put(prepared.host.layers, places))
 
 
+def to_pinned(pool: AdapterPool, prepared):
+    """The adapter's layers as arrays in pinned host memory, placed as a slot holds them."""
+    return [jax.device_put(layer, {g: (a_at[g].with_memory_kind("pinned_host"), b_at[g].with_memory_kind("pinned_host"))
+                                   for g in layer})
+            for layer, (a_at, b_at) in zip(prepared.host.layers, pool._slot_shardings[0])]
+
+
+def from_pinned(pool: AdapterPool, layers) -> None:
+    """One copy per layer from pinned host memory to the device."""
+    jax.block_until_ready([jax.device_put(layer, {g: (a_at[g], b_at[g]) for g in layer})
+                           for layer, (a_at, b_at) in zip(layers, pool._slot_shardings[0])])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -54,6 +68,9 @@ def main() -> None:
     device_step = jax.jit(lambda x: jax.lax.fori_loop(0, 150, lambda i, y: (y @ x) * 1e-3, x))
     jax.block_until_ready(device_step(x))
     ways = {"none": None, "one call": lambda p: one_call(pool, p), "per layer": pool.stage}
+    if jax.default_backend() == "gpu":  # pinned host memory is a GPU memory kind
+        pinned = {id(p): to_pinned(pool, p) for p in prepared}
+        ways["pinned"] = lambda p: from_pinned(pool, pinned[id(p)])
     print(f"Device: {jax.devices()[0].device_kind}")
     for threads in (1, 2):
         for name, copy in ways.items():
