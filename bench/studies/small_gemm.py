@@ -3,8 +3,9 @@ against its weight floor, the q|k|v and o GEMMs ran at 2.9 TB/s at batch 1).
 
 For each projection [K, N] of a Llama-3-8B layer (q|k|v 4096 x 6144, o 4096 x 4096, gate|up 4096 x 28672, down
 14336 x 4096) and M = 1, 8 and 32 rows of bf16 activations: device time per call of `x @ w` under XLA, and of a
-Pallas (Triton) kernel for every tiling below, over 32 distinct weights (so that L2 holds none and XLA merges no two calls), with the
-weight bytes over that time against the copy bandwidth measured in the same run. The Pallas kernel: program
+Pallas (Triton) kernel for every tiling below, over 32 calls with distinct weights and activations (so that L2
+holds no weight and XLA merges no two calls), with the weight bytes over that time against the copy bandwidth
+measured in the same run. The Pallas kernel: program
 (n, s) computes a [16, BN] f32 block of the rows (padded to 16, Triton's smallest dot) over K split s of
 `splits`, BK columns at a time; XLA then sums the splits (counted in its time). Every tiling's output is checked
 against a float32 `jnp.dot` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed. JSON: small_gemm.json.

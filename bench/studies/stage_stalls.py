@@ -39,8 +39,8 @@ def one_call(pool: AdapterPool, prepared) -> None:
 
 def to_pinned(pool: AdapterPool, prepared):
     """The adapter's layers as arrays in pinned host memory, placed as a slot holds them."""
-    return [jax.device_put(layer, {g: (a_at[g].with_memory_kind("pinned_host"), b_at[g].with_memory_kind("pinned_host"))
-                                   for g in layer})
+    pinned = lambda at: at.with_memory_kind("pinned_host")  # noqa: E731
+    return [jax.device_put(layer, {g: (pinned(a_at[g]), pinned(b_at[g])) for g in layer})
             for layer, (a_at, b_at) in zip(prepared.host.layers, pool._slot_shardings[0])]
 
 
