@@ -192,6 +192,22 @@ def test_the_engine_loop_writes_slots_while_a_step_runs(root, resident, monkeypa
         assert r.out == list(resident.generate([[3, 4, 5]], [name], max_new_tokens=m)[0]), name
 
 
+def test_a_staged_adapter_is_written_when_the_last_running_request_ends_in_the_step_in_flight(root, resident):
+    """One slot, three adapters: each request's adapter waits for the one before to end, and that request ends
+    with the step in flight, after which `Batcher.step` dispatches nothing (so no `while_in_flight` writes):
+    the next poll, the batcher idle, writes the slot. Every request gets its adapter's tokens."""
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_cpu_loras=0, max_lora_rank=8,
+                                    progress=False)
+    names = ["a03", "a04", "a05"]
+    for name in names:
+        engine.register_adapter(name, str(root / "lib" / name))
+    lengths = [2, 3, 1]
+    requests = [Request([3, 4, 5], -1, m) for m in lengths]
+    engine._run(requests, names)
+    for r, name, m in zip(requests, names, lengths):
+        assert r.out == list(resident.generate([[3, 4, 5]], [name], max_new_tokens=m)[0]), name
+
+
 def _wait_for_loads(admission: Admission) -> None:
     concurrent.futures.wait(list(admission._loads.values()), timeout=60)
 
