@@ -40,9 +40,17 @@ def decode_attention_supported(head_dim: int, max_seq: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _block_t(max_seq) >= 16
 
 
-def _attend(q, load, pos, first, last, *, block_t: int, scale: float, window: int | None, precision):
+def _attend(q, load, pos, first, last, **options):
+    """Attention of q [GP, D] over key blocks first..last-1 (`online_softmax`): [GP, D] f32."""
+    _, l, acc = online_softmax(q, load, pos, first, last, **options)
+    return acc / l
+
+
+def online_softmax(q, load, pos, first, last, *, block_t: int, scale: float, window: int | None, precision):
     """Online softmax of q [GP, D] over key blocks first..last-1, `load(j)` giving block j's keys and values
-    ([BT, D] each, positions j·BT...): [GP, D] f32, the keys after `pos` (or outside the window) masked."""
+    ([BT, D] each, positions j·BT...), the keys after `pos` (or outside the window) masked: the running max
+    [GP, 1], the sum of exponentials [GP, 1] and the exponential-weighted values [GP, D], all f32 (zero blocks:
+    max -1e30, sums 0)."""
 
     def step(j, carry):
         m, l, acc = carry  # [GP, 1] running max, [GP, 1] running sum, [GP, D] weighted values
@@ -61,8 +69,7 @@ def _attend(q, load, pos, first, last, *, block_t: int, scale: float, window: in
 
     gp, d = q.shape
     init = (jnp.full((gp, 1), _NEG, jnp.float32), jnp.zeros((gp, 1), jnp.float32), jnp.zeros((gp, d), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(first, last, step, init)
-    return acc / l
+    return jax.lax.fori_loop(first, last, step, init)
 
 
 def _heads(b, h, groups: int, tile: int):
