@@ -7,11 +7,13 @@ past its request's position exits, and XLA combines the chunks' partial softmax 
 ranges, never a function of the batch, so a request's result does not depend on the requests beside it (the
 engine's batch invariance). Every variant's output is checked against jlora's kernel (‖out − ref‖ / ‖ref‖ <
 1e-2) before it is timed: device time per layer over 32 layers with distinct caches, and the KV bytes the
-requests can see over that time. Cases: 8B-shaped heads (8 KV heads of 4 queries, head_dim 128), batch 1, 8 and
-32, max_seq 512 at position 511 and max_seq 4096 at 511 and 4000 (request 0 at position 70 in every case).
-JSON: split_attention.json.
+requests can see over that time. Cases: 8B-shaped heads (8 KV heads of 4 queries, head_dim 128); batch 1 with
+max_seq 1024 at position 512 (`bench/model.py`'s batch-1 decode rows) and 4096 at 4000; batch 8 and 32 with
+max_seq 512 at position 511, batch 32 with 4096 at 511 and 4000 (request 0 at position 70 where batch > 1).
+Chunkings that leave more than 16 chunks are not run: at 64 chunks XLA's combine alone took 100-140 µs.
+JSON: split_attention.json, written after each row.
 
-  python bench/studies/split_attention.py [--out bench/results]  # GPU
+  python bench/studies/split_attention.py [--batches 1,8,32] [--out bench/results]  # GPU
   python bench/studies/split_attention.py --smoke                 # CPU, interpret mode, one small case
 """
 
@@ -36,7 +38,8 @@ from jlora.pallas.common import dot_dim, dot_precision  # noqa: E402
 from jlora.pallas.decode_attention import _NEG, _heads, decode_attention, online_softmax  # noqa: E402
 
 KV, GROUPS, HEAD_DIM, LAYERS = 8, 4, 128, 32
-CASES = [(1, 512, 511), (8, 512, 511), (32, 512, 511), (32, 4096, 511), (32, 4096, 4000)]  # batch, max_seq, pos
+CASES = [(1, 1024, 512), (1, 4096, 4000), (8, 512, 511), (32, 512, 511), (32, 4096, 511),  # batch, max_seq, pos
+         (32, 4096, 4000)]
 CHUNKS, STAGES = (64, 128, 256), (1, 2, 3)
 
 
@@ -92,26 +95,35 @@ def split_attention(q, k, v, positions, rows, *, chunk: int, stages: int) -> jax
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one small case and one variant (interpret mode on CPU)")
+    parser.add_argument("--batches", default="1,8,32", help="the cases of these batch sizes")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    cases, layers, chunks, stages = CASES, LAYERS, CHUNKS, STAGES
+    batches = {int(b) for b in args.batches.split(",")}
+    cases, layers, chunks, stages = [c for c in CASES if c[0] in batches], LAYERS, CHUNKS, STAGES
     if args.smoke:
         cases, layers, chunks, stages = [(2, 128, 100)], 1, (64,), (1,)
     gpu = jax.default_backend() == "gpu"
     device = jax.devices()[0].device_kind
     print(f"# {device}", flush=True)
     result, key = {"device": device, "rows": []}, jax.random.key(0)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "split_attention_smoke.json" if args.smoke else "split_attention.json")
+
+    def save(result: dict) -> None:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
     for batch, max_seq, pos in cases:
         shape = (batch, KV, max_seq, HEAD_DIM)
         ks = [jax.random.normal(jax.random.fold_in(key, 2 * i), shape, jnp.bfloat16) for i in range(layers)]
         vs = [jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape, jnp.bfloat16) for i in range(layers)]
         q = jax.random.normal(jax.random.fold_in(key, 2 * layers), (batch, KV, GROUPS, HEAD_DIM), jnp.bfloat16)
-        positions = jnp.full((batch,), pos, jnp.int32).at[0].set(min(pos, 70))
+        positions = jnp.full((batch,), pos, jnp.int32).at[0].set(min(pos, 70) if batch > 1 else pos)
         rows = jnp.arange(batch, dtype=jnp.int32)
         ref = decode_attention(q, ks[0], vs[0], positions, rows).astype(jnp.float32)
         kv_bytes = 2 * KV * HEAD_DIM * 2 * int(jnp.sum(positions + 1))  # K and V, bf16, the positions seen
         variants = {"jlora": functools.partial(decode_attention, positions=positions, rows=rows)}
-        for chunk, stage in ((c, s) for c in chunks for s in stages):
+        for chunk, stage in ((c, s) for c in chunks for s in stages if max_seq // c <= 16 or args.smoke):
             variants[f"split {chunk} stages {stage}"] = functools.partial(
                 split_attention, positions=positions, rows=rows, chunk=chunk, stages=stage)
         for name, fn in variants.items():
@@ -132,14 +144,11 @@ def main() -> None:
                 row["kernels_per_layer"] = sum(map(len, kernels.values())) / layers
                 row["TBps"] = kv_bytes / row["us_per_layer"] / 1e6
             result["rows"].append(row)
+            save(result)
             timing = (f"{row['us_per_layer']:6.1f} µs per layer ({row['TBps']:.2f} TB/s), "
                       f"{row['kernels_per_layer']:.0f} kernels, " if gpu else "")
             print(f"B={batch:2d} max_seq={max_seq} pos={pos}: {name:18s} {timing}error {error:.1e}", flush=True)
         del ks, vs
-    os.makedirs(args.out, exist_ok=True)
-    name = "split_attention_smoke.json" if args.smoke else "split_attention.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
