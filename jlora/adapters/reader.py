@@ -119,7 +119,7 @@ class ProcessReader:
             if stopped.is_set():
                 self._replace(child, None)
             else:
-                self._idle.put(child)
+                self._release(child)
         if adapter is not None:
             return adapter
         if isinstance(result, BaseRowsNeeded):
@@ -133,6 +133,15 @@ class ProcessReader:
             while not self._idle.empty():  # a later read starts a new child
                 self._idle.get_nowait()
         for child in children:
+            child.close()
+
+    def _release(self, child: _Child) -> None:
+        """A child back to the idle ones after its read, unless `close` ended it meanwhile."""
+        with self._lock:
+            ended = child not in self._children
+            if not ended:
+                self._idle.put(child)
+        if ended:
             child.close()
 
     def _replace(self, child: _Child, timer: threading.Timer | None) -> None:

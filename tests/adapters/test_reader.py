@@ -163,6 +163,36 @@ def test_a_read_that_hangs_is_stopped_at_the_timeout(tmp_path):
     assert not _leftover_files()
 
 
+def test_a_read_in_flight_when_the_reader_closes_ends_its_child(tmp_path):
+    """`close` while a read is in flight: that read still gets its answer, its child is not handed to a later
+    read (its input is closed), and the later read starts a new child."""
+    config = ModelConfig.from_hf_config(CFG)
+    path = str(tmp_path / "a")
+    testing.write_adapter(path, CFG, r=4, alpha=8, seed=0)
+    request, want = ReadRequest(path, config, 8, 16), ReadRequest(path, config, 8, 16).read()
+    reader = ProcessReader(1)
+    try:
+        _same(reader.read(request), want)
+        child = reader._children[0].process
+        os.kill(child.pid, signal.SIGSTOP)  # the next read waits for its answer until the child goes on
+        with concurrent.futures.ThreadPoolExecutor(2) as threads:
+            in_flight = threads.submit(reader.read, request)
+            while not reader._idle.empty():  # the read has taken the child
+                time.sleep(0.01)
+            closing = threads.submit(reader.close)
+            while reader._children:  # close has taken the children and now waits for this one to end
+                time.sleep(0.01)
+            os.kill(child.pid, signal.SIGCONT)
+            _same(in_flight.result(timeout=60), want)
+            closing.result(timeout=60)
+        assert reader._idle.empty() and child.poll() is not None
+        _same(reader.read(request), want)
+        assert len(reader._children) == 1 and reader._children[0].process is not child
+    finally:
+        reader.close()
+    assert not _leftover_files()
+
+
 def test_a_full_shared_memory_hands_over_through_the_temporary_directory(tmp_path, monkeypatch):
     """A container's /dev/shm is often 64 MB: a child that cannot write there writes to the temporary directory,
     and one that can write nowhere fails that adapter with a message that says so."""
