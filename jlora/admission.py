@@ -96,8 +96,7 @@ class Admission:
         self._staged_at: dict[int, float] = {}  # generation -> when its load ended (time.monotonic())
         self._blocked: Request | None = None  # the first request here whose adapter is loaded and waits for a slot
         self._passes = 0  # requests admitted past it
-        self._writes = 0  # slot writes in the current poll
-        self._max_writes = 1  # slot writes the current poll may make
+        self._may_write = True  # whether the current poll may still write a slot
 
     def submit(self, request: Request, adapter: str | None) -> None:
         """Queues `request` for `adapter` (None: the base model). An adapter not registered ends it at once with
@@ -131,12 +130,12 @@ class Admission:
         """Whether some request waits for a disk -> host load still running."""
         return any(not f.done() for f in self._loads.values())
 
-    def poll(self, add: Callable[[Request], None], writes: int = 1) -> None:
-        """Installs up to `writes` finished loads into slots, admits every request it may, in order, into `add`,
+    def poll(self, add: Callable[[Request], None], write: bool = True) -> None:
+        """Installs a finished load into a slot (if `write`), admits every request it may, in order, into `add`,
         and starts the loads that the requests left waiting need."""
         keep: collections.deque = collections.deque()
         blocked = None  # the first request here whose adapter is loaded and waits for a slot
-        self._writes, self._max_writes = 0, writes
+        self._may_write = write
         for request, entry in self.pending:
             if entry is not None:
                 current = self.registry.get(entry.name)
@@ -217,7 +216,7 @@ class Admission:
     def _install(self, entry: Registration) -> bool:
         """Writes entry's staged adapter into a slot if its load is done and a slot is free or idle."""
         future = self._loads.get(entry.generation)
-        if future is None or not future.done() or self._writes >= self._max_writes:
+        if future is None or not future.done() or not self._may_write:
             return False
         if future.exception() is not None:  # the registry holds the failure: the next poll ends its requests
             del self._loads[entry.generation]
@@ -234,7 +233,7 @@ class Admission:
         self.stats.slot_write.append(time.monotonic() - start)
         self.stats.slot_wait.append(start - self._staged_at.pop(entry.generation, start))
         del self._loads[entry.generation]
-        self._writes += 1
+        self._may_write = False
         return True
 
     def _admit(self, request: Request, entry: Registration | None, add: Callable[[Request], None]) -> None:

@@ -420,7 +420,7 @@ class Engine:
         idle_polls = 0  # polls in a row that admitted nothing with no load running
         try:
             while admission.pending or batcher.busy:
-                admission.poll(batcher.add, writes=0 if batcher.busy else 1)  # writes go while a step runs
+                admission.poll(batcher.add, write=not batcher.busy)  # writes go while a step runs
                 refused = next((r for r in requests if r.finish in ("error", "failed")), None)
                 if refused is not None:
                     raise (AdapterError if refused.finish == "failed" else ValueError)(refused.error)

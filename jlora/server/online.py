@@ -150,7 +150,7 @@ class OnlineEngine:
             # Admit first: the last step may have freed the slots that waiting requests need, and an idle loop
             # then blocks until something arrives. While steps run, slots are written during a step (`poll`'s
             # host time then overlaps the device's) and requests for resident adapters admitted before one.
-            self.admission.poll(self.batcher.add, writes=0 if self.batcher.busy else 1)
+            self.admission.poll(self.batcher.add, write=not self.batcher.busy)
             if not self.batcher.busy:
                 last_start = None  # idle: the wait for work is no interval between steps
             try:  # block for work when idle; between steps take whatever has arrived
@@ -159,7 +159,7 @@ class OnlineEngine:
                     self._take(self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            self.admission.poll(self.batcher.add, writes=0 if self.batcher.busy else 1)  # what just arrived
+            self.admission.poll(self.batcher.add, write=not self.batcher.busy)  # what just arrived
             if self.batcher.busy:
                 start = time.monotonic()
                 if last_start is not None:
