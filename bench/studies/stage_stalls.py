@@ -32,22 +32,19 @@ from model import llama3_8b, llama3_8b_hf  # noqa: E402
 
 def one_call(pool: AdapterPool, prepared) -> None:
     """Every array of the adapter's layers copied in one `jax.device_put`."""
-    places = tuple({g: (a_at[g], b_at[g]) for g in layer}
-                   for layer, (a_at, b_at) in zip(prepared.host.layers, pool._slot_shardings[0]))
+    places = tuple(pool.placement(i, layer) for i, layer in enumerate(prepared.host.layers))
     jax.block_until_ready(jax.device_put(prepared.host.layers, places))
 
 
 def to_pinned(pool: AdapterPool, prepared):
     """The adapter's layers as arrays in pinned host memory, placed as a slot holds them."""
-    pinned = lambda at: at.with_memory_kind("pinned_host")  # noqa: E731
-    return [jax.device_put(layer, {g: (pinned(a_at[g]), pinned(b_at[g])) for g in layer})
-            for layer, (a_at, b_at) in zip(prepared.host.layers, pool._slot_shardings[0])]
+    return [jax.device_put(layer, pool.placement(i, layer, "pinned_host"))
+            for i, layer in enumerate(prepared.host.layers)]
 
 
 def from_pinned(pool: AdapterPool, layers) -> None:
     """One copy per layer from pinned host memory to the device."""
-    jax.block_until_ready([jax.device_put(layer, {g: (a_at[g], b_at[g]) for g in layer})
-                           for layer, (a_at, b_at) in zip(layers, pool._slot_shardings[0])])
+    jax.block_until_ready([jax.device_put(layer, pool.placement(i, layer)) for i, layer in enumerate(layers)])
 
 
 def main() -> None:

@@ -258,19 +258,25 @@ class AdapterPool:
         then only writes device memory (the copy is the bulk of an install: tens of megabytes per adapter).
         The host tier keeps the host copy; a staged copy lives until it is installed."""
         host = prepared.host
-        layers_at, embed_at, lm_head_at = self._slot_shardings
+        _, embed_at, lm_head_at = self._slot_shardings
         # One copy call per layer, and one adapter's copy at a time: one call for every array stalled an engine
         # loop running beside it by up to 29-60 ms on an H200, one per layer by under 2 ms; and each copy running
         # beside another slowed the loop's steps further while copying no faster in all (docs/performance.md,
         # § Tenancy).
         with self._staging:
-            layers = tuple(jax.device_put(layer, {g: (a_at[g], b_at[g]) for g in layer})
-                           for layer, (a_at, b_at) in zip(host.layers, layers_at))
+            layers = tuple(jax.device_put(layer, self.placement(i, layer)) for i, layer in enumerate(host.layers))
             embed, lm_head = (None if part is None else jax.device_put(part, at)
                               for part, at in ((host.embed, embed_at), (host.lm_head, lm_head_at)))
             layers, embed, lm_head = jax.block_until_ready((layers, embed, lm_head))
         return dataclasses.replace(prepared, host=dataclasses.replace(host, layers=layers, embed=embed,
                                                                       lm_head=lm_head))
+
+    def placement(self, layer: int, groups, memory_kind: str | None = None) -> dict:
+        """{group: (sharding of A, sharding of B)} for layer `layer`'s `groups` as a slot holds them (`stage`'s
+        copies), in `memory_kind` if given (a study's "pinned_host")."""
+        a_at, b_at = self._slot_shardings[0][layer]
+        at = lambda s: s if memory_kind is None else s.with_memory_kind(memory_kind)  # noqa: E731
+        return {g: (at(a_at[g]), at(b_at[g])) for g in groups}
 
     def install(self, name: str, prepared: PreparedAdapter, generation: int = 0) -> int:
         """Writes a prepared adapter into a free (or evicted) slot under `name`, recording the registration
