@@ -60,6 +60,7 @@ class HostAdapter:
     """
 
     rank: int  # the largest rank over its modules
+    # R below: the rank bucket (`rank_bucket`), which the slot write pads to the slot's rank on the device
     layers: tuple[dict[str, tuple[np.ndarray, np.ndarray]], ...]  # targeted group -> (a [S·R, K], b [N, R])
     embed: tuple[np.ndarray, np.ndarray] | None  # a [R, V], b [H, R], when targeted
     lm_head: tuple[np.ndarray, np.ndarray] | None  # a [R, H], b [V, R], when targeted
@@ -85,6 +86,14 @@ class BaseRows:
 
     embedding: Callable[[], np.ndarray]
     lm_head: Callable[[], np.ndarray]
+
+
+def rank_bucket(rank: int, padded_rank: int) -> int:
+    """The rank an adapter's A and B are zero-padded to on the host: the power of two >= its largest rank, at
+    least 8, at most `padded_rank` (a slot's). Host memory and the copy to the device follow the adapter's
+    rank, not the slots' (an r=8 adapter in r=64 slots: 8x fewer bytes), and the slot write compiles once per
+    bucket."""
+    return min(padded_rank, max(8, 1 << (max(rank, 1) - 1).bit_length()))
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -210,7 +219,8 @@ def _trainable_tokens(adapter_dir: str, cfg: dict) -> dict[str, list[int]]:
 def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_rank: int, *,
                  base: BaseRows | None = None, max_extra_vocab: int = 0,
                  max_seq_len: int | None = None, dtype=np.float32) -> HostAdapter:
-    """Parses and validates a PEFT adapter directory into slot arrays zero-padded to `padded_rank`.
+    """Parses and validates a PEFT adapter directory into slot arrays zero-padded to its `rank_bucket` (at
+    most `padded_rank`).
 
     `base` gives the base model's embedding rows, needed only for adapters that carry embedding layers;
     `max_extra_vocab` bounds both the tokens an adapter adds and the rows it may change per embedding layer;
@@ -254,7 +264,8 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
 
     groups = module_shapes(config)
     slot_of = {name: (g, i) for g, (_, outs) in groups.items() for i, (name, _) in enumerate(outs)}
-    h, v, r_pad = config.hidden_size, config.vocab_size, padded_rank
+    ranks = [kinds["A"].shape[0] for kinds in parts.values() if "A" in kinds and kinds["A"].ndim == 2]
+    h, v, r_pad = config.hidden_size, config.vocab_size, rank_bucket(max(ranks, default=1), padded_rank)
     layers: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(config.num_layers)]  # targeted only
     embed = lm_head = None
     bias: dict[tuple[int | None, str], np.ndarray] = {}

@@ -61,16 +61,30 @@ _GROUP = "group:"  # a fused group g an adapter targets is `_GROUP + g` in `Adap
 _OPTIONAL = frozenset({"scale", "shift", "rows", "rope"})  # the optional parts' names in `_without_unused`
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_slot(weights: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeights:
-    """`weights` with slot `slot` set to `new`; a part `new` leaves None (a module the adapter does not target)
-    is zeroed on the device. One compilation per pattern of parts targeted."""
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="rank")
+def _write_slot(weights: LoRAWeights, slot: jax.Array, new: LoRAWeights, *, rank: int) -> LoRAWeights:
+    """`weights` with slot `slot` set to `new`, its A and B zero-padded from the adapter's rank bucket to the
+    slots' `rank`; a part `new` leaves None (a module the adapter does not target) is zeroed on the device.
+    One compilation per pattern of parts targeted and rank bucket."""
     def write(n, w):
         if w is None:  # an optional part the pool does not hold
             return None
-        return w.at[slot].set(jnp.zeros(w.shape[1:], w.dtype) if n is None else n.astype(w.dtype))
+        value = jnp.zeros(w.shape[1:], w.dtype) if n is None else _at_rank(n.astype(w.dtype), w.shape[1:], rank)
+        return w.at[slot].set(value)
 
     return jax.tree.map(write, new, weights, is_leaf=lambda x: x is None)
+
+
+def _at_rank(x: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
+    """A slot's part `shape` of `x`: an A [S·r, K] or B [N, r] at rank r zero-padded to [S·R, K] or [N, R] (R =
+    `rank`); any other part as it is."""
+    if x.shape == shape:
+        return x
+    if x.shape[0] == shape[0]:  # B: the rank is its last axis
+        return jnp.pad(x, ((0, 0), (0, rank - x.shape[1])))
+    slices = shape[0] // rank  # A: S slices of r rows each
+    a = x.reshape(slices, x.shape[0] // slices, x.shape[1])
+    return jnp.pad(a, ((0, 0), (0, rank - a.shape[1]), (0, 0))).reshape(shape)
 
 
 def _merged(full: LoRAWeights, part: LoRAWeights) -> LoRAWeights:
@@ -299,7 +313,7 @@ class AdapterPool:
         # Only the parts some adapter has targeted: the others are zero in every slot and stay so.
         written = self._targeted | _OPTIONAL
         part = _write_slot(self._without_unused(self.weights, written), np.int32(slot),
-                           self._without_unused(self._slot_values(host, scale, shift), written))
+                           self._without_unused(self._slot_values(host, scale, shift), written), rank=self.rank)
         self.weights = _merged(self.weights, part)
         self.ranks[slot] = host.rank
         self.added[slot] = host.added

@@ -237,3 +237,37 @@ def test_a_step_runs_only_the_parts_adapters_target(tmp_path, model_dir):
     assert not np.allclose(mixed[2], alone[0])
     engine.unload_adapter("all")
     assert engine.pool.step_weights.lm_head_a is not None
+
+
+def test_an_adapter_is_held_and_copied_at_its_rank_bucket_and_written_at_the_slots(tmp_path, model_dir):
+    """An r=3 adapter (every linear module, the embedding and the lm_head) in r=64 slots: its host arrays and
+    its staged copy are at rank 8 (`rank_bucket`), a slot gets them zero-padded to 64 with each fused slice's
+    rows in place (from the staged copy or from host arrays), and its logits equal those in r=16 slots."""
+    from jlora.adapters.peft import LINEAR_MODULES
+
+    testing.write_adapter(str(tmp_path / "a"), CFG, r=3, alpha=8, seed=4, target_modules=LINEAR_MODULES,
+                          embeddings=True, lm_head=True)
+    wide, narrow = _engine(model_dir, max_lora_rank=64), _engine(model_dir, max_lora_rank=16)
+    prepared = wide.pool.prepare(str(tmp_path / "a"))
+    staged = wide.pool.stage(prepared)
+    for host, device in zip(prepared.host.layers, staged.host.layers):
+        for g, (a, b) in host.items():
+            slices = a.shape[0] // 8
+            assert b.shape[1] == 8 and device[g][0].shape == a.shape and device[g][1].shape == b.shape
+            assert slices == {"qkv": 3, "gate_up": 2}.get(g, 1)
+    assert prepared.host.embed[0].shape[0] == prepared.host.lm_head[0].shape[0] == 8
+    slot = wide.pool.install("a", staged)
+    for layer, host in zip(wide.pool.weights.layers, prepared.host.layers):
+        for g, (a, b) in host.items():
+            slot_a, slot_b = np.asarray(layer.a[g][slot]), np.asarray(layer.b[g][slot])
+            slices = a.shape[0] // 8
+            want_a = np.zeros((slices, 64, a.shape[1]), np.float32)
+            want_a[:, :8] = a.reshape(slices, 8, -1)
+            np.testing.assert_array_equal(slot_a, want_a.reshape(slot_a.shape))
+            np.testing.assert_array_equal(slot_b, np.pad(b, ((0, 0), (0, 56))))
+    wide.pool.unload("a")  # and loaded again from its host arrays, the engine's way
+    for engine in (wide, narrow):
+        engine.load_adapter("a", str(tmp_path / "a"))
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    for x, y in zip(wide.prefill_logits(prompts, ["a", "a"]), narrow.prefill_logits(prompts, ["a", "a"])):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
