@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product
 from common import trace_kernels  # noqa: E402
 
 from jlora.pallas.common import dot_dim, dot_precision  # noqa: E402
-from jlora.pallas.decode_attention import _NEG, _heads, decode_attention, online_softmax  # noqa: E402
+from jlora.pallas.decode_attention import _NEG, _block_t, _heads, decode_attention, online_softmax  # noqa: E402
 
 KV, GROUPS, HEAD_DIM, LAYERS = 8, 4, 128, 32
 CASES = [(1, 1024, 512), (1, 4096, 4000), (8, 512, 511), (32, 512, 511), (32, 4096, 511),  # batch, max_seq, pos
@@ -67,7 +67,7 @@ def split_attention(q, k, v, positions, rows, *, chunk: int, stages: int) -> jax
     """q [B, KV, G, D] over caches [R, KV, max_seq, D] as `decode_attention`, in chunks of `chunk` positions."""
     batch, kv, groups, d = q.shape
     max_seq = k.shape[2]
-    block_t, chunks = min(64, chunk), max_seq // chunk
+    block_t, chunks = _block_t(chunk), max_seq // chunk
     kernel = functools.partial(_kernel, groups=groups, tile=dot_dim(groups), block_t=block_t,
                                chunk_blocks=chunk // block_t, scale=1 / math.sqrt(d), precision=dot_precision(q.dtype))
     flat = q.reshape(batch * kv * groups, d)
