@@ -90,6 +90,14 @@ def test_every_peft_feature_reads_the_same_in_a_child_process(dtype):
     assert not _leftover_files()
 
 
+def _request_and_truth(tmp_path) -> tuple[ReadRequest, object]:
+    """A request for an r=4 adapter written to tmp_path, and the adapter read on this thread."""
+    path = str(tmp_path / "a")
+    testing.write_adapter(path, CFG, r=4, alpha=8, seed=0)
+    request = ReadRequest(path, ModelConfig.from_hf_config(CFG), 8, 16)
+    return request, request.read()
+
+
 def test_many_threads_share_few_children(tmp_path):
     config = ModelConfig.from_hf_config(CFG)
     requests = []
@@ -143,10 +151,7 @@ def test_a_read_that_hangs_is_stopped_at_the_timeout(tmp_path):
     """A child that never answers (storage that hangs: here a stopped process) is killed at the timeout; the
     read fails with a message that names the limit, and the next read gets a new child. A read that answers
     in time is unaffected by its timer."""
-    config = ModelConfig.from_hf_config(CFG)
-    path = str(tmp_path / "a")
-    testing.write_adapter(path, CFG, r=4, alpha=8, seed=0)
-    request, want = ReadRequest(path, config, 8, 16), ReadRequest(path, config, 8, 16).read()
+    request, want = _request_and_truth(tmp_path)
     reader = ProcessReader(1)
     try:
         _same(reader.read(request, timeout=60), want)
@@ -166,10 +171,7 @@ def test_a_read_that_hangs_is_stopped_at_the_timeout(tmp_path):
 def test_a_read_in_flight_when_the_reader_closes_ends_its_child(tmp_path):
     """`close` while a read is in flight: that read still gets its answer, its child is not handed to a later
     read (its input is closed), and the later read starts a new child."""
-    config = ModelConfig.from_hf_config(CFG)
-    path = str(tmp_path / "a")
-    testing.write_adapter(path, CFG, r=4, alpha=8, seed=0)
-    request, want = ReadRequest(path, config, 8, 16), ReadRequest(path, config, 8, 16).read()
+    request, want = _request_and_truth(tmp_path)
     reader = ProcessReader(1)
     try:
         _same(reader.read(request), want)
