@@ -271,3 +271,22 @@ def test_an_adapter_is_held_and_copied_at_its_rank_bucket_and_written_at_the_slo
     prompts = [[1, 2, 3, 4], [5, 6]]
     for x, y in zip(wide.prefill_logits(prompts, ["a", "a"]), narrow.prefill_logits(prompts, ["a", "a"])):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_of_mixed_ranks_loaded_in_turn_into_one_wide_slot_generate_as_in_narrow_slots(tmp_path, model_dir):
+    """Adapters with per-module ranks (rank_pattern: buckets 8 and 16) through `Engine.generate` with one r=64
+    slot, so each is staged and written in turn over the one before: the tokens of r=16 slots holding all."""
+    from jlora.adapters.peft import LINEAR_MODULES
+
+    for i, (r, pattern) in enumerate([(3, {"v_proj": 16}), (16, {"q_proj": 2}), (5, {})]):
+        testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=r, alpha=8, seed=10 + i, target_modules=LINEAR_MODULES,
+                              rank_pattern=pattern)
+    one_slot, narrow = _engine(model_dir, max_loras=1, max_lora_rank=64), _engine(model_dir, max_loras=3,
+                                                                                    max_lora_rank=16)
+    for i in range(3):
+        one_slot.register_adapter(f"a{i}", str(tmp_path / f"a{i}"))
+        narrow.load_adapter(f"a{i}", str(tmp_path / f"a{i}"))
+    prompts, names = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10, 11, 12], [13, 14]], ["a0", "a1", "a2", "a1", "a0"]
+    got = one_slot.generate(prompts, names, max_new_tokens=6)
+    assert [list(g) for g in got] == [list(w) for w in narrow.generate(prompts, names, max_new_tokens=6)]
+    assert one_slot.pool.evictions >= 2
