@@ -4,9 +4,9 @@ A load is two calls: `prepare` parses and validates the adapter on the host (`re
 when the pool has a `ProcessReader`; from any thread), and `install` writes its slot with one jitted update of
 fixed shapes, so a failed load leaves every slot as it was and a successful one recompiles the model only when
 it is the first to target a part (`step_weights`).
-`stage`, on any thread in between, copies the prepared adapter to the device, so that the update only writes
-device memory. When the pool is full, `install` evicts the least recently used adapter that no running request
-holds, or refuses (`evict="refuse"`).
+`stage`, on any thread in between, copies the prepared adapter to the device in one transfer, so that the update
+only writes device memory (`install` stages an adapter that was not). When the pool is full, `install` evicts the
+least recently used adapter that no running request holds, or refuses (`evict="refuse"`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import threading
 from typing import Literal, Protocol
 
@@ -45,6 +46,12 @@ class PreparedAdapter:
     host: HostAdapter
     scale: dict | None  # DoRA's column factors per (layer, group) key, [N] each, or None
     shift: dict | None  # the columns added after them (LoRA bias), or None
+
+    @property
+    def staged(self) -> bool:
+        """Whether its A and B are on the device (`AdapterPool.stage`)."""
+        return any(isinstance(x, jax.Array) for x in jax.tree.leaves((self.host.layers, self.host.embed,
+                                                                      self.host.lm_head)))
 
 
 class BaseWeights(Protocol):
@@ -85,6 +92,19 @@ def _at_rank(x: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
     slices = shape[0] // rank  # A: S slices of r rows each
     a = x.reshape(slices, x.shape[0] // slices, x.shape[1])
     return jnp.pad(a, ((0, 0), (0, rank - a.shape[1]), (0, 0))).reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("shapes", "dtype", "shardings"))
+def _unpacked(flat: jax.Array, *, shapes, dtype, shardings) -> list[jax.Array]:
+    """The arrays of `shapes` in `dtype` laid end to end in `flat` [n] (their bits, as unsigned integers of
+    `dtype`'s width), each placed at its sharding (a slice of `flat`, a copy on every device, on each device)."""
+    out, start = [], 0
+    for shape, at in zip(shapes, shardings):
+        size = math.prod(shape)
+        x = jax.lax.bitcast_convert_type(flat[start : start + size], dtype).reshape(shape)
+        out.append(jax.lax.with_sharding_constraint(x, at))
+        start += size
+    return out
 
 
 def _merged(full: LoRAWeights, part: LoRAWeights) -> LoRAWeights:
@@ -161,6 +181,8 @@ class AdapterPool:
         self._slot_shardings = jax.tree.map(_without_slot_axis, (
             tuple((layer.a, layer.b) for layer in self.weights.layers),
             (self.weights.embed_a, self.weights.embed_b), (self.weights.lm_head_a, self.weights.lm_head_b)))
+        # where `stage` sends an adapter's bytes before splitting them: the slots' device, or all of the mesh's
+        self._whole = jax.tree.leaves(self.weights)[0].sharding if tp is None else tp.replicated()
         self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
         self._step_cache = None  # (weights, features in use, step_weights)
         self._staging = threading.Lock()  # held by the `stage` copying
@@ -271,17 +293,26 @@ class AdapterPool:
         done. It reads only the pool's fixed layout, so a loader thread may run it while steps run; `install`
         then only writes device memory (the copy is the bulk of an install: tens of megabytes per adapter).
         The host tier keeps the host copy; a staged copy lives until it is installed."""
+        if prepared.staged:
+            return prepared
         host = prepared.host
+        leaves, tree = jax.tree.flatten((host.layers, host.embed, host.lm_head))
+        if not leaves:
+            return prepared
         _, embed_at, lm_head_at = self._slot_shardings
-        # One copy call per layer, and one adapter's copy at a time: one call for every array stalled an engine
-        # loop running beside it by up to 29-60 ms on an H200, one per layer by under 2 ms; and each copy running
-        # beside another slowed the loop's steps further while copying no faster in all (docs/performance.md,
+        places = jax.tree.leaves((tuple(self.placement(i, layer) for i, layer in enumerate(host.layers)),
+                                  embed_at if host.embed else None, lm_head_at if host.lm_head else None))
+        # One transfer of the adapter's bytes laid end to end, split on the device by one jitted call, and one
+        # adapter's copy at a time: a transfer per array (128 for q_proj + v_proj over 32 layers) held the
+        # engine loop's dispatch for up to 8 ms per step, one transfer by about 1 ms (docs/performance.md,
         # § Tenancy).
+        bits = np.dtype(f"u{np.dtype(self.dtype).itemsize}")
+        flat = np.concatenate([np.ravel(x).view(bits) for x in leaves])
         with self._staging:
-            layers = tuple(jax.device_put(layer, self.placement(i, layer)) for i, layer in enumerate(host.layers))
-            embed, lm_head = (None if part is None else jax.device_put(part, at)
-                              for part, at in ((host.embed, embed_at), (host.lm_head, lm_head_at)))
-            layers, embed, lm_head = jax.block_until_ready((layers, embed, lm_head))
+            arrays = _unpacked(jax.device_put(flat, self._whole), shapes=tuple(x.shape for x in leaves),
+                               dtype=jnp.dtype(self.dtype), shardings=tuple(places))
+            arrays = jax.block_until_ready(arrays)
+        layers, embed, lm_head = jax.tree.unflatten(tree, arrays)
         return dataclasses.replace(prepared, host=dataclasses.replace(host, layers=layers, embed=embed,
                                                                       lm_head=lm_head))
 
@@ -293,14 +324,15 @@ class AdapterPool:
         return {g: (at(a_at[g]), at(b_at[g])) for g in groups}
 
     def install(self, name: str, prepared: PreparedAdapter, generation: int = 0) -> int:
-        """Writes a prepared adapter into a free (or evicted) slot under `name`, recording the registration
-        `generation` it came from; returns the slot.
+        """Writes a prepared adapter (staged here unless `stage` did) into a free (or evicted) slot under `name`,
+        recording the registration `generation` it came from; returns the slot.
 
         Raises:
           ValueError: `name` is not a valid adapter name or is already loaded.
           PoolFullError: no free slot and nothing evictable.
         """
         self._check_new_name(name)
+        prepared = self.stage(prepared)
         host, scale, shift = prepared.host, prepared.scale, prepared.shift
         features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
                                              ("rows", host.embed_rows or host.lm_head_rows),

@@ -242,7 +242,7 @@ def test_a_step_runs_only_the_parts_adapters_target(tmp_path, model_dir):
 def test_an_adapter_is_held_and_copied_at_its_rank_bucket_and_written_at_the_slots(tmp_path, model_dir):
     """An r=3 adapter (every linear module, the embedding and the lm_head) in r=64 slots: its host arrays and
     its staged copy are at rank 8 (`rank_bucket`), a slot gets them zero-padded to 64 with each fused slice's
-    rows in place (from the staged copy or from host arrays), and its logits equal those in r=16 slots."""
+    rows in place (from the staged copy, or from host arrays `install` stages), and its logits equal those in r=16 slots."""
     from jlora.adapters.peft import LINEAR_MODULES
 
     testing.write_adapter(str(tmp_path / "a"), CFG, r=3, alpha=8, seed=4, target_modules=LINEAR_MODULES,
@@ -250,12 +250,16 @@ def test_an_adapter_is_held_and_copied_at_its_rank_bucket_and_written_at_the_slo
     wide, narrow = _engine(model_dir, max_lora_rank=64), _engine(model_dir, max_lora_rank=16)
     prepared = wide.pool.prepare(str(tmp_path / "a"))
     staged = wide.pool.stage(prepared)
+    assert staged.staged and not prepared.staged
     for host, device in zip(prepared.host.layers, staged.host.layers):
         for g, (a, b) in host.items():
             slices = a.shape[0] // 8
-            assert b.shape[1] == 8 and device[g][0].shape == a.shape and device[g][1].shape == b.shape
-            assert slices == {"qkv": 3, "gate_up": 2}.get(g, 1)
+            assert b.shape[1] == 8 and slices == {"qkv": 3, "gate_up": 2}.get(g, 1)
+            for x, y in zip((a, b), device[g]):  # the one transfer split back into each array, bit for bit
+                np.testing.assert_array_equal(np.asarray(y), x)
     assert prepared.host.embed[0].shape[0] == prepared.host.lm_head[0].shape[0] == 8
+    for x, y in zip(prepared.host.embed + prepared.host.lm_head, staged.host.embed + staged.host.lm_head):
+        np.testing.assert_array_equal(np.asarray(y), x)
     slot = wide.pool.install("a", staged)
     for layer, host in zip(wide.pool.weights.layers, prepared.host.layers):
         for g, (a, b) in host.items():

@@ -1,0 +1,135 @@
+"""Which part of an engine-shaped loop adapter copies to the device slow, and whether the form of the copy
+matters (#36's ITL tail; docs/performance.md, § Tenancy).
+
+The loop: 1 ms of Python, then the dispatch of a memory-bound step (x [32, 4096] through 64 pairs of 8B-shaped
+MLP weights, about 15 GB read, fed a token array from the host), then the read of the step before (two steps
+in flight). Each interval is split into the dispatch's host time and the read's wait: a stall on the host
+shows in the dispatch, one on the device in the wait.
+
+Copies, each of 8B-shaped q_proj + v_proj adapters (ranks 8/16/32/64: 7-55 MB), by a thread beside the loop,
+without pause or 5 adapters a second: `per layer` (one `jax.device_put` per layer of a pytree of A and B
+arrays, as `AdapterPool.stage` copies), `packed` (the adapter's bytes as one contiguous array, one
+`device_put`), `host copy` (the packed bytes copied host to host with numpy, no device involved).
+
+  python bench/studies/copy_forms.py [--steps 300]  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+RANKS, LAYERS = (8, 16, 32, 64), 32
+
+
+def adapters(rng: np.random.Generator) -> list[list[dict]]:
+    """One adapter per rank: per layer {group: (a [4096, r], b [r, N])} in bf16 host memory."""
+    bf16 = lambda shape: rng.random(shape, np.float32).astype(ml_dtypes.bfloat16)  # noqa: E731
+    return [[{g: (bf16((4096, r)), bf16((r, n))) for g, n in (("q", 4096), ("v", 1024))} for _ in range(LAYERS)]
+            for r in RANKS]
+
+
+def packed(adapter: list[dict]) -> np.ndarray:
+    """The adapter's arrays, raveled and joined into one uint8 array."""
+    return np.concatenate([x.view(np.uint8).ravel() for x in jax.tree.leaves(adapter)])
+
+
+def percentiles(seconds: list[float]) -> str:
+    ms = np.array(seconds) * 1e3
+    return f"{np.median(ms):.2f} / {np.percentile(ms, 99):.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="loop intervals per way")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    library = adapters(np.random.default_rng(0))
+    flat = [packed(a) for a in library]
+    gpu = jax.default_backend() == "gpu"
+    pairs, d, f = (64, 4096, 14336) if gpu else (2, 256, 512)
+    key = jax.random.key(0)
+    weights = [(jax.random.normal(jax.random.fold_in(key, i), (d, f), jnp.bfloat16) * 0.02,
+                jax.random.normal(jax.random.fold_in(key, pairs + i), (f, d), jnp.bfloat16) * 0.02)
+               for i in range(pairs)]
+
+    @jax.jit
+    def step(weights, tokens):
+        x = jnp.ones((32, d), jnp.bfloat16) * tokens[:, None].astype(jnp.bfloat16)
+        for up, down in weights:
+            x = x + jax.nn.silu(x @ up) @ down
+        return x[:, 0]
+
+    jax.block_until_ready((step(weights, np.zeros(32, np.int32)), jax.device_put(library[0], device),
+                           jax.device_put(flat[0], device)))
+    start = time.perf_counter()
+    for k in range(20):
+        out = step(weights, np.full(32, k, np.int32))
+    out.block_until_ready()
+    print(f"Device: {device.device_kind}; step alone {(time.perf_counter() - start) / 20 * 1e3:.2f} ms; "
+          f"adapters of ranks {RANKS}: {[round(x.nbytes / 1e6, 1) for x in flat]} MB", flush=True)
+
+    def copy_per_layer(i: int) -> None:
+        jax.block_until_ready([jax.device_put(layer, device) for layer in library[i % len(library)]])
+
+    def copy_packed(i: int) -> None:
+        jax.device_put(flat[i % len(flat)], device).block_until_ready()
+
+    def copy_on_host(i: int) -> None:
+        flat[i % len(flat)].copy()
+
+    def run(name: str, copy=None, gap: float = 0.0) -> None:
+        stop, copies = threading.Event(), []
+
+        def copier():
+            i = 0
+            while not stop.is_set():
+                start = time.perf_counter()
+                copy(i)
+                copies.append(time.perf_counter() - start)
+                time.sleep(gap)
+                i += 1
+
+        worker = threading.Thread(target=copier) if copy else None
+        if worker:
+            worker.start()
+        intervals, dispatches, waits, last, in_flight = [], [], [], time.perf_counter(), None
+        for k in range(args.steps):
+            end = time.perf_counter() + 1e-3
+            while time.perf_counter() < end:  # the loop's Python work
+                pass
+            t0 = time.perf_counter()
+            out = step(weights, np.full(32, k, np.int32))
+            t1 = time.perf_counter()
+            if in_flight is not None:
+                np.asarray(in_flight)  # the step before, as the engine reads its tokens
+            in_flight = out
+            now = time.perf_counter()
+            dispatches.append(t1 - t0)
+            waits.append(now - t1)
+            intervals.append(now - last)
+            last = now
+        np.asarray(in_flight)
+        stop.set()
+        if worker:
+            worker.join()
+        copied = (f"{len(copies)} copies, {np.median(copies) * 1e3:.1f} ms p50" if copies else "no copies")
+        print(f"{name:28s} interval {percentiles(intervals[20:])}  dispatch {percentiles(dispatches[20:])}  "
+              f"wait {percentiles(waits[20:])} ms (p50 / p99); {copied}", flush=True)
+
+    run("none")
+    for gap, rate in ((0.0, "unpaced"), (0.2, "5/s")):
+        run(f"per layer, {rate}", copy_per_layer, gap)
+        run(f"packed, {rate}", copy_packed, gap)
+        run(f"host copy, {rate}", copy_on_host, gap)
+    run("none, again")
+
+
+if __name__ == "__main__":
+    main()
