@@ -1,9 +1,9 @@
 """Where the inter-token latency of a tenancy run goes: a timeline of the engine loop and the loader threads.
 
-Runs bench/tenancy.py (its arguments follow) with the engine loop's `Batcher.step` and `Admission.poll` and the
-loader's `AdapterPool.prepare` and `stage` timed. Each interval between two step dispatches is what every row
+Runs bench/tenancy.py (its arguments follow) with the engine loop's `Batcher.step` and `AdapterPool.install` and
+the loader's `AdapterPool.prepare` and `stage` timed. Each interval between two step dispatches is what every row
 that step decodes waits for its token; per run, intervals are classed by what happened in them:
-  - write: the loop wrote an adapter into a slot (`Admission.poll` installed one);
+  - write: the loop wrote an adapter into a slot (`AdapterPool.install`);
   - prompt: the step, or the one before it whose end it waits for, took prompt tokens;
   - loading: a loader thread was reading (prepare) or copying (stage) an adapter.
 For each class: intervals, the share of decoded tokens, p50 / p99 of the interval weighted by the rows it
@@ -56,7 +56,7 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
 def summarize(events: list, begin: float, end: float) -> dict:
     """The step intervals within [begin, end) by class (see the module docstring)."""
     steps = sorted((e for e in events if e[0] == "step" and begin <= e[1] < end and e[4]), key=lambda e: e[1])
-    writes = np.array([e[1] for e in events if e[0] == "poll" and e[4] and begin <= e[1] < end])
+    writes = np.array([e[1] for e in events if e[0] == "install" and begin <= e[1] < end])
     loads = [(e[1], e[2]) for e in events if e[0] in ("prepare", "stage") and e[2] > begin and e[1] < end]
     rows = []
     for before, step, after in zip([None] + steps[:-2], steps[:-1], steps[1:]):
@@ -79,6 +79,10 @@ def summarize(events: list, begin: float, end: float) -> dict:
         out["classes"][name] = {"intervals": int(m.sum()), "token_share": float(decoded[m].sum() / decoded.sum()),
                                 "p50_ms": None if p50 is None else p50 * 1e3,
                                 "p99_ms": None if p99 is None else p99 * 1e3}
+    prompts = np.array([s[4][0] for s in steps if s[4][0] > 0])
+    if len(prompts):
+        out["prompt_tokens_per_step"] = {"steps": len(prompts), "p50": float(np.median(prompts)),
+                                         "p99": float(np.percentile(prompts, 99)), "mean": float(prompts.mean())}
     return out
 
 
@@ -86,7 +90,6 @@ def main() -> None:
     import serve
     import tenancy
     from jlora.adapters.pool import AdapterPool
-    from jlora.admission import Admission
     from jlora.scheduler import Batcher
 
     keep = "--events" in sys.argv
@@ -95,7 +98,7 @@ def main() -> None:
     events: list = []
     timed(events, Batcher, "step", lambda b: None if b.in_flight is None else
           (sum(p[3] for p in b.in_flight.pieces), len(b.in_flight.sampling)))
-    timed(events, Admission, "poll", lambda a: a._writes)
+    timed(events, AdapterPool, "install")
     timed(events, AdapterPool, "prepare")
     timed(events, AdapterPool, "stage")
     runs = []
