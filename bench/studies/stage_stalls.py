@@ -4,7 +4,7 @@ issuing the copy: the interval of a loop that does 1 ms of Python and then waits
 
 Ways: `none` (no copies), `one call` (one `jax.device_put` for every array of an adapter, as `AdapterPool.stage`
 did), `per layer` (one call per layer, one adapter at a time:
-`AdapterPool.stage`), `pinned` (one copy per layer from arrays already in pinned host memory, as a host tier
+`AdapterPool.stage` before it copied an adapter in one transfer, `copy_forms.py`), `pinned` (one copy per layer from arrays already in pinned host memory, as a host tier
 that kept them so would copy). The answer is in docs/performance.md, § Tenancy.
 
   python bench/studies/stage_stalls.py [--layers 32] [--steps 800]
