@@ -32,7 +32,6 @@ from jlora.precision import dot_precision
 
 __all__ = ["AdapterPool", "BaseWeights", "PoolFullError", "PreparedAdapter"]
 
-_OPTIONAL = ("scale", "shift", "rows", "rope")  # the pool's optional parts, allocated when first needed
 
 
 class PoolFullError(RuntimeError):
@@ -65,21 +64,16 @@ class BaseWeights(Protocol):
 
 
 _GROUP = "group:"  # a fused group g an adapter targets is `_GROUP + g` in `AdapterPool._targeted`
-_OPTIONAL = frozenset({"scale", "shift", "rows", "rope"})  # the optional parts' names in `_without_unused`
+_OPTIONAL = frozenset({"scale", "shift", "rows", "rope"})  # the pool's optional parts, allocated when first needed
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="rank")
-def _write_slot(weights: LoRAWeights, slot: jax.Array, new: LoRAWeights, *, rank: int) -> LoRAWeights:
-    """`weights` with slot `slot` set to `new`, its A and B zero-padded from the adapter's rank bucket to the
-    slots' `rank`; a part `new` leaves None (a module the adapter does not target) is zeroed on the device.
-    One compilation per pattern of parts targeted and rank bucket."""
-    def write(n, w):
-        if w is None:  # an optional part the pool does not hold
-            return None
-        value = jnp.zeros(w.shape[1:], w.dtype) if n is None else _at_rank(n.astype(w.dtype), w.shape[1:], rank)
-        return w.at[slot].set(value)
-
-    return jax.tree.map(write, new, weights, is_leaf=lambda x: x is None)
+def _write_slot(stacks: list[jax.Array], slot: jax.Array, new: list, *, rank: int) -> list[jax.Array]:
+    """`stacks` ([L, ...] each) with slot `slot` set to `new`'s values, their A and B zero-padded from the
+    adapter's rank bucket to the slots' `rank`; a None in `new` (a module the adapter does not target) is zeroed
+    on the device. One compilation per pattern of parts written and rank bucket."""
+    return [w.at[slot].set(jnp.zeros(w.shape[1:], w.dtype) if n is None
+                           else _at_rank(n.astype(w.dtype), w.shape[1:], rank)) for w, n in zip(stacks, new)]
 
 
 def _at_rank(x: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
@@ -105,16 +99,6 @@ def _unpacked(flat: jax.Array, *, shapes, dtype, shardings) -> list[jax.Array]:
         out.append(jax.lax.with_sharding_constraint(x, at))
         start += size
     return out
-
-
-def _merged(full: LoRAWeights, part: LoRAWeights) -> LoRAWeights:
-    """`full` with the arrays of `part` (a `_without_unused` of it) in their places."""
-    merge = lambda f, p: None if f is None else {**f, **(p or {})}
-    layers = tuple(LayerLoRA(*(merge(getattr(f, n), getattr(p, n)) for n in ("a", "b", "scale", "shift")))
-                   for f, p in zip(full.layers, part.layers))
-    rest = {f.name: getattr(full, f.name) if getattr(part, f.name) is None else getattr(part, f.name)
-            for f in dataclasses.fields(full) if f.name != "layers"}
-    return LoRAWeights(layers=layers, **rest)
 
 
 @functools.partial(jax.jit, static_argnames=("slice_sizes",))
@@ -144,6 +128,15 @@ def _own(host: HostAdapter) -> HostAdapter:
                          for k, v in parts.items()}
     return dataclasses.replace(host, bias=own(host.bias), magnitude=own(host.magnitude),
                                embed_rows=own(host.embed_rows), lm_head_rows=own(host.lm_head_rows))
+
+
+@functools.lru_cache(maxsize=64)
+def _written(tree, targeted: frozenset[str]) -> tuple[int, ...]:
+    """The positions, among the leaves of pool weights of structure `tree`, of the stacks a slot write sets: those
+    of the parts some adapter has targeted (`targeted`) and the optional parts; the others are zero in every slot
+    and stay so. Flat lists spare each write the host time of rebuilding the weights part by part."""
+    indices = jax.tree.unflatten(tree, range(tree.num_leaves))
+    return tuple(jax.tree.leaves(AdapterPool._without_unused(indices, targeted | _OPTIONAL)))
 
 
 class AdapterPool:
@@ -342,11 +335,13 @@ class AdapterPool:
                            if part is not None}
         slot = self._free_slot(name)
         self._allocate(features)
-        # Only the parts some adapter has targeted: the others are zero in every slot and stay so.
-        written = self._targeted | _OPTIONAL
-        part = _write_slot(self._without_unused(self.weights, written), np.int32(slot),
-                           self._without_unused(self._slot_values(host, scale, shift), written), rank=self.rank)
-        self.weights = _merged(self.weights, part)
+        stacks, tree = jax.tree.flatten(self.weights)
+        values = tree.flatten_up_to(self._slot_values(host, scale, shift))
+        written = _written(tree, frozenset(self._targeted))
+        for i, x in zip(written, _write_slot([stacks[i] for i in written], np.int32(slot),
+                                             [values[i] for i in written], rank=self.rank)):
+            stacks[i] = x
+        self.weights = jax.tree.unflatten(tree, stacks)
         self.ranks[slot] = host.rank
         self.added[slot] = host.added
         self._features[slot] = features
