@@ -239,6 +239,31 @@ def test_a_step_runs_only_the_parts_adapters_target(tmp_path, model_dir):
     assert engine.pool.step_weights.lm_head_a is not None
 
 
+def test_an_adapter_written_over_one_that_targeted_more_zeroes_the_rest_of_its_slot(tmp_path, model_dir):
+    """One slot: an adapter of every linear module, the embedding and the lm_head, then one of q_proj and v_proj
+    written over it. The slot's other parts are zeros and the second adapter's logits are those of a fresh engine
+    that only ever held it; the stacks no adapter targeted stay out of the write (`_written`)."""
+    from jlora.adapters.peft import LINEAR_MODULES
+
+    testing.write_adapter(str(tmp_path / "all"), CFG, r=4, alpha=8, seed=1, target_modules=LINEAR_MODULES,
+                          embeddings=True, lm_head=True)
+    testing.write_adapter(str(tmp_path / "qv"), CFG, r=4, alpha=8, seed=2)
+    engine, fresh = _engine(model_dir, max_loras=1), _engine(model_dir, max_loras=1)
+    engine.load_adapter("all", str(tmp_path / "all"))
+    engine.prefill_logits([[1, 2]], ["all"])
+    engine.load_adapter("qv", str(tmp_path / "qv"))  # evicts "all" from the one slot
+    assert engine.resident_adapters == ["qv"]
+    w = engine.pool.weights
+    for layer in w.layers:
+        for g in ("o", "gate_up", "down"):
+            assert not np.asarray(layer.a[g][0]).any() and not np.asarray(layer.b[g][0]).any(), g
+    assert not any(np.asarray(x[0]).any() for x in (w.embed_a, w.embed_b, w.lm_head_a, w.lm_head_b))
+    fresh.load_adapter("qv", str(tmp_path / "qv"))
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    for x, y in zip(engine.prefill_logits(prompts, ["qv", "qv"]), fresh.prefill_logits(prompts, ["qv", "qv"])):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_an_adapter_is_held_and_copied_at_its_rank_bucket_and_written_at_the_slots(tmp_path, model_dir):
     """An r=3 adapter (every linear module, the embedding and the lm_head) in r=64 slots: its host arrays and
     its staged copy are at rank 8 (`rank_bucket`), a slot gets them zero-padded to 64 with each fused slice's
