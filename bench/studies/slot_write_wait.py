@@ -10,7 +10,6 @@ of the write call, idle and with one or two steps in flight, and with the stacks
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax

@@ -33,7 +33,6 @@ from jlora.precision import dot_precision
 __all__ = ["AdapterPool", "BaseWeights", "PoolFullError", "PreparedAdapter"]
 
 
-
 class PoolFullError(RuntimeError):
     """Every slot holds an adapter in use (or eviction is off)."""
 
