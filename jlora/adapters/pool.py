@@ -299,7 +299,8 @@ class AdapterPool:
         # engine loop's dispatch for up to 8 ms per step, one transfer by about 1 ms (docs/performance.md,
         # § Tenancy).
         bits = np.dtype(f"u{np.dtype(self.dtype).itemsize}")
-        flat = np.concatenate([np.ravel(x).view(bits) for x in leaves])
+        # (`prepare` leaves A and B in the slots' dtype: the cast copies nothing, but keeps the bytes' count right)
+        flat = np.concatenate([np.ravel(np.asarray(x, self.dtype)).view(bits) for x in leaves])
         with self._staging:
             arrays = _unpacked(jax.device_put(flat, self._whole), shapes=tuple(x.shape for x in leaves),
                                dtype=jnp.dtype(self.dtype), shardings=tuple(places))
