@@ -90,12 +90,13 @@ def _at_rank(x: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("shapes", "dtype", "shardings"))
 def _unpacked(flat: jax.Array, *, shapes, dtype, shardings) -> list[jax.Array]:
     """The arrays of `shapes` in `dtype` laid end to end in `flat` [n] (their bits, as unsigned integers of
-    `dtype`'s width), each placed at its sharding (a slice of `flat`, a copy on every device, on each device)."""
+    `dtype`'s width), each placed at its sharding over a mesh (a slice of `flat`, a copy on every device, on each
+    device); on one device they stay where `flat` is, uncommitted as it is."""
     out, start = [], 0
     for shape, at in zip(shapes, shardings):
         size = math.prod(shape)
         x = jax.lax.bitcast_convert_type(flat[start : start + size], dtype).reshape(shape)
-        out.append(jax.lax.with_sharding_constraint(x, at))
+        out.append(jax.lax.with_sharding_constraint(x, at) if isinstance(at, jax.sharding.NamedSharding) else x)
         start += size
     return out
 
@@ -173,8 +174,10 @@ class AdapterPool:
         self._slot_shardings = jax.tree.map(_without_slot_axis, (
             tuple((layer.a, layer.b) for layer in self.weights.layers),
             (self.weights.embed_a, self.weights.embed_b), (self.weights.lm_head_a, self.weights.lm_head_b)))
-        # where `stage` sends an adapter's bytes before splitting them: the slots' device, or all of the mesh's
-        self._whole = jax.tree.leaves(self.weights)[0].sharding if tp is None else tp.replicated()
+        # where `stage` sends an adapter's bytes before splitting them: every device of the mesh, or (None) the
+        # default device uncommitted, as the slots' stacks are, so a write leaves the step's inputs as they were
+        # (a committed stack among uncommitted ones would compile the step again)
+        self._whole = None if tp is None else tp.replicated()
         self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
         self._step_cache = None  # (weights, features in use, step_weights)
         self._staging = threading.Lock()  # held by the `stage` copying
