@@ -22,17 +22,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-
-RANKS, LAYERS = (8, 16, 32, 64), 32
-
-
-def adapters(rng: np.random.Generator) -> list[list[dict]]:
-    """One adapter per rank: per layer {group: (a [4096, r], b [r, N])} in bf16 host memory."""
-    bf16 = lambda shape: rng.random(shape, np.float32).astype(ml_dtypes.bfloat16)  # noqa: E731
-    return [[{g: (bf16((4096, r)), bf16((r, n))) for g, n in (("q", 4096), ("v", 1024))} for _ in range(LAYERS)]
-            for r in RANKS]
+from copy_pacing import RANKS, adapters  # the same library of 8B-shaped adapters
 
 
 def packed(adapter: list[dict]) -> np.ndarray:
