@@ -16,10 +16,13 @@ from disk is one. Per run: throughput, TTFT and inter-token latency (p50 / p99),
 found their adapter on disk (an adapter's first request of the benchmark: nothing loads an adapter before a
 request asks for it), the device and host tiers' hit rates, and load latency (disk -> host, host -> device;
 p50 / p99 from the server's histogram, interpolated within buckets as Prometheus' histogram_quantile does).
-Table (tenancy.md), JSON and a plot (tenancy.png).
+With `--control-slots K`, a second server in the same process, over the same weights with K slots, runs each
+run's arrivals again after a wave that makes every adapter they ask for resident: the same adapters in the
+same batches with no loads, so a ratio against it isolates what loads cost from what serving more distinct
+adapters per batch costs. Table (tenancy.md), JSON and a plot (tenancy.png).
 
   python bench/tenancy.py [--adapters 32,128,512,1000] [--alphas 1,0.5] [--rate 16] [--requests 384]
-                          [--max-loras 32] [--max-cpu-loras 128] [--adapter-readers 4] [--max-batch 32]
+                          [--max-loras 32] [--control-slots 0] [--max-cpu-loras 128] [--adapter-readers 4] [--max-batch 32]
                           [--out bench/results] [--tiny]
 """
 
@@ -46,6 +49,7 @@ from common import pyplot  # noqa: E402
 from jlora import testing  # noqa: E402
 from jlora.admission import AdapterStats  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
+from jlora.models.loading import load_model  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
 from jlora.server.chat import ChatTemplate  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
@@ -56,19 +60,24 @@ RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "v_proj")
 
 
-def build_engine(tiny: bool, args, root: str) -> tuple[Engine, dict]:
-    """The engine (no adapters yet) and the HF config of its model."""
-    options = dict(max_loras=args.max_loras, max_lora_rank=max(RANKS), max_batch=args.max_batch, max_seq_len=512,
+def build_engines(tiny: bool, args, root: str) -> tuple[list[Engine], dict]:
+    """The engine (no adapters yet), and with `--control-slots` a second one over the same weights with that many
+    slots; the HF config of their model."""
+    options = dict(max_lora_rank=max(RANKS), max_batch=args.max_batch, max_seq_len=512,
                    max_cpu_loras=args.max_cpu_loras, prefill_chunk=args.prefill_chunk,
                    adapter_readers=args.adapter_readers)
     if tiny:
         cfg = testing.tiny_config("llama", vocab_size=256)
         testing.write_model(f"{root}/m", cfg, seed=0)
-        return Engine.from_pretrained(f"{root}/m", dtype="float32", progress=False, **options), cfg
-    from model import llama3_8b, llama3_8b_hf, random_model
+        model = load_model(f"{root}/m", jnp.float32, progress=False)
+    else:
+        from model import llama3_8b, llama3_8b_hf, random_model
 
-    model_def, params = random_model(llama3_8b(32))
-    return Engine(model_def.merge(params), dtype=jnp.bfloat16, **options), llama3_8b_hf(32)
+        model_def, params = random_model(llama3_8b(32))
+        model, cfg = model_def.merge(params), llama3_8b_hf(32)
+    dtype = jnp.float32 if tiny else jnp.bfloat16
+    return [Engine(model, dtype=dtype, max_loras=slots, **options)
+            for slots in (args.max_loras, args.control_slots) if slots], cfg
 
 
 def write_adapters(root: str, cfg: dict, n: int, rng) -> list[str]:
@@ -158,6 +167,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=16, help="arrival rate, requests per second")
     parser.add_argument("--requests", type=int, default=384, help="requests per run")
     parser.add_argument("--max-loras", type=int, default=32, help="device slots")
+    parser.add_argument("--control-slots", type=int, default=0,
+                        help="a second server over the same weights with this many slots runs each run's arrivals "
+                             "again, every adapter they use made resident first: the run without loads (0: none)")
     parser.add_argument("--max-cpu-loras", type=int, default=128, help="host tier: adapters")
     parser.add_argument("--adapter-readers", type=int, default=4, help="reader processes (and loader threads)")
     parser.add_argument("--max-batch", type=int, default=32)
@@ -170,59 +182,81 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:
-        engine, cfg = build_engine(args.tiny, args, root)
+        engines, cfg = build_engines(args.tiny, args, root)
         start = time.perf_counter()
         paths = write_adapters(root, cfg, max(counts), rng)
         print(f"# {len(paths)} adapters written in {time.perf_counter() - start:.0f} s", flush=True)
-        for i, path in enumerate(paths):
-            engine.register_adapter(f"a{i}", path)
-        online = OnlineEngine(engine, max_waiting=100_000)
-        stop_server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
-        vocab, stats, registry = engine.model_config.vocab_size, online.admission.stats, online.metrics.registry
+        servers = [Server(engine, paths, root) for engine in engines]
+        served, control = servers[0], (servers[1] if len(servers) > 1 else None)
+        vocab = engines[0].model_config.vocab_size
         client = multiprocessing.get_context("spawn").Pool(1)
-        compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])
+        for server in servers:
+            compile_waves(client, server.url, rng, vocab, args.max_batch, ["a0", "base"])
         touched = {"a0"}
         for alpha in alphas:
             trace_seed = int(rng.integers(1 << 31))
             for n in counts:
                 warm = [f"a{k}" for k in range(min(n, args.max_loras))]
-                send(client, url, float("inf"), random_requests(rng, vocab, warm), rng)
+                send(client, served.url, float("inf"), random_requests(rng, vocab, warm), rng)
                 touched.update(warm)
                 if n == counts[0]:  # the α's arrivals once on resident adapters: the step shapes they make compile
-                    trace = np.random.default_rng(trace_seed)  # (serve.send: not `send`, which a study may time)
-                    serve.send(client, url, args.rate, random_requests(trace, vocab, [warm[i % len(warm)]
-                                                                                      for i in range(args.requests)]),
-                               trace)
+                    for server in servers:
+                        trace = np.random.default_rng(trace_seed)  # (serve.send: not `send`, which a study may time)
+                        serve.send(client, server.url, args.rate, random_requests(
+                            trace, vocab, [warm[i % len(warm)] for i in range(args.requests)]), trace)
                 drop_page_cache(paths[:n])
                 models = pick_models(rng, n, alpha, args.requests)
                 cold = {i for i, m in enumerate(models) if m not in touched}
                 touched.update(models)
-                tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in ("device", "host")]
-                loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s})
-                         for s in AdapterStats.STAGES]
-                steps = histogram(registry, "jlora_step_seconds", {})
-                trace = np.random.default_rng(trace_seed)  # every N of an α: the same arrivals and lengths
-                record = send(client, url, args.rate, random_requests(trace, vocab, models), trace)
-                row = {"alpha": alpha, "adapters": n, "distinct": len(set(models)), **summarize(record, args.max_batch)}
+                record, row = served.measure(client, args, trace_seed, models)
                 cold_ttft = [r["ttft"] for r in record if r["index"] in cold]
-                row["cold_requests"] = len(cold_ttft)
+                row.update(alpha=alpha, adapters=n, distinct=len(set(models)), cold_requests=len(cold_ttft))
                 row["cold_ttft_p50_ms"] = percentile(cold_ttft, 0.5) * 1e3 if cold_ttft else None
                 row["cold_ttft_p99_ms"] = percentile(cold_ttft, 0.99) * 1e3 if cold_ttft else None
-                for tier, (hits, misses) in zip(("device", "host"), tiers):
-                    hits, misses = getattr(stats, f"{tier}_hits") - hits, getattr(stats, f"{tier}_misses") - misses
-                    row[f"{tier}_hit_rate"] = hits / (hits + misses) if hits + misses else None
-                for stage, before in zip(AdapterStats.STAGES, loads):
-                    row[stage] = histogram_delta(before, histogram(registry, "jlora_adapter_load_seconds",
-                                                                   {"stage": stage}))
-                row["step"] = histogram_delta(steps, histogram(registry, "jlora_step_seconds", {}))
                 d2h, h2d = row["disk_to_host"]["p99_ms"], row["host_to_device"]["p99_ms"]
                 # what the target bounds an on-disk request's TTFT p99 by: a load, then one step
                 row["load_plus_step_ms"] = None if d2h is None else d2h + (h2d or 0.0) + row["itl_p99_ms"]
-                rows.append(row)
+                if control is not None and len(set(models)) <= args.control_slots:
+                    # the same arrivals with every adapter they ask for resident beforehand: no loads
+                    wave = sorted(set(models))
+                    send(client, control.url, float("inf"), random_requests(np.random.default_rng(n), vocab, wave),
+                         np.random.default_rng(n))
+                    row["control"] = control.measure(client, args, trace_seed, models)[1]
                 print(format_row(row), flush=True)
+                rows.append(row)
                 save(args, device, rows)  # after every run: a call cut short keeps what it measured
         client.close()
-        stop_server()
+        for server in servers:
+            server.stop()
+
+
+class Server:
+    """An engine with the benchmark's adapters registered, served by uvicorn on a localhost port."""
+
+    def __init__(self, engine: Engine, paths: list[str], root: str):
+        for i, path in enumerate(paths):
+            engine.register_adapter(f"a{i}", path)
+        self.online = OnlineEngine(engine, max_waiting=100_000)
+        self.stop, self.url = start_server(build_app(self.online, ServerConfig(served_model_name="base"),
+                                                     chat=ChatTemplate(root)))
+
+    def measure(self, client, args, trace_seed: int, models: list[str]) -> tuple[list[dict], dict]:
+        """The α's arrivals (`trace_seed`) asking for `models`: the client's record, and the run's row: latency,
+        throughput, tier hit rates and what the server's histograms observed during it."""
+        stats, registry = self.online.admission.stats, self.online.metrics.registry
+        tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in ("device", "host")]
+        loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s}) for s in AdapterStats.STAGES]
+        steps = histogram(registry, "jlora_step_seconds", {})
+        trace = np.random.default_rng(trace_seed)  # every N of an α: the same arrivals and lengths
+        record = send(client, self.url, args.rate, random_requests(trace, self.online.engine.model_config.vocab_size, models), trace)
+        row = summarize(record, args.max_batch)
+        for tier, (hits, misses) in zip(("device", "host"), tiers):
+            hits, misses = getattr(stats, f"{tier}_hits") - hits, getattr(stats, f"{tier}_misses") - misses
+            row[f"{tier}_hit_rate"] = hits / (hits + misses) if hits + misses else None
+        for stage, before in zip(AdapterStats.STAGES, loads):
+            row[stage] = histogram_delta(before, histogram(registry, "jlora_adapter_load_seconds", {"stage": stage}))
+        row["step"] = histogram_delta(steps, histogram(registry, "jlora_step_seconds", {}))
+        return record, row
 
 
 def save(args, device: str, rows: list[dict]) -> None:
@@ -258,6 +292,14 @@ def slot_writes(r: dict) -> str:
     return "-" if not w["count"] else f"{w['count']} p50 {w['p50_ms']:.1f} / p99 {w['p99_ms']:.1f} ms"
 
 
+def resident(r: dict) -> str:
+    """The table's three all-resident columns: the same arrivals' ITL p50 and p99 with no loads, and the ratio."""
+    c = r.get("control")
+    if c is None:
+        return "- | - | -"
+    return f"{c['itl_p50_ms']:.2f} | {c['itl_p99_ms']:.2f} | {r['itl_p99_ms'] / c['itl_p99_ms']:.2f}"
+
+
 def waits(r: dict) -> str:
     """p50 / p99 ms of the loads' waits for a loader thread and for a slot (rows saved before they were measured: -)."""
     q, w = r.get("queued"), r.get("slot_wait")
@@ -269,6 +311,9 @@ def waits(r: dict) -> str:
 
 def format_row(r: dict) -> str:
     d2h, h2d = r["disk_to_host"], r["host_to_device"]
+    c = r.get("control")
+    control = "" if c is None else (f"; all resident: ITL p50 {c['itl_p50_ms']:.2f} / p99 {c['itl_p99_ms']:.2f} ms, "
+                                    f"{c['tokens_per_s']:.0f} tok/s, device hits {rate(c['device_hit_rate'])}")
     return (f"alpha {r['alpha']:g} N {r['adapters']:5d} ({r['distinct']} used): {r['tokens_per_s']:6.0f} tok/s, "
             f"TTFT p50 {r['ttft_p50_ms']:.0f} / p99 {r['ttft_p99_ms']:.0f} ms (on disk: {r['cold_requests']} requests, "
             f"p50 {ms(r['cold_ttft_p50_ms'])} / p99 {ms(r['cold_ttft_p99_ms'])} ms; load + step p99 "
@@ -277,7 +322,7 @@ def format_row(r: dict) -> str:
             f"{ms(r['step']['p99_ms'])} ms, hits device {rate(r['device_hit_rate'])} host {rate(r['host_hit_rate'])}, "
             f"loads disk->host {d2h['count']} p50 {ms(d2h['p50_ms'])} / p99 {ms(d2h['p99_ms'])} ms, host->device "
             f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms, waits {waits(r)} ms, "
-            f"slot writes {slot_writes(r)}")
+            f"slot writes {slot_writes(r)}{control}")
 
 
 def write_table(result: dict, path: str) -> None:
@@ -291,8 +336,8 @@ def write_table(result: dict, path: str) -> None:
                 "| α | N | used | tok/s | vs fewest N | TTFT p50 ms | TTFT p99 ms | on disk: requests | TTFT p50 ms | "
                 "TTFT p99 ms | load + step p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 vs fewest N | device hits | host hits | "
                 "disk→host loads | p50 ms | p99 ms | host→device loads | p50 ms | p99 ms | waits p50 / p99 ms | "
-                "slot writes (host time) |\n"
-                f"|{'---|' * 24}\n")
+                "slot writes (host time) | all resident: ITL p50 ms | ITL p99 ms | ITL p99 vs all resident |\n"
+                f"|{'---|' * 27}\n")
         for r in result["rows"]:
             d2h, h2d = r["disk_to_host"], r["host_to_device"]
             f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['distinct']} | {r['tokens_per_s']:.0f} | "
@@ -302,7 +347,7 @@ def write_table(result: dict, path: str) -> None:
                     f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
                     f"{rate(r['device_hit_rate'])} | {rate(r['host_hit_rate'])} | {d2h['count']} | "
                     f"{ms(d2h['p50_ms'])} | {ms(d2h['p99_ms'])} | {h2d['count']} | {ms(h2d['p50_ms'])} | "
-                    f"{ms(h2d['p99_ms'])} | {waits(r)} | {slot_writes(r)} |\n")
+                    f"{ms(h2d['p99_ms'])} | {waits(r)} | {slot_writes(r)} | {resident(r)} |\n")
 
 
 def plot(result: dict, path: str) -> None:
