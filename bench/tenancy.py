@@ -190,8 +190,8 @@ def main() -> None:
         served, control = servers[0], (servers[1] if len(servers) > 1 else None)
         vocab = engines[0].model_config.vocab_size
         client = multiprocessing.get_context("spawn").Pool(1)
-        for server in servers:
-            compile_waves(client, server.url, rng, vocab, args.max_batch, ["a0", "base"])
+        for server, waves in zip(servers, (rng, np.random.default_rng(1))):  # (the control's: arrivals as without it)
+            compile_waves(client, server.url, waves, vocab, args.max_batch, ["a0", "base"])
         touched = {"a0"}
         for alpha in alphas:
             trace_seed = int(rng.integers(1 << 31))

@@ -62,15 +62,11 @@ class BaseWeights(Protocol):
         """(weight [K, N], bias [N] or None) of a layer's fused group; layer None, group "lm_head": [H, V]."""
 
 
-_GROUP = "group:"  # a fused group g an adapter targets is `_GROUP + g` in `AdapterPool._targeted`
-_OPTIONAL = frozenset({"scale", "shift", "rows", "rope"})  # the pool's optional parts, allocated when first needed
-
-
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="rank")
 def _write_slot(stacks: list[jax.Array], slot: jax.Array, new: list, *, rank: int) -> list[jax.Array]:
     """`stacks` ([L, ...] each) with slot `slot` set to `new`'s values, their A and B zero-padded from the
     adapter's rank bucket to the slots' `rank`; a None in `new` (a module the adapter does not target) is zeroed
-    on the device. One compilation per pattern of parts written and rank bucket."""
+    on the device. One compilation per set of parts the pool holds and rank bucket."""
     return [w.at[slot].set(jnp.zeros(w.shape[1:], w.dtype) if n is None
                            else _at_rank(n.astype(w.dtype), w.shape[1:], rank)) for w, n in zip(stacks, new)]
 
@@ -113,14 +109,6 @@ def _dora_factor(w, a, b, magnitude, mask, *, slice_sizes):
     return jnp.where(mask, magnitude / jnp.concatenate(norms), 1.0)
 
 
-def _without_slot_axis(stack: jax.Array) -> jax.sharding.Sharding:
-    """The sharding of one slot of a stacked [L, ...] array (the slot axis is never split)."""
-    sharding = stack.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
-    return sharding
-
-
 def _own(host: HostAdapter) -> HostAdapter:
     """The adapter with its small arrays (bias, magnitudes, rows) copied, so that neither the host tier nor the
     column factors keep a `ProcessReader`'s mapping alive once A and B are cast away from it (DoRA)."""
@@ -128,15 +116,6 @@ def _own(host: HostAdapter) -> HostAdapter:
                          for k, v in parts.items()}
     return dataclasses.replace(host, bias=own(host.bias), magnitude=own(host.magnitude),
                                embed_rows=own(host.embed_rows), lm_head_rows=own(host.lm_head_rows))
-
-
-@functools.lru_cache(maxsize=64)
-def _written(tree, targeted: frozenset[str]) -> tuple[int, ...]:
-    """The positions, among the leaves of pool weights of structure `tree`, of the stacks a slot write sets: those
-    of the parts some adapter has targeted (`targeted`) and the optional parts; the others are zero in every slot
-    and stay so. Flat lists spare each write the host time of rebuilding the weights part by part."""
-    indices = jax.tree.unflatten(tree, range(tree.num_leaves))
-    return tuple(jax.tree.leaves(AdapterPool._without_unused(indices, targeted | _OPTIONAL)))
 
 
 class AdapterPool:
@@ -169,11 +148,19 @@ class AdapterPool:
         self.dtype = dtype
         self.tp = tp  # a jlora.parallel.TensorParallel: weights in its layout, split over its mesh
         self.layout = config if tp is None else tp.layout
-        self.weights = self._placed(LoRAWeights.zeros(self.layout, max_loras, self.rank, dtype))
-        # where one slot's A and B go (`stage`): their stacks' shardings without the slot axis
-        self._slot_shardings = jax.tree.map(_without_slot_axis, (
-            tuple((layer.a, layer.b) for layer in self.weights.layers),
-            (self.weights.embed_a, self.weights.embed_b), (self.weights.lm_head_a, self.weights.lm_head_b)))
+        # Stacks of the groups (and embedding, lm_head) no adapter targets are not held: q_proj + v_proj adapters
+        # of an 8B model take 73 MB a slot at rank 64, every group 365 MB (`_allocate`).
+        self.weights = self._placed(LoRAWeights.zeros(self.layout, max_loras, self.rank, dtype, targets=()))
+        # where one slot's A and B go (`stage`), whether or not the pool holds their stacks yet: the stacks'
+        # shardings without the slot axis (never split)
+        if tp is None:
+            here = jnp.zeros((), dtype).sharding
+            at = jax.tree.map(lambda _: here, jax.eval_shape(lambda: LoRAWeights.zeros(self.layout, 1, 1, dtype)))
+        else:
+            at = jax.tree.map(lambda spec: jax.sharding.NamedSharding(tp.mesh, jax.sharding.PartitionSpec(*spec[1:])),
+                              tp.lora_specs())
+        self._slot_shardings = (tuple((layer.a, layer.b) for layer in at.layers), (at.embed_a, at.embed_b),
+                                (at.lm_head_a, at.lm_head_b))
         # where `stage` sends an adapter's bytes before splitting them: every device of the mesh, or (None) the
         # default device uncommitted, as the slots' stacks are, so a write leaves the step's inputs as they were
         # (a committed stack among uncommitted ones would compile the step again)
@@ -184,9 +171,6 @@ class AdapterPool:
         self.ranks = np.zeros(max_loras, np.int32)
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
-        # The groups (and embedding, lm_head) any adapter installed so far targeted: kept in the step after it
-        # leaves, so that residency churn never brings back a variant without them.
-        self._targeted: set[str] = set()
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
         self._generation: dict[str, int] = {}  # name -> the registration generation installed under it
         self.evictions = 0  # adapters evicted to make room, so far
@@ -197,29 +181,23 @@ class AdapterPool:
 
     @property
     def step_weights(self) -> LoRAWeights:
-        """The weights a step takes: the optional parts that no loaded adapter uses left out (None), and the
-        groups, embedding and lm_head that no adapter installed so far targeted (all but q|k|v, for adapters of
-        q_proj and v_proj only), so such a step compiles and runs as if they did not exist: no LoRA op for them.
-        Built once per change of the weights or the loaded adapters' features, not on every step."""
-        used = frozenset().union(*(self._features[s] for s in self._slots.values()), self._targeted)
+        """The weights a step takes: the optional parts that no loaded adapter uses left out (None), so a step
+        without them compiles and runs as if they did not exist. (The groups, embedding and lm_head that no
+        adapter installed so far targeted are not held at all: no LoRA op for them.) Built once per change of
+        the weights or the loaded adapters' features, not on every step."""
+        used = frozenset().union(*(self._features[s] for s in self._slots.values()))
         if self._step_cache is None or self._step_cache[0] is not self.weights or self._step_cache[1] != used:
             self._step_cache = (self.weights, used, self._without_unused(self.weights, used))
         return self._step_cache[2]
 
     @staticmethod
     def _without_unused(w: LoRAWeights, used: frozenset[str]) -> LoRAWeights:
-        def targeted(parts: dict | None, on: bool = True) -> dict | None:
-            return None if parts is None or not on else {g: x for g, x in parts.items() if _GROUP + g in used}
-
-        lm_head = "lm_head" in used
+        """`w` without the optional parts ("scale", "shift", "rows", "rope") not in `used`."""
+        lm_head = w.lm_head_a is not None
         return dataclasses.replace(
             w,
-            layers=tuple(LayerLoRA(targeted(layer.a), targeted(layer.b), targeted(layer.scale, "scale" in used),
-                                   targeted(layer.shift, "shift" in used)) for layer in w.layers),
-            embed_a=w.embed_a if "embed" in used else None,
-            embed_b=w.embed_b if "embed" in used else None,
-            lm_head_a=w.lm_head_a if lm_head else None,
-            lm_head_b=w.lm_head_b if lm_head else None,
+            layers=tuple(dataclasses.replace(layer, scale=layer.scale if "scale" in used else None,
+                                             shift=layer.shift if "shift" in used else None) for layer in w.layers),
             lm_head_scale=w.lm_head_scale if lm_head and "scale" in used else None,
             lm_head_shift=w.lm_head_shift if lm_head and "shift" in used else None,
             rows=w.rows if "rows" in used else None,
@@ -333,18 +311,13 @@ class AdapterPool:
         features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
                                              ("rows", host.embed_rows or host.lm_head_rows),
                                              ("rope", host.rope_factor != 1.0)] if on)
-        self._targeted |= {_GROUP + g for layer in host.layers for g in layer}
-        self._targeted |= {name for name, part in [("embed", host.embed), ("lm_head", host.lm_head)]
-                           if part is not None}
+        targets = frozenset(g for layer in host.layers for g in layer) | frozenset(
+            part for part, parts in [("embed", host.embed), ("lm_head", host.lm_head)] if parts is not None)
         slot = self._free_slot(name)
-        self._allocate(features)
+        self._allocate(features, targets)
         stacks, tree = jax.tree.flatten(self.weights)
         values = tree.flatten_up_to(self._slot_values(host, scale, shift))
-        written = _written(tree, frozenset(self._targeted))
-        for i, x in zip(written, _write_slot([stacks[i] for i in written], np.int32(slot),
-                                             [values[i] for i in written], rank=self.rank)):
-            stacks[i] = x
-        self.weights = jax.tree.unflatten(tree, stacks)
+        self.weights = jax.tree.unflatten(tree, _write_slot(stacks, np.int32(slot), values, rank=self.rank))
         self.ranks[slot] = host.rank
         self.added[slot] = host.added
         self._features[slot] = features
@@ -392,25 +365,39 @@ class AdapterPool:
                 shift[key] = factor * lora_bias + kept
         return scale or None, shift or None
 
-    def _allocate(self, features: frozenset[str]) -> None:
-        """Adds the optional parts `features` needs that the pool does not hold yet (one recompilation of the
-        steps that use them, when a first adapter needs them)."""
+    def _allocate(self, features: frozenset[str], targets: frozenset[str]) -> None:
+        """Adds what an adapter needs that the pool does not hold yet, zero (or neutral) in every slot: the stacks
+        of the groups, embedding and lm_head in `targets`, and the optional parts `features` names. One
+        recompilation of the steps, when an adapter is the first to need them; what no adapter needs takes no
+        memory."""
         w, num, widths = self.weights, self.num_slots, self._widths()
         const = lambda value, *shape, dtype=self.dtype: jnp.full(shape, value, dtype)
         v, h, e = self.layout.vocab_size, self.layout.hidden_size, self.max_extra_vocab
-        new = {}
-        if "scale" in features and w.lm_head_scale is None:
-            new["scale"] = 1.0
-        if "shift" in features and w.lm_head_shift is None:
-            new["shift"] = 0.0
-        if not new and ("rows" not in features or w.rows is not None) and ("rope" not in features
-                                                                           or w.rope_factor is not None):
+        held = frozenset(w.layers[0].a if w.layers else ()) | frozenset(
+            part for part, x in [("embed", w.embed_a), ("lm_head", w.lm_head_a)] if x is not None)
+        new = {f for f in ("scale", "shift") if f in features and getattr(w, f"lm_head_{f}") is None}
+        if targets <= held and not new and ("rows" not in features or w.rows is not None) and (
+                "rope" not in features or w.rope_factor is not None):
             return
-        layers = tuple(dataclasses.replace(layer, **{f: {g: const(x, num, n, dtype=jnp.float32)
-                                                         for g, n in widths.items()} for f, x in new.items()})
-                       for layer in w.layers)
+        added = LoRAWeights.zeros(self.layout, num, self.rank, self.dtype, targets=targets - held)
+
+        def columns(parts: dict | None, f: str, groups) -> dict | None:  # a column affine over `groups`
+            if parts is None and f not in new:
+                return None
+            value = 1.0 if f == "scale" else 0.0
+            return {g: parts[g] if parts and g in parts else const(value, num, widths[g], dtype=jnp.float32)
+                    for g in groups}
+
+        layers = []
+        for layer, extra in zip(w.layers, added.layers):
+            a, b = {**layer.a, **extra.a}, {**layer.b, **extra.b}
+            layers.append(LayerLoRA(a, b, columns(layer.scale, "scale", a), columns(layer.shift, "shift", a)))
         self.weights = self._placed(dataclasses.replace(
-            w, layers=layers,
+            w, layers=tuple(layers),
+            embed_a=added.embed_a if w.embed_a is None else w.embed_a,
+            embed_b=added.embed_b if w.embed_b is None else w.embed_b,
+            lm_head_a=added.lm_head_a if w.lm_head_a is None else w.lm_head_a,
+            lm_head_b=added.lm_head_b if w.lm_head_b is None else w.lm_head_b,
             lm_head_scale=const(1.0, num, v, dtype=jnp.float32) if "scale" in new else w.lm_head_scale,
             lm_head_shift=const(0.0, num, v, dtype=jnp.float32) if "shift" in new else w.lm_head_shift,
             rows=(RowOverrides(const(-1, num, e, dtype=jnp.int32), const(0, num, e, h), const(-1, num, e, dtype=jnp.int32),
@@ -432,13 +419,13 @@ class AdapterPool:
             return np.full(width, neutral, np.float32) if values is None or key not in values else values[key]
 
         layers = tuple(
-            LayerLoRA(a={g: layer[g][0] if g in layer else None for g in widths},
-                      b={g: layer[g][1] if g in layer else None for g in widths},
-                      scale=None if w.layers[i].scale is None else {g: column(scale, (i, g), n, 1.0)
-                                                                    for g, n in widths.items()},
-                      shift=None if w.layers[i].shift is None else {g: column(shift, (i, g), n, 0.0)
-                                                                    for g, n in widths.items()})
-            for i, layer in enumerate(host.layers))
+            LayerLoRA(a={g: layer[g][0] if g in layer else None for g in held.a},
+                      b={g: layer[g][1] if g in layer else None for g in held.a},
+                      scale=None if held.scale is None else {g: column(scale, (i, g), widths[g], 1.0)
+                                                             for g in held.scale},
+                      shift=None if held.shift is None else {g: column(shift, (i, g), widths[g], 0.0)
+                                                             for g in held.shift})
+            for i, (layer, held) in enumerate(zip(host.layers, w.layers)))
 
         def overrides(rows: dict[int, np.ndarray]):
             ids, values = np.full(e, -1, np.int32), np.zeros((e, h), np.float32)
@@ -449,9 +436,12 @@ class AdapterPool:
         rows = None
         if w.rows is not None:
             rows = RowOverrides(*overrides(host.embed_rows), *overrides(host.lm_head_rows))
-        embed, lm_head = host.embed or (None, None), host.lm_head or (None, None)
+        embed, lm_head = host.embed or (None, None), host.lm_head or (None, None)  # None where held: zeroed
         return LoRAWeights(
-            layers=layers, embed_a=embed[0], embed_b=embed[1], lm_head_a=lm_head[0], lm_head_b=lm_head[1],
+            layers=layers, embed_a=embed[0] if w.embed_a is not None else None,
+            embed_b=embed[1] if w.embed_b is not None else None,
+            lm_head_a=lm_head[0] if w.lm_head_a is not None else None,
+            lm_head_b=lm_head[1] if w.lm_head_b is not None else None,
             lm_head_scale=None if w.lm_head_scale is None else column(scale, (None, "lm_head"), v, 1.0),
             lm_head_shift=None if w.lm_head_shift is None else column(shift, (None, "lm_head"), v, 0.0),
             rows=rows, rope_factor=None if w.rope_factor is None else np.float32(host.rope_factor))

@@ -72,23 +72,33 @@ class LoRAWeights:
     column affine, row overrides, and the LongLoRA RoPE factor per slot [L] f32."""
 
     layers: tuple[LayerLoRA, ...]
-    embed_a: jax.Array  # [L, R, V] lora_embedding_A
-    embed_b: jax.Array  # [L, H, R] lora_embedding_B (scaled)
-    lm_head_a: jax.Array  # [L, R, H]
-    lm_head_b: jax.Array  # [L, V, R] (scaled)
+    embed_a: jax.Array | None  # [L, R, V] lora_embedding_A (None: no adapter targets the embedding)
+    embed_b: jax.Array | None  # [L, H, R] lora_embedding_B (scaled)
+    lm_head_a: jax.Array | None  # [L, R, H] (None: no adapter targets the lm_head)
+    lm_head_b: jax.Array | None  # [L, V, R] (scaled)
     lm_head_scale: jax.Array | None = None  # [L, V]
     lm_head_shift: jax.Array | None = None  # [L, V]
     rows: RowOverrides | None = None
     rope_factor: jax.Array | None = None  # [L]
 
     @staticmethod
-    def zeros(config: ModelConfig, num_slots: int, rank: int, dtype) -> LoRAWeights:
-        """Empty slots: every weight zero, no optional part."""
+    def zeros(config: ModelConfig, num_slots: int, rank: int, dtype, targets=None) -> LoRAWeights:
+        """Empty slots: every weight zero, no optional part; only the groups (and "embed", "lm_head") in
+        `targets` when given, the others absent (an empty dict, None), as no adapter targets them."""
         z = lambda *shape: jnp.zeros(shape, dtype)
-        groups = module_shapes(config)
+        held = lambda part: targets is None or part in targets
+        groups = {g: shape for g, shape in module_shapes(config).items() if held(g)}
         layer = lambda: LayerLoRA(
             a={g: z(num_slots, len(outs) * rank, k) for g, (k, outs) in groups.items()},
             b={g: z(num_slots, sum(n for _, n in outs), rank) for g, (k, outs) in groups.items()},
+        )
+        v, h = config.vocab_size, config.hidden_size
+        return LoRAWeights(
+            layers=tuple(layer() for _ in range(config.num_layers)),
+            embed_a=z(num_slots, rank, v) if held("embed") else None,
+            embed_b=z(num_slots, h, rank) if held("embed") else None,
+            lm_head_a=z(num_slots, rank, h) if held("lm_head") else None,
+            lm_head_b=z(num_slots, v, rank) if held("lm_head") else None,
         )
         v, h = config.vocab_size, config.hidden_size
         return LoRAWeights(

@@ -242,7 +242,7 @@ def test_a_step_runs_only_the_parts_adapters_target(tmp_path, model_dir):
 def test_an_adapter_written_over_one_that_targeted_more_zeroes_the_rest_of_its_slot(tmp_path, model_dir):
     """One slot: an adapter of every linear module, the embedding and the lm_head, then one of q_proj and v_proj
     written over it. The slot's other parts are zeros and the second adapter's logits are those of a fresh engine
-    that only ever held it; the stacks no adapter targeted stay out of the write (`_written`)."""
+    that only ever held it."""
     from jlora.adapters.peft import LINEAR_MODULES
 
     testing.write_adapter(str(tmp_path / "all"), CFG, r=4, alpha=8, seed=1, target_modules=LINEAR_MODULES,
@@ -262,6 +262,37 @@ def test_an_adapter_written_over_one_that_targeted_more_zeroes_the_rest_of_its_s
     prompts = [[1, 2, 3, 4], [5, 6]]
     for x, y in zip(engine.prefill_logits(prompts, ["qv", "qv"]), fresh.prefill_logits(prompts, ["qv", "qv"])):
         np.testing.assert_array_equal(x, y)
+
+
+def test_the_pool_holds_only_the_parts_some_adapter_targeted(tmp_path, model_dir):
+    """A fresh pool holds no stacks; a q_proj + v_proj adapter adds q|k|v's alone; a later adapter of every
+    linear module, the embedding and the lm_head adds the rest, zero in the first adapter's slot, whose logits
+    stay bit for bit what they were, and what an engine that only ever held it gives."""
+    from jlora.adapters.peft import LINEAR_MODULES
+
+    testing.write_adapter(str(tmp_path / "qv"), CFG, r=4, alpha=8, seed=2)
+    testing.write_adapter(str(tmp_path / "all"), CFG, r=4, alpha=8, seed=1, target_modules=LINEAR_MODULES,
+                          embeddings=True, lm_head=True)
+    engine, fresh = _engine(model_dir, max_loras=2), _engine(model_dir, max_loras=1)
+    held = lambda: (sorted(engine.pool.weights.layers[0].a), engine.pool.weights.embed_a is not None,
+                    engine.pool.weights.lm_head_a is not None)
+    assert held() == ([], False, False) and not jax.tree.leaves(engine.pool.weights)
+    engine.load_adapter("qv", str(tmp_path / "qv"))
+    assert held() == (["qkv"], False, False)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    before = engine.prefill_logits(prompts, ["qv", "qv"])
+    engine.load_adapter("all", str(tmp_path / "all"))
+    assert held() == (["down", "gate_up", "o", "qkv"], True, True)
+    slot = engine.pool.slot("qv")
+    w = engine.pool.weights
+    for layer in w.layers:
+        for g in ("o", "gate_up", "down"):
+            assert not np.asarray(layer.a[g][slot]).any() and not np.asarray(layer.b[g][slot]).any(), g
+    assert not any(np.asarray(x[slot]).any() for x in (w.embed_a, w.embed_b, w.lm_head_a, w.lm_head_b))
+    fresh.load_adapter("qv", str(tmp_path / "qv"))
+    for x, y, z in zip(engine.prefill_logits(prompts, ["qv", "qv"]), before, fresh.prefill_logits(prompts, ["qv", "qv"])):
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(x, z)
 
 
 def test_an_adapter_is_held_and_copied_at_its_rank_bucket_and_written_at_the_slots(tmp_path, model_dir):
