@@ -167,7 +167,10 @@ def start_server(app) -> tuple[Callable[[], None], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # keep-alive past any gap between arrivals: a connection the server closes after its idle timeout (5 s by
+    # default) just as the client sends on it again fails that request (httpx.ReadError)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=600))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
