@@ -260,14 +260,15 @@ def test_an_adapter_written_over_one_that_targeted_more_zeroes_the_rest_of_its_s
     assert not any(np.asarray(x[0]).any() for x in (w.embed_a, w.embed_b, w.lm_head_a, w.lm_head_b))
     fresh.load_adapter("qv", str(tmp_path / "qv"))
     prompts = [[1, 2, 3, 4], [5, 6]]
+    # (a step that holds more groups compiles to other fusions: on the GPU equal within float32 rounding)
     for x, y in zip(engine.prefill_logits(prompts, ["qv", "qv"]), fresh.prefill_logits(prompts, ["qv", "qv"])):
-        np.testing.assert_array_equal(x, y)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_the_pool_holds_only_the_parts_some_adapter_targeted(tmp_path, model_dir):
     """A fresh pool holds no stacks; a q_proj + v_proj adapter adds q|k|v's alone; a later adapter of every
     linear module, the embedding and the lm_head adds the rest, zero in the first adapter's slot, whose logits
-    stay bit for bit what they were, and what an engine that only ever held it gives."""
+    stay what they were, and what an engine that only ever held it gives."""
     from jlora.adapters.peft import LINEAR_MODULES
 
     testing.write_adapter(str(tmp_path / "qv"), CFG, r=4, alpha=8, seed=2)
@@ -290,9 +291,10 @@ def test_the_pool_holds_only_the_parts_some_adapter_targeted(tmp_path, model_dir
             assert not np.asarray(layer.a[g][slot]).any() and not np.asarray(layer.b[g][slot]).any(), g
     assert not any(np.asarray(x[slot]).any() for x in (w.embed_a, w.embed_b, w.lm_head_a, w.lm_head_b))
     fresh.load_adapter("qv", str(tmp_path / "qv"))
+    # (a step that holds more groups compiles to other fusions: on the GPU equal within float32 rounding)
     for x, y, z in zip(engine.prefill_logits(prompts, ["qv", "qv"]), before, fresh.prefill_logits(prompts, ["qv", "qv"])):
-        np.testing.assert_array_equal(x, y)
-        np.testing.assert_array_equal(x, z)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(x, z, rtol=1e-5, atol=1e-5)
 
 
 def test_an_adapter_is_held_and_copied_at_its_rank_bucket_and_written_at_the_slots(tmp_path, model_dir):
