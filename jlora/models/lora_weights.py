@@ -3,7 +3,8 @@
 Every target module's weights are stacked over the `L` adapter slots and zero-padded to the pool's rank
 R (a power of two >= 16, the kernels' rank): A [L, S·R, K] and B [L, N, R]. The adapter's scaling (alpha / r,
 or alpha / sqrt(r) with rsLoRA, per module under rank_pattern / alpha_pattern) is folded into B at load
-time, so `LoRABatchInfo.scalings` is 1 for every slot; a module an adapter does not target is all zeros.
+time, so `LoRABatchInfo.scalings` is 1 for every slot; a module an adapter does not target is all zeros, and a
+group (or the embedding, the lm_head) that no adapter in the pool targets is not held at all.
 """
 
 from __future__ import annotations
