@@ -7,7 +7,8 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   the device). Requests for the same adapter share one load. At most `max_loads` loads are under way or
   staged on the device and not yet installed, started in the waiting requests' order: a staged copy holds
   device memory until a slot takes it. A load that fails fails its requests ("failed", the loader's message)
-  and every later one for the same registration, without retrying.
+  and every later one for the same registration, without retrying; so does a slot write that fails (the
+  device's memory for a part no adapter targeted before), which evicts nothing.
 - **Slot writes while a step runs.** `poll` writes a staged adapter into a free slot or the slot of the least
   recently used idle adapter (`AdapterPool.install`: one jitted write of device memory), one per poll: a
   write costs the loop a few milliseconds of host time, and a burst of finished loads must not stall one step
@@ -229,6 +230,13 @@ class Admission:
         try:
             self.pool.install(entry.name, future.result(), entry.generation)
         except PoolFullError:
+            return False
+        except Exception as err:  # the device out of memory for a part no adapter targeted before, say
+            reason = f"{type(err).__name__}: {err}"
+            logger.warning("adapter %r cannot be written into a slot: %s", entry.name, reason)
+            self.registry.fail(entry, f"adapter {entry.name!r} cannot be written into a slot: {reason}")
+            del self._loads[entry.generation]  # the next poll ends its requests; not retried
+            self._staged_at.pop(entry.generation, None)
             return False
         self.stats.slot_write.append(time.monotonic() - start)
         self.stats.slot_wait.append(start - self._staged_at.pop(entry.generation, start))

@@ -329,3 +329,39 @@ def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, res
         assert not online.admission._loads and "slow" not in engine.resident_adapters
     finally:
         online.stop()
+
+
+def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_own_requests_once(root, monkeypatch):
+    """A slot write that raises (as when the device runs out of memory for a part no adapter targeted before)
+    fails that adapter's requests with the reason, evicts nothing, is not retried, and the others run."""
+    from jlora.adapters.pool import AdapterPool
+
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8, progress=False)
+    for name in ("a00", "a01"):  # q_proj + v_proj; every linear module
+        engine.register_adapter(name, str(root / "lib" / name))
+    allocate = AdapterPool._allocate
+
+    def out_of_memory(pool, features, targets):
+        if "o" in targets:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 365 MB")
+        return allocate(pool, features, targets)
+
+    monkeypatch.setattr(AdapterPool, "_allocate", out_of_memory)
+    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader)
+    admitted, ok, bad = [], Request([1, 2], -1, 2), Request([1, 2], -1, 2)
+    admission.submit(ok, "a00")
+    admission.poll(admitted.append)
+    _wait_for_loads(admission)
+    admission.poll(admitted.append)
+    assert admitted == [ok] and engine.resident_adapters == ["a00"]
+    admission.submit(bad, "a01")
+    for _ in range(3):
+        admission.poll(admitted.append)
+        _wait_for_loads(admission)
+    assert admitted == [ok] and bad.finish == "failed"
+    assert "'a01' cannot be written into a slot" in bad.error and "RESOURCE_EXHAUSTED" in bad.error
+    assert engine.resident_adapters == ["a00"] and sorted(engine.pool.weights.layers[0].a) == ["qkv"]
+    again = Request([1, 2], -1, 2)
+    admission.submit(again, "a01")
+    admission.poll(admitted.append)
+    assert again.finish == "failed" and again.error == bad.error and not admission._loads  # not loaded again

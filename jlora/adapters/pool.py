@@ -313,8 +313,8 @@ class AdapterPool:
                                              ("rope", host.rope_factor != 1.0)] if on)
         targets = frozenset(g for layer in host.layers for g in layer) | frozenset(
             part for part, parts in [("embed", host.embed), ("lm_head", host.lm_head)] if parts is not None)
+        self._allocate(features, targets)  # first: a failure (the device's memory) evicts no adapter
         slot = self._free_slot(name)
-        self._allocate(features, targets)
         stacks, tree = jax.tree.flatten(self.weights)
         values = tree.flatten_up_to(self._slot_values(host, scale, shift))
         self.weights = jax.tree.unflatten(tree, _write_slot(stacks, np.int32(slot), values, rank=self.rank))
