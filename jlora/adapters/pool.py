@@ -151,6 +151,7 @@ class AdapterPool:
         # Stacks of the groups (and embedding, lm_head) no adapter targets are not held: q_proj + v_proj adapters
         # of an 8B model take 73 MB a slot at rank 64, every group 365 MB (`_allocate`).
         self.weights = self._placed(LoRAWeights.zeros(self.layout, max_loras, self.rank, dtype, targets=()))
+        self.nbytes = 0  # what the slots' stacks hold on the device(s), all shards together (`_allocate`)
         # where one slot's A and B go (`stage`), whether or not the pool holds their stacks yet: the stacks'
         # shardings without the slot axis (never split)
         if tp is None:
@@ -404,6 +405,7 @@ class AdapterPool:
                                const(0, num, e, h)) if "rows" in features and w.rows is None else w.rows),
             rope_factor=const(1.0, num, dtype=jnp.float32) if "rope" in features and w.rope_factor is None
             else w.rope_factor))
+        self.nbytes = sum(x.nbytes for x in jax.tree.leaves(self.weights))
 
     def _widths(self) -> dict[str, int]:
         """Each fused group's output columns N, in the pool's layout."""

@@ -58,6 +58,9 @@ class Metrics:
         self.resident = Gauge("jlora_adapters_resident", "Adapters in device slots", registry=r)
         self.host_adapters = Gauge("jlora_adapters_host", "Adapters in the host tier", registry=r)
         self.registered = Gauge("jlora_adapters_registered", "Adapters registered", registry=r)
+        self.slot_bytes = Gauge("jlora_adapter_slots_bytes", "Device memory the adapter slots hold (all devices "
+                                "together): the modules some adapter targets, grown when one first targets another",
+                                registry=r)
         self._counted = AdapterStats()  # what the counters hold so far
         self._evictions = 0
 
@@ -80,6 +83,7 @@ class Metrics:
         self.resident.set(len(engine.pool.names))
         self.host_adapters.set(len(engine.host))
         self.registered.set(len(engine.registry))
+        self.slot_bytes.set(engine.pool.nbytes)
 
     def finished(self, request: Request, adapter: str | None, arrival: float) -> None:
         """Counts a request that ended (called once, on the engine thread)."""

@@ -277,9 +277,12 @@ def test_the_pool_holds_only_the_parts_some_adapter_targeted(tmp_path, model_dir
     engine, fresh = _engine(model_dir, max_loras=2), _engine(model_dir, max_loras=1)
     held = lambda: (sorted(engine.pool.weights.layers[0].a), engine.pool.weights.embed_a is not None,
                     engine.pool.weights.lm_head_a is not None)
-    assert held() == ([], False, False) and not jax.tree.leaves(engine.pool.weights)
+    assert held() == ([], False, False) and not jax.tree.leaves(engine.pool.weights) and engine.pool.nbytes == 0
     engine.load_adapter("qv", str(tmp_path / "qv"))
     assert held() == (["qkv"], False, False)
+    r, h, d = engine.pool.rank, CFG["hidden_size"], CFG["hidden_size"] // CFG["num_attention_heads"]
+    q_kv_v = (CFG["num_attention_heads"] + 2 * CFG["num_key_value_heads"]) * d
+    assert engine.pool.nbytes == CFG["num_hidden_layers"] * 2 * (3 * r * h + q_kv_v * r) * 4  # 2 slots, float32
     prompts = [[1, 2, 3, 4], [5, 6]]
     before = engine.prefill_logits(prompts, ["qv", "qv"])
     engine.load_adapter("all", str(tmp_path / "all"))

@@ -74,6 +74,7 @@ def test_many_adapters_over_two_slots_equal_the_resident_engine(server, root):
     assert metric(server, 'jlora_adapter_load_seconds_count{stage="queued"}') >= 8
     assert metric(server, 'jlora_adapter_load_seconds_count{stage="slot_wait"}') >= 8
     assert metric(server, "jlora_adapters_registered") == 105 and metric(server, "jlora_adapters_resident") <= 2
+    assert metric(server, "jlora_adapter_slots_bytes") > 0
     assert metric(server, "jlora_requests_running") == 0
 
 
