@@ -101,11 +101,3 @@ class LoRAWeights:
             lm_head_a=z(num_slots, rank, h) if held("lm_head") else None,
             lm_head_b=z(num_slots, v, rank) if held("lm_head") else None,
         )
-        v, h = config.vocab_size, config.hidden_size
-        return LoRAWeights(
-            layers=tuple(layer() for _ in range(config.num_layers)),
-            embed_a=z(num_slots, rank, v),
-            embed_b=z(num_slots, h, rank),
-            lm_head_a=z(num_slots, rank, h),
-            lm_head_b=z(num_slots, v, rank),
-        )
