@@ -22,8 +22,8 @@ same batches with no loads, so a ratio against it isolates what loads cost from 
 adapters per batch costs. Table (tenancy.md), JSON and a plot (tenancy.png).
 
   python bench/tenancy.py [--adapters 32,128,512,1000] [--alphas 1,0.5] [--rate 16] [--requests 384]
-                          [--max-loras 32] [--control-slots 0] [--max-cpu-loras 128] [--adapter-readers 4] [--max-batch 32]
-                          [--out bench/results] [--tiny]
+                          [--max-loras 32] [--control-slots 0] [--max-cpu-loras 128] [--adapter-readers 4]
+                          [--max-batch 32] [--out bench/results] [--tiny]
 """
 
 from __future__ import annotations
@@ -216,7 +216,10 @@ def main() -> None:
                 d2h, h2d = row["disk_to_host"]["p99_ms"], row["host_to_device"]["p99_ms"]
                 # what the target bounds an on-disk request's TTFT p99 by: a load, then one step
                 row["load_plus_step_ms"] = None if d2h is None else d2h + (h2d or 0.0) + row["itl_p99_ms"]
-                if control is not None and len(set(models)) <= args.control_slots:
+                if control is not None and len(set(models)) > args.control_slots:
+                    print(f"# no all-resident run: {len(set(models))} adapters used, {args.control_slots} slots",
+                          flush=True)
+                elif control is not None:
                     # the same arrivals with every adapter they ask for resident beforehand: no loads
                     wave = sorted(set(models))
                     send(client, control.url, float("inf"), random_requests(np.random.default_rng(n), vocab, wave),
@@ -248,7 +251,8 @@ class Server:
         loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s}) for s in AdapterStats.STAGES]
         steps = histogram(registry, "jlora_step_seconds", {})
         trace = np.random.default_rng(trace_seed)  # every N of an α: the same arrivals and lengths
-        record = send(client, self.url, args.rate, random_requests(trace, self.online.engine.model_config.vocab_size, models), trace)
+        vocab = self.online.engine.model_config.vocab_size
+        record = send(client, self.url, args.rate, random_requests(trace, vocab, models), trace)
         row = summarize(record, args.max_batch)
         for tier, (hits, misses) in zip(("device", "host"), tiers):
             hits, misses = getattr(stats, f"{tier}_hits") - hits, getattr(stats, f"{tier}_misses") - misses

@@ -295,7 +295,8 @@ def test_the_pool_holds_only_the_parts_some_adapter_targeted(tmp_path, model_dir
     assert not any(np.asarray(x[slot]).any() for x in (w.embed_a, w.embed_b, w.lm_head_a, w.lm_head_b))
     fresh.load_adapter("qv", str(tmp_path / "qv"))
     # (a step that holds more groups compiles to other fusions: on the GPU equal within float32 rounding)
-    for x, y, z in zip(engine.prefill_logits(prompts, ["qv", "qv"]), before, fresh.prefill_logits(prompts, ["qv", "qv"])):
+    after, alone = engine.prefill_logits(prompts, ["qv", "qv"]), fresh.prefill_logits(prompts, ["qv", "qv"])
+    for x, y, z in zip(after, before, alone):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(x, z, rtol=1e-5, atol=1e-5)
 
