@@ -343,7 +343,7 @@ def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_own_requests_on
 
     def out_of_memory(pool, features, targets):
         if "o" in targets:
-            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 365 MB")
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 369 MB")
         return allocate(pool, features, targets)
 
     monkeypatch.setattr(AdapterPool, "_allocate", out_of_memory)

@@ -149,7 +149,7 @@ class AdapterPool:
         self.tp = tp  # a jlora.parallel.TensorParallel: weights in its layout, split over its mesh
         self.layout = config if tp is None else tp.layout
         # Stacks of the groups (and embedding, lm_head) no adapter targets are not held: q_proj + v_proj adapters
-        # of an 8B model take 73 MB a slot at rank 64, every group 365 MB (`_allocate`).
+        # of an 8B model take 75 MB a slot at rank 64, every part 369 MB (`_allocate`).
         self.weights = self._placed(LoRAWeights.zeros(self.layout, max_loras, self.rank, dtype, targets=()))
         self.nbytes = 0  # what the slots' stacks hold on the device(s), all shards together (`_allocate`)
         # where one slot's A and B go (`stage`), whether or not the pool holds their stacks yet: the stacks'
