@@ -294,6 +294,30 @@ def test_a_slot_rewritten_while_a_step_that_read_it_is_in_flight(root, resident)
     assert request.out == again.out
 
 
+def test_an_adapter_of_new_modules_written_while_a_step_is_in_flight(root, resident):
+    """A q_proj + v_proj adapter's request decodes; with its step in flight, an adapter of every linear module is
+    written into the other slot, so the pool first adds the modules no adapter had targeted. The running request's
+    tokens are those of its adapter alone, and the new adapter's are too."""
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8,
+                                    progress=False)
+    engine.load_adapter("a00", str(root / "lib" / "a00"))
+    assert sorted(engine.pool.weights.layers[0].a) == ["qkv"]
+    new = engine.pool.stage(engine.pool.prepare(str(root / "lib" / "a01")))
+    first = Request([5, 6, 7], engine.pool.slot("a00"), 6)
+    batcher = Batcher(engine.runner, 2, bucket(16, 16))
+    batcher.add(first)
+    for _ in range(3):  # the prompt, then two decode steps: the third is in flight
+        batcher.step()
+    assert batcher.in_flight is not None and len(first.out) == 2
+    second = Request([1, 2], engine.pool.install("a01", new), 4)
+    assert sorted(engine.pool.weights.layers[0].a) == ["down", "gate_up", "o", "qkv"]
+    batcher.add(second)
+    while batcher.busy:
+        batcher.step()
+    want = _truth(resident, [([5, 6, 7], "a00", 6, 0.0, 0), ([1, 2], "a01", 4, 0.0, 0)])
+    assert [first.out, second.out] == want
+
+
 def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, resident, monkeypatch):
     """An adapter unloaded and registered again under its name serves the new weights; a request cancelled
     while its adapter loads leaves no load behind."""
