@@ -70,6 +70,9 @@ class HostAdapter:
     lm_head_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     added: int = 0  # tokens past the base vocabulary (ids V .. V + added - 1)
     rope_factor: float = 1.0  # LongLoRA: positions divided by this for the adapter's tokens
+    # (layer, group) -> the indices of the fused group's modules it targets, where it targets some but not all
+    # (q_proj and v_proj of q|k|v): the others' slices of A and B are zero, and the copy to the device skips them
+    slices: dict[tuple[int, str], tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def with_dtype(self, dtype) -> HostAdapter:
         """The adapter with its A and B in `dtype` (as a slot stores them: rounding on the host is the device's
@@ -267,6 +270,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     ranks = [kinds["A"].shape[0] for kinds in parts.values() if "A" in kinds and kinds["A"].ndim == 2]
     h, v, r_pad = config.hidden_size, config.vocab_size, rank_bucket(max(ranks, default=1), padded_rank)
     layers: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(config.num_layers)]  # targeted only
+    targeted: dict[tuple[int, str], set[int]] = {}  # (layer, group) -> the indices of its modules with weights
     embed = lm_head = None
     bias: dict[tuple[int | None, str], np.ndarray] = {}
     magnitude: dict[tuple[int | None, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -345,6 +349,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                 layers[layer][group] = (np.zeros((len(outs) * r_pad, k), dtype),
                                         np.zeros((sum(m for _, m in outs), r_pad), dtype))
             ga, gb = layers[layer][group]
+            targeted.setdefault((layer, group), set()).add(i)
             col = sum(m for _, m in outs[:i])
             ga[i * r_pad : i * r_pad + rank] = as_dtype(a, dtype)
             gb[col : col + n, :rank] = as_dtype(scale * _float32(b), dtype)
@@ -369,7 +374,9 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
         raise AdapterError(f"{adapter_dir}: adapter_model.safetensors holds no LoRA weights")
     return HostAdapter(rank=rank_used, layers=tuple(layers), embed=embed, lm_head=lm_head, bias=bias,
                        magnitude=magnitude, embed_rows=embed_rows, lm_head_rows=lm_head_rows, added=added,
-                       rope_factor=_rope_factor(adapter_dir, cfg, config, max_seq_len))
+                       rope_factor=_rope_factor(adapter_dir, cfg, config, max_seq_len),
+                       slices={key: tuple(sorted(modules)) for key, modules in targeted.items()
+                               if len(modules) < len(groups[key[1]][1])})
 
 
 def _vector(adapter_dir: str, module: str, what: str, value: np.ndarray, n: int, scale: float = 1.0) -> np.ndarray:

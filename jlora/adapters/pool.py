@@ -83,17 +83,21 @@ def _at_rank(x: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
     return jnp.pad(a, ((0, 0), (0, rank - a.shape[1]), (0, 0))).reshape(shape)
 
 
-@functools.partial(jax.jit, static_argnames=("shapes", "dtype", "shardings"))
-def _unpacked(flat: jax.Array, *, shapes, dtype, shardings) -> list[jax.Array]:
-    """The arrays of `shapes` in `dtype` laid end to end in `flat` [n] (their bits, as unsigned integers of
-    `dtype`'s width), each placed at its sharding over a mesh (a slice of `flat`, a copy on every device, on each
-    device); on one device they stay where `flat` is, uncommitted as it is."""
+@functools.partial(jax.jit, static_argnames=("shapes", "rows", "dtype", "shardings"))
+def _unpacked(flat: jax.Array, *, shapes, rows, dtype, shardings) -> list[jax.Array]:
+    """The arrays of `shapes` in `dtype` from `flat` [n] (bits, as unsigned integers of `dtype`'s width), which
+    holds of each array, end to end, its row ranges `rows` ((start, stop), ...), the other rows zero; each placed
+    at its sharding over a mesh (a slice of `flat`, a copy on every device, on each device); on one device they
+    stay where `flat` is, uncommitted as it is."""
     out, start = [], 0
-    for shape, at in zip(shapes, shardings):
-        size = math.prod(shape)
-        x = jax.lax.bitcast_convert_type(flat[start : start + size], dtype).reshape(shape)
+    for shape, ranges, at in zip(shapes, rows, shardings):
+        x = jnp.zeros(shape, dtype)
+        for first, stop in ranges:
+            size = (stop - first) * math.prod(shape[1:])
+            x = x.at[first:stop].set(jax.lax.bitcast_convert_type(flat[start : start + size], dtype)
+                                     .reshape(stop - first, *shape[1:]))
+            start += size
         out.append(jax.lax.with_sharding_constraint(x, at) if isinstance(at, jax.sharding.NamedSharding) else x)
-        start += size
     return out
 
 
@@ -280,16 +284,38 @@ class AdapterPool:
         # adapter's copy at a time: a transfer per array (128 for q_proj + v_proj over 32 layers) held the
         # engine loop's dispatch for up to 8 ms per step, one transfer by about 1 ms (docs/performance.md,
         # § Tenancy).
+        # Only the rows that hold the targeted modules' weights (`_targeted_rows`: q_proj + v_proj leave q|k|v's k
+        # rows zero, 28 % of the bytes); `_unpacked` writes the zeros on the device.
+        targeted = (tuple({g: self._targeted_rows(host, i, g, a.shape[0]) for g, (a, _) in layer.items()}
+                          for i, layer in enumerate(host.layers)),
+                    None if host.embed is None else (None, None), None if host.lm_head is None else (None, None))
+        rows = [((0, x.shape[0]),) if r is None else r for x, r in zip(leaves, tree.flatten_up_to(targeted))]
         bits = np.dtype(f"u{np.dtype(self.dtype).itemsize}")
         # (`prepare` leaves A and B in the slots' dtype: the cast copies nothing, but keeps the bytes' count right)
-        flat = np.concatenate([np.ravel(np.asarray(x, self.dtype)).view(bits) for x in leaves])
+        flat = np.concatenate([np.ravel(np.asarray(x[first:stop], self.dtype)).view(bits)
+                               for x, ranges in zip(leaves, rows) for first, stop in ranges])
         with self._staging:
             arrays = _unpacked(jax.device_put(flat, self._whole), shapes=tuple(x.shape for x in leaves),
-                               dtype=jnp.dtype(self.dtype), shardings=tuple(places))
+                               rows=tuple(rows), dtype=jnp.dtype(self.dtype), shardings=tuple(places))
             arrays = jax.block_until_ready(arrays)
         layers, embed, lm_head = jax.tree.unflatten(tree, arrays)
         return dataclasses.replace(prepared, host=dataclasses.replace(host, layers=layers, embed=embed,
                                                                       lm_head=lm_head))
+
+    def _targeted_rows(self, host: HostAdapter, layer: int, group: str, a_rows: int) -> tuple[tuple | None, ...]:
+        """(A's row ranges, B's), each ((start, stop), ...) or None for every row, of a layer's fused group that
+        hold the adapter's weights: where it targets some of the group's modules, their slices of A and, without
+        tensor parallelism, of B (under it B's rows are interleaved over the devices)."""
+        targeted = host.slices.get((layer, group))
+        if targeted is None:
+            return None, None
+        outs = module_shapes(self.config)[group][1]
+        rank = a_rows // len(outs)
+        a = tuple((i * rank, (i + 1) * rank) for i in targeted)
+        if self.tp is not None:
+            return a, None
+        starts = np.cumsum([0] + [n for _, n in outs])
+        return a, tuple((int(starts[i]), int(starts[i + 1])) for i in targeted)
 
     def placement(self, layer: int, groups, memory_kind: str | None = None) -> dict:
         """{group: (sharding of A, sharding of B)} for layer `layer`'s `groups` as a slot holds them (`stage`'s

@@ -356,3 +356,40 @@ def test_adapters_of_mixed_ranks_loaded_in_turn_into_one_wide_slot_generate_as_i
     got = one_slot.generate(prompts, names, max_new_tokens=6)
     assert [list(g) for g in got] == [list(w) for w in narrow.generate(prompts, names, max_new_tokens=6)]
     assert one_slot.pool.evictions >= 2
+
+
+def test_a_copy_to_the_device_carries_only_the_targeted_modules_rows(tmp_path, model_dir, monkeypatch):
+    """Adapters over seeded random subsets of the linear modules (and of the layers): `stage` copies only the rows
+    of A and B that hold the targeted modules' weights (q_proj + v_proj: not q|k|v's k rows), and its copy equals
+    the host arrays `read_adapter` fused, zero slices included, bit for bit."""
+    from jlora.adapters.peft import LINEAR_MODULES
+    from jlora.models.lora_weights import module_shapes
+
+    engine = _engine(model_dir, max_lora_rank=16)
+    copied = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put",
+                        lambda x, *a, **k: copied.append(np.asarray(x).nbytes) or device_put(x, *a, **k))
+    rng = np.random.default_rng(7)
+    shapes = module_shapes(engine.pool.config)
+    for case in range(6):
+        modules = (["q_proj", "v_proj"] if case == 0
+                   else sorted(rng.choice(LINEAR_MODULES, rng.integers(1, 7), replace=False)))
+        extra = {"layers_to_transform": [int(rng.integers(CFG["num_hidden_layers"]))]} if case % 3 == 2 else {}
+        path = str(tmp_path / f"a{case}")
+        testing.write_adapter(path, CFG, r=int(rng.choice([3, 8, 16])), alpha=8, seed=case, target_modules=modules,
+                              **extra)
+        prepared = engine.pool.prepare(path)
+        copied.clear()
+        staged = engine.pool.stage(prepared)
+        want = 0
+        for i, (host, device) in enumerate(zip(prepared.host.layers, staged.host.layers)):
+            for g, (a, b) in host.items():
+                outs = shapes[g][1]
+                targeted = [j for j, (name, _) in enumerate(outs) if name in modules]
+                assert prepared.host.slices.get((i, g), tuple(range(len(outs)))) == tuple(targeted)
+                want += (a.nbytes + b.nbytes) * len(targeted) // len(outs) if g != "qkv" else (
+                    a.nbytes * len(targeted) // 3 + b.itemsize * b.shape[1] * sum(outs[j][1] for j in targeted))
+                for x, y in zip((a, b), device[g]):
+                    np.testing.assert_array_equal(np.asarray(y), x)
+        assert copied == [want], (modules, copied, want)
