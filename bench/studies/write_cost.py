@@ -152,8 +152,10 @@ def main() -> None:
                 thread.join()
         print(f"# round {rnd + 1} done", flush=True)
     device = jax.devices()[0].device_kind
-    summary = {"device": device, "gc_frozen": args.freeze, "steps_per_mode": args.rounds * args.steps, "every": args.every, "modes": {}}
-    print(f"Device: {device}; gc frozen: {args.freeze}; {args.rounds} rounds x {args.steps} steps per mode; ms p50 / p99")
+    summary = {"device": device, "gc_frozen": args.freeze, "steps_per_mode": args.rounds * args.steps,
+               "every": args.every, "modes": {}}
+    print(f"Device: {device}; gc frozen: {args.freeze}; {args.rounds} rounds x {args.steps} steps per mode; "
+          "ms p50 / p99")
     for mode, r in results.items():
         row = {k: {"n": len(v), "p50_ms": pct(v, 50), "p99_ms": pct(v, 99)} for k, v in r.items()}
         summary["modes"][mode] = row
