@@ -48,7 +48,14 @@ def url(root):
         port = s.getsockname()[1]
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for attempt in range(3):  # on a loaded 2-core machine Serve's proxy actor may miss Ray's 60 s to start
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                break
+            except (ray.exceptions.RayError, TimeoutError):
+                if attempt == 2:
+                    raise
+                serve.shutdown()
         spec = ReplicaSpec(str(root / "m"), ServerConfig(served_model_name="tiny"),
                            lora_dirs=(str(root / "adapters"),), engine=OPTIONS)
         serve.run(deployment(spec, replicas=2), name="jlora", route_prefix="/")
