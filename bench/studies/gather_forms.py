@@ -3,15 +3,18 @@
 "gather" is the library's form (B[slot, slice] as one gather, each slice's delta rows masked); "gather_before"
 the one it replaced (B sliced before the slot gather, the mask on the products); "gather_add" the mask on the
 summed delta's rows at the add instead; "gather_unmasked" no row mask at all (slot -1 rows would read slot 0's
-B, NaN there included), to show what the mask costs. Device µs per call of bench/kernels.py's 32-call functions
-on the decode rows where they differ, then the batch-32 decode step of bench/model.py (32 r=16 adapters)
-under each form in alternating rounds.
+B, NaN there included), to show what the mask costs; "gather_one" one reduction over all of a fused group's
+columns (each column reading its slice's columns of s) instead of one per slice: fewer kernels per layer.
+Device µs per call of bench/kernels.py's 32-call functions on the decode rows where they differ, then decode
+steps of bench/model.py (batch 32 with 32 and with 1 r=16 adapter, batch 1 with one) under each form in
+alternating rounds.
 
-  python bench/studies/gather_forms.py   # bash bench/run_gpu.sh gather
+  python bench/studies/gather_forms.py [--model-only] [--forms gather,gather_one]  # bash bench/run_gpu.sh gather
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -53,9 +56,23 @@ def expand_form(one_gather: bool, mask: str | None):
     return expand
 
 
+def expand_one(s, b, info, base, *, slice_sizes, scale=None, shift=None):
+    """expand_gather as one reduction over the group's N columns: column n of slice i reads s's columns
+    i·R .. (i+1)·R, broadcast per slice and concatenated inside the fusion."""
+    rank, tokens = b.shape[2], s.shape[0]
+    keep = reference.column_scale(info, rank, len(slice_sizes), scaled=False) != 0
+    s = jnp.where(keep, s.astype(_F32), 0.0)
+    slot, used = jnp.maximum(info.token_slot, 0), (info.token_slot >= 0)[:, None]
+    s_cols = jnp.concatenate([jnp.broadcast_to(s[:, None, i * rank:(i + 1) * rank], (tokens, n, rank))
+                              for i, n in enumerate(slice_sizes)], axis=1)  # [T, N, R]
+    b_rows = jnp.where(keep[:, None, :rank], b[slot].astype(_F32), 0.0)
+    delta = jnp.where(used, jnp.sum(s_cols * b_rows, axis=-1), 0.0).astype(base.dtype)
+    return reference.add_deltas(base, [delta], info, scale, shift)
+
+
 FORMS = {"gather": reference.expand_gather, "gather_before": expand_form(False, "products"),
          "gather_add": expand_form(True, "add"),
-         "gather_unmasked": expand_form(True, None)}
+         "gather_unmasked": expand_form(True, None), "gather_one": expand_one}
 # Each form runs as a backend of its own name (a static argument of the jitted ops and model, so no trace of
 # one form is reused for another), with the gather shrink and, in the model, the gather backend's attention.
 for _name, _impl in list(FORMS.items())[1:]:
@@ -87,26 +104,33 @@ def kernels() -> None:
         del inputs
 
 
-def model(rounds: int = 6) -> None:
-    """Batch-32 decode with 32 r=16 adapters, each form as the backend, alternating rounds."""
+def model(forms, rounds: int = 6) -> None:
+    """Decode steps (batch 32 with 32 and 1 r=16 adapters, batch 1 with one), each form as the backend,
+    alternating rounds."""
     config = mb.llama3_8b(32)
     model_def, params = mb.random_model(config)
-    batch = 32
-    cache = llama.KVCache.zeros(config, batch, 2 * mb.CONTEXT, jnp.bfloat16)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
-    positions = jnp.full((batch, 1), mb.CONTEXT, jnp.int32)
     lora = mb.random_lora(config, 16)
-    slots = jnp.arange(batch, dtype=jnp.int32) % mb.SLOTS
     ranks = jnp.full(mb.SLOTS, 16, jnp.int32)
-    call = Call(llama.Batch.of(tokens, positions), slots, ranks)
-    runs = {name: lambda c, name=name: forward(model_def, params, call, c, lora, StepOptions(16, name))
-            for name in FORMS}
-    times, cache = mb.time_alternating(runs, cache, rounds=rounds)
-    for name, t in times.items():
-        print(f"model batch 32, 32 r=16 adapters, {name}: median {statistics.median(t) * 1e3:.3f} ms "
-              f"[{', '.join(f'{x * 1e3:.2f}' for x in t)}]", flush=True)
+    for batch, adapters in ((32, 32), (32, 1), (1, 1)):
+        cache = llama.KVCache.zeros(config, batch, 2 * mb.CONTEXT, jnp.bfloat16)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
+        positions = jnp.full((batch, 1), mb.CONTEXT, jnp.int32)
+        slots = jnp.arange(batch, dtype=jnp.int32) % adapters
+        call = Call(llama.Batch.of(tokens, positions), slots, ranks)
+        runs = {name: lambda c, name=name: forward(model_def, params, call, c, lora, StepOptions(16, name))
+                for name in forms}
+        times, cache = mb.time_alternating(runs, cache, rounds=rounds)
+        for name, t in times.items():
+            print(f"model batch {batch}, {adapters} r=16 adapters, {name}: median {statistics.median(t) * 1e3:.3f} ms "
+                  f"[{', '.join(f'{x * 1e3:.2f}' for x in t)}]", flush=True)
+        del cache
 
 
 if __name__ == "__main__":
-    kernels()
-    model()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-only", action="store_true", help="the decode steps only, not the kernel rows")
+    parser.add_argument("--forms", default=",".join(FORMS), help=f"the forms the decode steps compare, of {list(FORMS)}")
+    args = parser.parse_args()
+    if not args.model_only:
+        kernels()
+    model(args.forms.split(","))
