@@ -74,7 +74,7 @@ def test_requests_over_many_adapters_equal_the_all_resident_engine(root, residen
     reads = []
     prepare = engine.pool.prepare
     monkeypatch.setattr(engine.pool, "prepare", lambda path: (reads.append(path), prepare(path))[1])
-    for entry in engine.registry.scan(str(root / "lib")):  # --lora-dir: all 56, a50-a54 unregistered again
+    for entry in engine.registry.scan(str(root / "lib")).registered:  # --lora-dir: all 56, a50-a54 unregistered again
         if entry.name in {f"a{i}" for i in range(50, 55)}:
             engine.registry.unregister(entry.name)
     early = [f"a{i:02d}" for i in range(50)]

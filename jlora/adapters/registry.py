@@ -18,7 +18,7 @@ import threading
 from jlora.adapters.config import AdapterError, check_adapter_name
 from jlora.adapters.pool import PreparedAdapter
 
-__all__ = ["AdapterRegistry", "HostTier", "Registration"]
+__all__ = ["AdapterRegistry", "HostTier", "Registration", "Scan"]
 
 _generations = itertools.count(1)
 
@@ -30,6 +30,14 @@ class Registration:
     name: str
     adapter_dir: str
     generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """What `AdapterRegistry.scan` did with a directory's adapter subdirectories."""
+
+    registered: tuple[Registration, ...]
+    skipped: tuple[tuple[str, str], ...]  # (subdirectory, why it was not registered)
 
 
 class AdapterRegistry:
@@ -57,18 +65,23 @@ class AdapterRegistry:
             self._entries[name] = entry
         return entry
 
-    def scan(self, root: str) -> list[Registration]:
-        """Registers every subdirectory of `root` that holds an adapter_config.json, named after it (sorted);
-        subdirectories whose names are not valid adapter names, or are registered already, are skipped."""
-        found = []
+    def scan(self, root: str, reserved: frozenset[str] = frozenset()) -> Scan:
+        """Registers every subdirectory of `root` that holds an adapter_config.json, named after it (sorted).
+        One whose name is not a valid adapter name, is registered already or is in `reserved` (the served base
+        model's name) is skipped, and the result says why."""
+        registered, skipped = [], []
         for sub in sorted(os.listdir(root)):
             path = os.path.join(root, sub)
-            if os.path.isfile(os.path.join(path, "adapter_config.json")):
-                try:
-                    found.append(self.register(sub, path))
-                except ValueError:
-                    continue
-        return found
+            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                continue
+            if sub in reserved:
+                skipped.append((sub, "the served base model's name"))
+                continue
+            try:
+                registered.append(self.register(sub, path))
+            except ValueError as err:
+                skipped.append((sub, "registered already" if sub in self else str(err)))
+        return Scan(tuple(registered), tuple(skipped))
 
     def unregister(self, name: str) -> Registration:
         """Raises KeyError when `name` is not registered."""

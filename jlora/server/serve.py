@@ -53,14 +53,22 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
     from jlora.server.online import OnlineEngine
 
     config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
-    for name, _ in loras:  # before the minutes a large checkpoint takes to load
+    names = [name for name, _ in loras]
+    for name in names:  # before the minutes a large checkpoint takes to load
         check_adapter_name(name)
+        if name == config.served_model_name:
+            raise ValueError(f"--lora {name!r}: that is the served base model's name (--served-model-name)")
+        if names.count(name) > 1:
+            raise ValueError(f"--lora {name!r} is given twice")
     engine = Engine.from_pretrained(model_dir, engine_config)
     for name, path in loras:
         engine.load_adapter(name, path)
     for root in lora_dirs:
-        found = engine.registry.scan(root)
-        print(f"jlora: {len(found)} adapters registered from {root}", file=sys.stderr, flush=True)
+        scan = engine.registry.scan(root, reserved=frozenset({config.served_model_name}))
+        count = len(scan.registered)
+        print(f"jlora: {count} adapter{'s' * (count != 1)} registered from {root}", file=sys.stderr, flush=True)
+        for sub, why in scan.skipped:
+            print(f"jlora: skipped {os.path.join(root, sub)}: {why}", file=sys.stderr, flush=True)
     online = OnlineEngine(engine, max_waiting=config.max_waiting)
     app = build_app(online, config, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir))
     gc.collect()  # the objects alive after loading (JAX's, the model's) left out of later collections, which a

@@ -89,3 +89,33 @@ def test_a_corrupt_adapter_fails_its_own_requests_once_and_others_are_served(ser
     assert metric(server, 'jlora_requests_total{adapter="broken",outcome="failed"}') == 2
     ok = httpx.post(server + "/v1/completions", json=body | {"model": USED[0]}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_lora_dir_registers_each_adapter_and_names_what_it_skips(root, tmp_path, capsys):
+    """`--lora-dir` beside `--lora`: a subdirectory named like the served model, one with an invalid adapter name
+    and one a `--lora` registered already are skipped, each said on stderr with why; a directory without an
+    adapter_config.json is not an adapter. `--lora` names that collide are refused before the model loads."""
+    from jlora.engine_config import EngineConfig
+    from jlora.server import ServerConfig
+    from jlora.server.serve import build
+
+    lib = tmp_path / "lib"
+    for name in ("ok", "m", "-dash", "dup"):
+        testing.write_adapter(str(lib / name), CFG, r=2, alpha=4, seed=3)
+    (lib / "notes").mkdir()
+    options = EngineConfig(dtype="float32", max_loras=2, max_lora_rank=8, max_batch=2, max_seq_len=32)
+    for loras, message in (([("m", str(lib / "ok"))], "'m': that is the served base model's name"),
+                           ([("x", str(lib / "ok")), ("x", str(lib / "dup"))], "--lora 'x' is given twice")):
+        with pytest.raises(ValueError, match=message):
+            build(str(root / "nowhere"), ServerConfig(served_model_name="m"), options, loras=loras)
+    _, online, config = build(str(root / "m"), ServerConfig(), options, loras=[("dup", str(lib / "ok"))],
+                              lora_dirs=[str(lib)])
+    assert config.served_model_name == "m"
+    registry = online.engine.registry
+    assert registry.names == ["dup", "ok"] and registry.get("dup").adapter_dir == str(lib / "ok")
+    err = capsys.readouterr().err
+    assert f"1 adapter registered from {lib}" in err
+    for sub, why in (("-dash", "invalid adapter name"), ("dup", "registered already"),
+                     ("m", "the served base model's name")):
+        assert f"skipped {lib / sub}: {why}" in err, err
+    assert "notes" not in err
