@@ -48,6 +48,9 @@ SETS = {
     "cuBLASLt": {"xla_gpu_enable_cublaslt": True},
     "block-level fusion rewriter": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
     "all fusions with Triton": {"xla_gpu_experimental_all_fusions_with_triton": True},
+    "heroless Triton fusion": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+    "same-shape multi-output fusion": {"xla_gpu_experimental_enable_same_shape_multi_output_fusion": True},
+    "cuDNN layer norm": {"xla_gpu_enable_cudnn_layer_norm": True},
 }
 ROUNDS, STEPS = 4, 16
 
