@@ -33,7 +33,9 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
                               intermediate_size=128, vocab_size=vocab, tie_word_embeddings=tied)
     testing.write_model(f"{root}/m", cfg, seed=1)
     testing.write_adapter(f"{root}/a", cfg, r=8, alpha=16, seed=2, target_modules=LINEAR_MODULES, embeddings=True, lm_head=True)
-    testing.write_adapter(f"{root}/b", cfg, r=4, alpha=4, seed=3, target_modules=["o_proj", "down_proj", "v_proj"])
+    # b: v_proj alone of q|k|v (its copy to the devices carries only v's rows of A), in the second layer alone
+    testing.write_adapter(f"{root}/b", cfg, r=4, alpha=4, seed=3, target_modules=["o_proj", "down_proj", "v_proj"],
+                          layers_to_transform=[1])
     # 5 requests: the prefill and decode buckets hold 3 padding rows, which must touch no real row.
     prompts, adapters = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14], [15]], ["a", None, "b", "a", "b"]
     results = []
