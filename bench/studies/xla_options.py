@@ -1,5 +1,6 @@
-"""Decode step time under XLA GEMM options: whether another choice of GEMM (cuBLAS for every dot, more Triton
-tilings tried) reads the small projections' weights faster than what XLA picks by default (#39).
+"""Decode step time under XLA options (#39): whether another choice of GEMM (cuBLAS for every dot, more Triton
+tilings tried) reads the small projections' weights faster than what XLA picks by default, and whether a fusion
+option merges the small kernels between the GEMMs.
 
 One process compiles the 8B-shaped decode step (bench/model.py's model, context 512) at each batch size for
 the base model, one r=16 adapter for every row and (batch 32) 32 distinct ones, under jlora's own options
@@ -119,9 +120,9 @@ def main() -> None:
                       f"GEMM {row['gemm_ms']:6.3f} ms  compile {row['compile_s']:5.1f} s", flush=True)
                 for k, (count, med) in row["gemm_kernels"].items():
                     print(f"    x{count:4.0f} {med:7.2f} µs  {k}", flush=True)
-            run = dict(device=device, layers=args.layers, process=args.note, sets=sets, failed=failed, rows=rows)
+            this = dict(device=device, layers=args.layers, process=args.note, sets=sets, failed=failed, rows=rows)
             with open(path, "w") as f:  # after every case
-                json.dump({"device": device, "runs": [*earlier, run]}, f, indent=1)
+                json.dump({"device": device, "runs": [*earlier, this]}, f, indent=1)
         del cache
 
 
