@@ -1,5 +1,22 @@
-import jax
-import pytest
+import os
+import shutil
+import tempfile
+
+# XLA's persistent cache, shared by the session's engines and processes: tests build many engines of the same
+# shapes, whose steps compile to the same programs, and the servers and tensor-parallel runs they start as
+# subprocesses inherit the directory (so do xdist's workers, started after this). The process that makes the
+# directory (the session's first) removes it at the end; a JAX_COMPILATION_CACHE_DIR given outside is kept.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jlora-tests-xla-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the tiny models compile in well under 1 s
+
+import jax  # noqa: E402 (JAX reads the cache's settings when it is imported)
+import pytest  # noqa: E402
+
+if _OWN_CACHE is not None:  # in case a plugin imported JAX first
+    jax.config.update("jax_compilation_cache_dir", _OWN_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,3 +36,8 @@ def _free_compilations():
     worker that ran many modules reached the kernel's limit (vm.max_map_count, 65530) and crashed in LLVM."""
     yield
     jax.clear_caches()
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
