@@ -71,6 +71,14 @@ def _write_slot(stacks: list[jax.Array], slot: jax.Array, new: list, *, rank: in
                            else _at_rank(n.astype(w.dtype), w.shape[1:], rank)) for w, n in zip(stacks, new)]
 
 
+def _avals(xs, placed: bool) -> tuple:
+    """The abstract values of a slot write's arguments (None kept), which key its compiled executable: shape,
+    dtype and, where `placed` (the pool's arrays are committed to a mesh), a device array's sharding. Without
+    it the write's outputs stay uncommitted, as the stacks are: a committed stack would compile the step again."""
+    at = lambda x: getattr(x, "sharding", None) if placed else None  # noqa: E731
+    return tuple(None if x is None else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=at(x)) for x in xs)
+
+
 def _at_rank(x: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
     """A slot's part `shape` of `x`: an A [S·r, K] or B [N, r] at rank r zero-padded to [S·R, K] or [N, R] (R =
     `rank`); any other part as it is."""
@@ -173,6 +181,9 @@ class AdapterPool:
         self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
         self._step_cache = None  # (weights, features in use, step_weights)
         self._staging = threading.Lock()  # held by the `stage` copying
+        # (the stacks' and a slot's values' abstract values, rank bucket... ) -> `_write_slot` compiled for them:
+        # `stage` compiles an adapter's write on its thread, so the engine loop's `install` only runs it
+        self._writes: dict[tuple, jax.stages.Compiled] = {}
         self.ranks = np.zeros(max_loras, np.int32)
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
@@ -268,11 +279,18 @@ class AdapterPool:
 
     def stage(self, prepared: PreparedAdapter) -> PreparedAdapter:
         """`prepared` with its A and B copied to the device(s), placed as a slot holds them, once the copy is
-        done. It reads only the pool's fixed layout, so a loader thread may run it while steps run; `install`
-        then only writes device memory (the copy is the bulk of an install: tens of megabytes per adapter).
-        The host tier keeps the host copy; a staged copy lives until it is installed."""
+        done, and its slot write compiled for the pool's stacks as they are. It reads only the pool's fixed
+        layout and its stacks' shapes, so a loader thread may run it while steps run; `install` then only writes
+        device memory (the copy is the bulk of an install: tens of megabytes per adapter), without compiling on
+        the engine loop's thread. The host tier keeps the host copy; a staged copy lives until it is installed."""
         if prepared.staged:
             return prepared
+        staged = self._copied(prepared)
+        self._compiled_write(*self._write_args(staged))
+        return staged
+
+    def _copied(self, prepared: PreparedAdapter) -> PreparedAdapter:
+        """`prepared` with its A and B on the device(s) (`stage`)."""
         host = prepared.host
         leaves, tree = jax.tree.flatten((host.layers, host.embed, host.lm_head))
         if not leaves:
@@ -342,15 +360,31 @@ class AdapterPool:
             part for part, parts in [("embed", host.embed), ("lm_head", host.lm_head)] if parts is not None)
         self._allocate(features, targets)  # first: a failure (the device's memory) evicts no adapter
         slot = self._free_slot(name)
-        stacks, tree = jax.tree.flatten(self.weights)
-        values = tree.flatten_up_to(self._slot_values(host, scale, shift))
-        self.weights = jax.tree.unflatten(tree, _write_slot(stacks, np.int32(slot), values, rank=self.rank))
+        stacks, values = self._write_args(prepared)
+        written = self._compiled_write(stacks, values)(stacks, np.int32(slot), values)
+        self.weights = jax.tree.unflatten(jax.tree.structure(self.weights), written)
         self.ranks[slot] = host.rank
         self.added[slot] = host.added
         self._features[slot] = features
         self._slots[name] = slot
         self._generation[name] = generation
         return slot
+
+    def _write_args(self, prepared: PreparedAdapter) -> tuple[list, list]:
+        """(the stacks, the slot's values) of a write of `prepared` into the pool's stacks as they are."""
+        stacks, tree = jax.tree.flatten(self.weights)
+        return stacks, tree.flatten_up_to(self._slot_values(prepared.host, prepared.scale, prepared.shift))
+
+    def _compiled_write(self, stacks: list, values: list) -> jax.stages.Compiled:
+        """`_write_slot` compiled for these stacks and values (their shapes, dtypes, shardings and which parts
+        are None), once: by `stage` on a loader thread, or by `install` when the stacks changed in between."""
+        placed = self.tp is not None
+        key = (_avals(stacks, placed), _avals(values, placed), self.rank)
+        write = self._writes.get(key)
+        if write is None:
+            write = self._writes[key] = _write_slot.lower(
+                list(key[0]), jax.ShapeDtypeStruct((), jnp.int32), list(key[1]), rank=self.rank).compile()
+        return write
 
     def generation(self, name: str) -> int | None:
         """The registration generation of the adapter installed under `name`, or None when none is."""
@@ -432,6 +466,7 @@ class AdapterPool:
             rope_factor=const(1.0, num, dtype=jnp.float32) if "rope" in features and w.rope_factor is None
             else w.rope_factor))
         self.nbytes = sum(x.nbytes for x in jax.tree.leaves(self.weights))
+        self._writes.clear()  # compiled for the stacks before
 
     def _widths(self) -> dict[str, int]:
         """Each fused group's output columns N, in the pool's layout."""

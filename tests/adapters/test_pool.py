@@ -393,3 +393,30 @@ def test_a_copy_to_the_device_carries_only_the_targeted_modules_rows(tmp_path, m
                 for x, y in zip((a, b), device[g]):
                     np.testing.assert_array_equal(np.asarray(y), x)
         assert copied == [want], (modules, copied, want)
+
+
+def test_a_staged_adapters_install_compiles_nothing(tmp_path, model_dir, monkeypatch):
+    """`stage` (a loader thread's work) compiles the adapter's slot write for the pool's stacks, so `install` (the
+    engine loop's) only runs it: with every compilation of the write made impossible, staged adapters of ranks in
+    two buckets, one into a free slot and one evicting another, install and compute what the same adapters loaded
+    into a fresh engine compute. An adapter whose install adds stacks compiles its write there (the first load)."""
+    import jlora.adapters.pool as pool_module
+
+    paths = []
+    for i, r in enumerate((8, 3, 16, 5)):  # rank buckets 8, 8, 16, 8
+        paths.append(str(tmp_path / f"a{i}"))
+        testing.write_adapter(paths[-1], CFG, r=r, alpha=8, seed=i, target_modules=["q_proj", "v_proj", "down_proj"])
+    engine = _engine(model_dir, max_lora_rank=16)
+    engine.load_adapter("a0", paths[0])  # adds the stacks: its write compiles in install
+    staged = [engine.pool.stage(engine.pool.prepare(p)) for p in paths[1:]]
+    monkeypatch.setattr(pool_module, "_write_slot", None)
+    for i, prepared in enumerate(staged, 1):  # as the engine loop installs a registered adapter's staged copy
+        engine.pool.install(f"a{i}", prepared, engine.registry.register(f"a{i}", paths[i]).generation)
+    assert engine.pool.evictions == 2 and sorted(engine.resident_adapters) == ["a2", "a3"]
+    fresh = _engine(model_dir, max_lora_rank=16)
+    monkeypatch.undo()
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    for name, path in zip(("a2", "a3"), paths[2:]):
+        fresh.load_adapter(name, path)
+        for got, want in zip(engine.prefill_logits(prompts, [name] * 2), fresh.prefill_logits(prompts, [name] * 2)):
+            np.testing.assert_array_equal(got, want)
