@@ -181,7 +181,7 @@ class AdapterPool:
         self.base: BaseWeights | None = None  # set by the model runner that owns the base weights
         self._step_cache = None  # (weights, features in use, step_weights)
         self._staging = threading.Lock()  # held by the `stage` copying
-        # (the stacks' and a slot's values' abstract values, rank bucket... ) -> `_write_slot` compiled for them:
+        # (the stacks' abstract values, a slot's values', the slots' rank) -> `_write_slot` compiled for them:
         # `stage` compiles an adapter's write on its thread, so the engine loop's `install` only runs it
         self._writes: dict[tuple, jax.stages.Compiled] = {}
         self.ranks = np.zeros(max_loras, np.int32)
