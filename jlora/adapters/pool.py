@@ -72,11 +72,12 @@ def _write_slot(stacks: list[jax.Array], slot: jax.Array, new: list, *, rank: in
 
 
 def _avals(xs, placed: bool) -> tuple:
-    """The abstract values of a slot write's arguments (None kept), which key its compiled executable: shape,
-    dtype and, where `placed` (the pool's arrays are committed to a mesh), a device array's sharding. Without
-    it the write's outputs stay uncommitted, as the stacks are: a committed stack would compile the step again."""
-    at = lambda x: getattr(x, "sharding", None) if placed else None  # noqa: E731
-    return tuple(None if x is None else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=at(x)) for x in xs)
+    """What a compiled slot write depends on of its arguments, and keys it by: (shape, dtype, sharding) of each
+    (None kept), the sharding a device array's where `placed` (the pool's arrays are committed to a mesh), else
+    None, so that the write's outputs stay uncommitted as the stacks are (a committed stack would compile the
+    step again)."""
+    return tuple(None if x is None else (x.shape, x.dtype, x.sharding if placed and isinstance(x, jax.Array) else None)
+                 for x in xs)
 
 
 def _at_rank(x: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
@@ -382,8 +383,10 @@ class AdapterPool:
         key = (_avals(stacks, placed), _avals(values, placed), self.rank)
         write = self._writes.get(key)
         if write is None:
+            abstract = lambda avals: [None if a is None else jax.ShapeDtypeStruct(*a[:2], sharding=a[2])  # noqa: E731
+                                      for a in avals]
             write = self._writes[key] = _write_slot.lower(
-                list(key[0]), jax.ShapeDtypeStruct((), jnp.int32), list(key[1]), rank=self.rank).compile()
+                abstract(key[0]), jax.ShapeDtypeStruct((), jnp.int32), abstract(key[1]), rank=self.rank).compile()
         return write
 
     def generation(self, name: str) -> int | None:
