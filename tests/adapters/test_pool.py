@@ -420,3 +420,22 @@ def test_a_staged_adapters_install_compiles_nothing(tmp_path, model_dir, monkeyp
         fresh.load_adapter(name, path)
         for got, want in zip(engine.prefill_logits(prompts, [name] * 2), fresh.prefill_logits(prompts, [name] * 2)):
             np.testing.assert_array_equal(got, want)
+
+
+def test_an_adapter_staged_before_the_pool_adds_stacks_installs_as_loaded(tmp_path, model_dir):
+    """An adapter staged (its write compiled for the pool's stacks then) before another's install adds the stacks
+    of modules no adapter targeted installs with a write compiled for the stacks as they are now, and computes
+    what it computes when loaded in the other order into a fresh engine."""
+    testing.write_adapter(str(tmp_path / "a"), CFG, r=4, alpha=8, seed=1, target_modules=["q_proj", "v_proj"])
+    testing.write_adapter(str(tmp_path / "b"), CFG, r=8, alpha=8, seed=2, target_modules=["gate_proj", "down_proj"])
+    engine = _engine(model_dir)
+    staged = engine.pool.stage(engine.pool.prepare(str(tmp_path / "a")))
+    engine.load_adapter("b", str(tmp_path / "b"))
+    engine.pool.install("a", staged, engine.registry.register("a", str(tmp_path / "a")).generation)
+    fresh = _engine(model_dir)
+    fresh.load_adapter("b", str(tmp_path / "b"))
+    fresh.load_adapter("a", str(tmp_path / "a"))
+    prompts = [[1, 2, 3], [4, 5]]
+    for name in ("a", "b"):
+        for got, want in zip(engine.prefill_logits(prompts, [name] * 2), fresh.prefill_logits(prompts, [name] * 2)):
+            np.testing.assert_array_equal(got, want)
