@@ -11,10 +11,10 @@ adapter in use fails instead of changing a running request's weights.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 
 from jlora.admission import Admission
@@ -24,6 +24,8 @@ from jlora.scheduler import Request
 from jlora.server.metrics import Metrics
 
 __all__ = ["OnlineEngine", "QueueFull"]
+
+logger = logging.getLogger("jlora.server")
 
 
 class QueueFull(RuntimeError):
@@ -103,7 +105,12 @@ class OnlineEngine:
             _, request, adapter = item
             with self._lock:
                 self._queued -= 1
-            self._intake(request, adapter)
+            try:
+                self._intake(request, adapter)
+            except Exception as err:  # only this request is touched: it alone fails
+                logger.exception("taking a request in failed")
+                request.error, request.finish = f"taking the request in failed: {type(err).__name__}: {err}", "failed"
+                request._notify()
         elif kind == "cancel":
             if item[1].finish is None and not self.admission.cancel(item[1]):
                 self.batcher.cancel(item[1])
@@ -147,31 +154,42 @@ class OnlineEngine:
     def _loop(self) -> None:
         last_start = None  # the last step's start while requests have run since
         while not self._stop.is_set():
-            # Admit first: the last step may have freed the slots that waiting requests need, and an idle loop
-            # then blocks until something arrives. While steps run, slots are written during a step (`poll`'s
-            # host time then overlaps the device's) and requests for resident adapters admitted before one.
-            self.admission.poll(self.batcher.add, write=not self.batcher.busy)
-            if not self.batcher.busy:
-                last_start = None  # idle: the wait for work is no interval between steps
-            try:  # block for work when idle; between steps take whatever has arrived
-                self._take(self._inbox.get(block=not self.batcher.busy))
-                while True:
-                    self._take(self._inbox.get_nowait())
-            except queue.Empty:
-                pass
-            self.admission.poll(self.batcher.add, write=not self.batcher.busy)  # what just arrived
-            if self.batcher.busy:
-                start = time.monotonic()
-                if last_start is not None:
-                    self.metrics.step_interval_seconds.observe(start - last_start)
-                last_start = start
-                try:
-                    self.batcher.step(lambda: self.admission.poll(self.batcher.add))
-                except Exception as err:  # a failed step must not hang its requests, nor stop the server
-                    traceback.print_exc()
-                    self._fail_all(f"the engine step failed: {type(err).__name__}: {err}")
-                self.metrics.step_seconds.observe(time.monotonic() - start)
-            self._set_gauges()
+            try:
+                last_start = self._turn(last_start)
+            except Exception as err:  # the loop must outlive any failure: every later request would hang
+                logger.exception("the engine loop failed")
+                self._fail_all(f"the engine loop failed: {type(err).__name__}: {err}")
+                last_start = None
+
+    def _turn(self, last_start: float | None) -> float | None:
+        """One turn of the loop: admits, takes in what arrived, runs a step if any request runs. Returns the
+        step's start (None when idle)."""
+        # Admit first: the last step may have freed the slots that waiting requests need, and an idle loop
+        # then blocks until something arrives. While steps run, slots are written during a step (`poll`'s
+        # host time then overlaps the device's) and requests for resident adapters admitted before one.
+        self.admission.poll(self.batcher.add, write=not self.batcher.busy)
+        if not self.batcher.busy:
+            last_start = None  # idle: the wait for work is no interval between steps
+        try:  # block for work when idle; between steps take whatever has arrived
+            self._take(self._inbox.get(block=not self.batcher.busy))
+            while True:
+                self._take(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        self.admission.poll(self.batcher.add, write=not self.batcher.busy)  # what just arrived
+        if self.batcher.busy:
+            start = time.monotonic()
+            if last_start is not None:
+                self.metrics.step_interval_seconds.observe(start - last_start)
+            last_start = start
+            try:
+                self.batcher.step(lambda: self.admission.poll(self.batcher.add))
+            except Exception as err:  # a failed step must not hang its requests, nor stop the server
+                logger.exception("the engine step failed")
+                self._fail_all(f"the engine step failed: {type(err).__name__}: {err}")
+            self.metrics.step_seconds.observe(time.monotonic() - start)
+        self._set_gauges()
+        return last_start
 
     def _set_gauges(self) -> None:
         self.metrics.running.set(self.batcher.num_running)

@@ -40,6 +40,7 @@ def served(tmp_path_factory):
     app = build_app(online, config, chat=ChatTemplate(str(root / "m")))
     online.start()  # the ASGI transport runs no lifespan
     yield engine, app, online
+    assert online._thread.is_alive()  # no test's failure ended the loop
     online.stop()
 
 
@@ -67,8 +68,8 @@ def test_runtime_loads_past_the_cap_answer_429(served, monkeypatch):
     assert third.status_code == 429 and third.headers["retry-after"] == "1"
     assert "adapter loads are in progress" in third.json()["error"]["message"]
     assert [r.status_code for r in first] == [200, 200] and sorted(engine.adapters) == ["a", "b"]
-    for name in ("a", "b"):
-        engine.unload_adapter(name)
+    for name in ("a", "b"):  # on the loop's thread, like the server's own unloads
+        online.unload_adapter(name).result(timeout=30)
 
 
 def test_an_unexpected_exception_is_a_json_500_with_a_request_id(served, monkeypatch, caplog):

@@ -67,3 +67,59 @@ def test_a_request_the_batcher_refuses_ends_alone_and_the_loop_goes_on(engine):
         online.call(lambda: engine.unload_adapter("a")).result(timeout=10)  # the refused request gave "a" back
     finally:
         online.stop()
+
+
+def _raises_once(monkeypatch, owner, name: str, armed: threading.Event) -> None:
+    """Makes `owner.name` raise once, on its first call after `armed` is set."""
+    method = getattr(owner, name)
+
+    def once(*args, **kwargs):
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError(f"a bug in {name}")
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, once)
+
+
+@pytest.mark.parametrize("where", ["intake", "admission", "cancel"])
+def test_a_failure_outside_the_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypatch, where):
+    """Before: only the step was guarded; an exception in admission or a cancel ended the loop thread, and every
+    request after it hung."""
+    online = OnlineEngine(engine)
+    online.start()
+    armed = threading.Event()
+    try:
+        want = list(engine.generate([[4, 5]], [None], max_new_tokens=5)[0])
+        if where == "intake":  # only the request taken in fails: nothing else was touched
+            _raises_once(monkeypatch, online.admission, "submit", armed)
+            armed.set()
+            failed = run(online, [4, 5], None, 5)
+            assert failed.finish == "failed" and "taking the request in failed" in failed.error
+        elif where == "admission":
+            _raises_once(monkeypatch, online.admission, "poll", armed)
+            armed.set()
+            failed = run(online, [4, 5], None, 5)
+            assert failed.finish == "failed" and "the engine loop failed" in failed.error
+        else:  # a cancel that raises while the request runs: the batcher's state is unknown, so it starts over
+            _raises_once(monkeypatch, online.batcher, "cancel", armed)
+            started, queued, done = threading.Event(), threading.Event(), threading.Event()
+
+            def on_update(r: Request) -> None:  # holds the loop at the first token until the cancel is queued
+                started.set()
+                queued.wait(60)
+                if r.finish is not None:
+                    done.set()
+
+            running = Request([4, 5], -1, 20, on_update=on_update)
+            online.submit(running, None)
+            assert started.wait(60)
+            armed.set()
+            online.cancel(running)
+            queued.set()
+            assert done.wait(60)
+            assert running.finish == "failed" and "the engine loop failed" in running.error
+        assert not armed.is_set()  # the failure did happen
+        assert online._thread.is_alive() and run(online, [4, 5], None, 5).out == want
+    finally:
+        online.stop()
