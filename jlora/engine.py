@@ -104,7 +104,8 @@ class Engine:
                                 max_seq_len=config.max_seq_len,
                                 reader=ProcessReader.shared(config.adapter_readers) if config.adapter_readers else None,
                                 read_timeout=config.adapter_read_timeout)
-        self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp)
+        self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp,
+                                  attention_chunk=config.attention_chunk(self.model_config.num_kv_heads))
         self.registry = AdapterRegistry()
         self.host = HostTier(config.host_capacity)
         # Loads run on loader threads, at least one per reader process so that all of them read at once; at most

@@ -11,6 +11,7 @@ import dataclasses
 import numbers
 
 from jlora.ops import BACKENDS
+from jlora.pallas.decode_attention import split_chunk
 
 __all__ = ["DTYPES", "EngineConfig"]
 
@@ -65,6 +66,12 @@ class EngineConfig:
                                       "elsewhere)", choices=DTYPES)
     backend: str = _option("auto", "the LoRA ops' backend ('auto': on GPU gather for decode-sized calls and the "
                                    "Pallas kernels above; reference elsewhere)", choices=BACKENDS)
+    split_attention: str = _option(
+        "auto", "decode attention split over fixed chunks of positions too (flash-decoding), for long contexts: "
+                "'auto' splits when max_seq_len >= 1024 over a paged cache (--block-size > 0), and over a "
+                "contiguous one when max_batch x the KV heads on a device is at most 64. The engine's choice, "
+                "never a step's: a request's tokens do not depend on the requests beside it",
+        choices=("auto", "on", "off"))
     evict: str = _option("lru", "when every slot is taken: 'lru' evicts the least recently used idle adapter, "
                                 "'refuse' fails the load", choices=("lru", "refuse"))
     tensor_parallel: int = _option(1, "split the model over the first N devices (Megatron-style; see "
@@ -96,7 +103,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", name)
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {self.prefix_caching!r}")
-        for name in ("backend", "evict"):
+        for name in ("backend", "evict", "split_attention"):
             choices = EngineConfig.__dataclass_fields__[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
@@ -105,6 +112,16 @@ class EngineConfig:
     def host_capacity(self) -> int:
         """Adapters the host tier keeps: `max_cpu_loras`, by default `max_loras`."""
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def attention_chunk(self, kv_heads: int) -> int | None:
+        """Positions per chunk that decode attention splits over for a model of `kv_heads` KV heads
+        (`split_attention`; `jlora.pallas.decode_attention.split_chunk` of max_seq_len), or None: unsplit.
+        Under 'auto' it splits where the unsplit kernel walks a paged cache's small blocks one load at a
+        time, or where one program per request and KV head would leave most of the GPU's SMs idle, and
+        contexts may be long enough to split. Evidence: docs/performance.md § Decode attention."""
+        split = (self.split_attention == "on" if self.split_attention != "auto" else self.max_seq_len >= 1024 and (
+            self.block_size > 0 or self.max_batch * kv_heads // self.tensor_parallel <= 64))
+        return split_chunk(self.max_seq_len, self.block_size) if split else None
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

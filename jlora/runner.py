@@ -82,7 +82,8 @@ def _model_call(model_def: ModelDef, params, call: Call, cache: KVCache, lora: L
     alone. Builds the call's `LoRABatchInfo` from its token slots (and that of its `logits_at` tokens)."""
     tp = options.tp
     base_first = concurrent_graphs(call.seq_len) if options.base_first is None else options.base_first
-    model_options = CallOptions(options.backend, None if tp is None else parallel.AXIS, base_first)
+    model_options = CallOptions(options.backend, None if tp is None else parallel.AXIS, base_first,
+                                options.attention_chunk)
 
     def run(params, call, cache, lora):
         lora_input = None
@@ -193,13 +194,16 @@ def pack_prompts(prompts: Sequence[Sequence[int]], slots: Sequence[int], starts:
 
 class ModelRunner:
     """A model's parameters on the device (split over the tensor-parallel mesh when `tp` is given), its adapter
-    pool, and the compiled steps over a KV cache: `run` (logits) and `step` (sampled next tokens)."""
+    pool, and the compiled steps over a KV cache: `run` (logits) and `step` (sampled next tokens), their decode
+    attention split over chunks of `attention_chunk` positions unless None (`EngineConfig.attention_chunk`)."""
 
-    def __init__(self, model: Transformer, pool: AdapterPool, *, dtype, backend: str, tp: TensorParallel | None):
+    def __init__(self, model: Transformer, pool: AdapterPool, *, dtype, backend: str, tp: TensorParallel | None,
+                 attention_chunk: int | None = None):
         self.config: ModelConfig = model.config
         self.dtype = dtype
         self.backend = backend
         self.tp = tp
+        self.attention_chunk = attention_chunk
         graphdef, state = nnx.split(model) if tp is None else tp.shard_model(model)
         self.model_def, self.params = ModelDef.split(graphdef, state)
         self._index = {jax.tree_util.keystr(path, simple=True, separator="."): i
@@ -249,7 +253,7 @@ class ModelRunner:
 
     def options(self, num_tokens: int) -> StepOptions:
         """The static options of a call of `num_tokens` tokens."""
-        return StepOptions(row_tile(num_tokens), self.backend, self.tp)
+        return StepOptions(row_tile(num_tokens), self.backend, self.tp, attention_chunk=self.attention_chunk)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays [B, S] (token_slot [B·S]); returns (logits [B, S, V] f32,

@@ -1,5 +1,7 @@
 """Generation: greedy agreement with the logits, continuous batching, stops, sampling, compilations."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -83,6 +85,25 @@ def test_pallas_backend_generates_the_same(engine):
     finally:
         engine.runner.backend = backend
     assert [list(o) for o in out] == [list(r) for r in ref]
+
+
+def test_split_attention_generates_the_same_and_each_request_what_it_does_alone(engine):
+    """Decode attention split over chunks of 256 positions (interpret mode on CPU): long prompts decode past a
+    chunk's end, beside short ones, on a paged cache and on a contiguous one; as unsplit, and each request
+    as alone (the split is the engine's, whatever the batch)."""
+    rng = np.random.default_rng(0)
+    model = engine.runner.model_def.merge(engine.runner.params)
+    config = dataclasses.replace(engine.config, backend="pallas", max_seq_len=640, max_batch=3, split_attention="on")
+    split = Engine(model, config)
+    unsplit = Engine(model, dataclasses.replace(config, split_attention="off"))
+    assert split.runner.attention_chunk == 256 and unsplit.runner.attention_chunk is None
+    prompts = [rng.integers(0, CFG["vocab_size"], n).tolist() for n in (250, 3, 520, 40)]
+    for block_size in (16, 0):
+        for eng in (split, unsplit):
+            eng.config = dataclasses.replace(eng.config, block_size=block_size)
+        out = [list(o) for o in split.generate(prompts, [None] * 4, max_new_tokens=12)]
+        assert out == [list(o) for o in unsplit.generate(prompts, [None] * 4, max_new_tokens=12)]
+        assert out == [list(split.generate([p], [None], max_new_tokens=12)[0]) for p in prompts]
 
 
 def test_stop_tokens_with_continuous_batching(engine):

@@ -25,6 +25,7 @@ from jlora import EngineConfig, cli
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(backend="triton"), "backend must be one of"),
     (dict(evict="fifo"), "evict must be one of"),
+    (dict(split_attention=True), "split_attention must be one of"),
     (dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
     (dict(block_size=24), "block_size must be a power of two >= 16, or 0, got 24"),
     (dict(block_size=8), "block_size must be a power of two >= 16, or 0, got 8"),
@@ -48,6 +49,18 @@ def test_values_are_normalized():
     assert EngineConfig().host_capacity == 8 and EngineConfig(max_cpu_loras=100).host_capacity == 100
     with pytest.raises(ValueError, match="max_batch"):  # replace checks again
         dataclasses.replace(EngineConfig(), max_batch=0)
+
+
+def test_split_attention_is_the_engines_by_its_cache_batch_and_length():
+    """'auto' splits over a paged cache, and over a contiguous one where max_batch x KV heads per device leave
+    most of the SMs idle, when contexts may be long; the chunk follows max_seq_len, never a step."""
+    auto = [EngineConfig(max_batch=b, max_seq_len=n, tensor_parallel=tp, block_size=bs).attention_chunk(8)
+            for b, n, tp, bs in [(32, 4096, 1, 16), (256, 32768, 1, 16), (32, 512, 1, 16), (8, 4096, 1, 0),
+                                 (9, 4096, 1, 0), (16, 4096, 2, 0), (32, 4096, 1, 0), (1, 1000, 1, 0)]]
+    assert auto == [256, 2048, None, 256, None, 256, None, None]
+    assert EngineConfig(max_batch=256, block_size=0, max_seq_len=64, split_attention="on").attention_chunk(8) == 256
+    assert EngineConfig(max_seq_len=8192, block_size=1024, split_attention="on").attention_chunk(8) == 1024
+    assert EngineConfig(max_batch=1, max_seq_len=8192, split_attention="off").attention_chunk(8) is None
 
 
 def test_a_config_and_keywords_together_are_refused():

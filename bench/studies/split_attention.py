@@ -1,20 +1,17 @@
-"""Decode attention split over fixed chunks of positions (flash-decoding) against jlora's kernel (#39: the kernel
-reads the KV cache at 3.0 TB/s at batch 32 and 0.2 TB/s at batch 1, where it runs one program per request and KV
-head: 8 programs on 132 SMs).
+"""Decode attention split over chunks of positions (`decode_attention(..., chunk=256)`, the engine's
+`split_attention`) against one program per request and KV head, for #39: the unsplit kernel runs B x 8 programs
+of the 8B shape, 8 at batch 1 on 132 SMs, each walking its request's context in series.
 
-The split kernel runs one program per (request, KV head, chunk of `chunk` positions); a program whose chunk lies
-past its request's position exits, and XLA combines the chunks' partial softmax sums. Chunks are fixed position
-ranges, never a function of the batch, so a request's result does not depend on the requests beside it (the
-engine's batch invariance). Every variant's output is checked against jlora's kernel (‖out − ref‖ / ‖ref‖ <
-1e-2) before it is timed: device time per layer over 32 layers with distinct caches, and the KV bytes the
-requests can see over that time. Cases: 8B-shaped heads (8 KV heads of 4 queries, head_dim 128); batch 1 with
-max_seq 1024 at position 512 (`bench/model.py`'s batch-1 decode rows) and 4096 at 4000; batch 8 and 32 with
-max_seq 512 at position 511, batch 32 with 4096 at 511 and 4000 (request 0 at position 70 where batch > 1).
-Chunkings that leave more than 16 chunks are not run: at 64 chunks XLA's combine alone took 100-140 µs.
-JSON: split_attention.json, written after each row.
+Kernels: device time per layer, its combine kernel included, over `LAYERS` layers with distinct caches, each
+layer's query the output of the layer before (so every layer's combine is a kernel of its own, as in the model),
+and the KV bytes the requests can see over that time; contiguous caches and paged ones (16-position blocks in a
+random order). Each split output is checked against the unsplit one (‖out − ref‖ / ‖ref‖ < 1e-2) first.
+Chunks as the engine takes them (`split_chunk` of the cache's positions). Model: the 8B-shaped base decode step
+(`bench/model.py`'s model) at batch 1-16 over a contiguous cache and a paged one, split and unsplit in
+alternating rounds. JSON: split_attention.json, written after each row.
 
-  python bench/studies/split_attention.py [--batches 1,8,32] [--out bench/results]  # GPU
-  python bench/studies/split_attention.py --smoke                 # CPU, interpret mode, one small case
+  python bench/studies/split_attention.py [--batches 1,2,4,8,16,32] [--model-batches 1,4,8,16] [--out DIR]  # GPU
+  python bench/studies/split_attention.py --smoke                  # CPU, interpret mode, one small case
 """
 
 from __future__ import annotations
@@ -22,133 +19,135 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
+import statistics
 import sys
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import trace_kernels  # noqa: E402
+from model import llama3_8b, random_model, time_alternating  # noqa: E402
 
-from jlora.pallas.common import dot_dim, dot_precision  # noqa: E402
-from jlora.pallas.decode_attention import _NEG, _block_t, _heads, decode_attention, online_softmax  # noqa: E402
+from jlora.models.llama import Batch, KVCache  # noqa: E402
+from jlora.pallas.decode_attention import decode_attention, paged_decode_attention, split_chunk  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
+from jlora.runner import forward  # noqa: E402
 
-KV, GROUPS, HEAD_DIM, LAYERS = 8, 4, 128, 32
-CASES = [(1, 1024, 512), (1, 4096, 4000), (8, 512, 511), (32, 512, 511), (32, 4096, 511),  # batch, max_seq, pos
-         (32, 4096, 4000)]
-CHUNKS, STAGES = (64, 128, 256), (1, 2, 3)
-
-
-def _kernel(pos_ref, rows_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, groups: int, tile: int,
-            block_t: int, chunk_blocks: int, **options):
-    """Program (b, h, c): request b's KV head h over the key blocks of chunk c up to its position; writes the
-    chunk's weighted values, running max and sum of exponentials (f32) to row c of the partials."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    pos, row = pos_ref[b], rows_ref[b]
-    heads = _heads(b, h, groups, tile)
-    first = c * chunk_blocks
-    last = jnp.maximum(jnp.minimum(first + chunk_blocks, pos // block_t + 1), first)
-
-    def load(j):
-        t = pl.ds(pl.multiple_of(j * block_t, block_t), block_t)
-        return k_ref[row, h, t, :], v_ref[row, h, t, :]
-
-    m, l, acc = online_softmax(q_ref[heads, :], load, pos, first, last, block_t=block_t, window=None, **options)
-    acc_ref[c, heads, :] = acc
-    m_ref[c, heads] = m[:, 0]
-    l_ref[c, heads] = l[:, 0]
+KV, GROUPS, HEAD_DIM, LAYERS, PAGE = 8, 4, 128, 32, 16
+CONTEXTS = [(1024, 512), (4096, 4000), (16384, 16000)]  # (cache positions, query position)
+CACHE_BUDGET = 24 << 30  # bytes of K and V over all layers of one case: fewer layers above it
 
 
-def split_attention(q, k, v, positions, rows, *, chunk: int, stages: int) -> jax.Array:
-    """q [B, KV, G, D] over caches [R, KV, max_seq, D] as `decode_attention`, in chunks of `chunk` positions."""
-    batch, kv, groups, d = q.shape
-    max_seq = k.shape[2]
-    block_t, chunks = _block_t(chunk), max_seq // chunk
-    kernel = functools.partial(_kernel, groups=groups, tile=dot_dim(groups), block_t=block_t,
-                               chunk_blocks=chunk // block_t, scale=1 / math.sqrt(d), precision=dot_precision(q.dtype))
-    flat = q.reshape(batch * kv * groups, d)
-    n = flat.shape[0]
-    acc, m, l = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((chunks, n, d), jnp.float32), jax.ShapeDtypeStruct((chunks, n), jnp.float32),
-                   jax.ShapeDtypeStruct((chunks, n), jnp.float32)),
-        grid=(batch, kv, chunks),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=stages),
-        interpret=jax.default_backend() != "gpu",
-        name="split_decode_attention",
-    )(positions.astype(jnp.int32), rows.astype(jnp.int32), flat, k, v)
-    # Chunks past a request's position never ran: masked, never read as numbers. Summed in chunk order.
-    valid = jnp.arange(chunks)[:, None] * chunk <= jnp.repeat(positions, kv * groups)[None, :]
-    m = jnp.where(valid, m, _NEG)
-    weight = jnp.where(valid, jnp.exp(m - m.max(0)), 0.0)
-    num, den = jnp.zeros((n, d), jnp.float32), jnp.zeros((n,), jnp.float32)
-    for c in range(chunks):
-        num = num + jnp.where(valid[c][:, None], weight[c][:, None] * acc[c], 0.0)
-        den = den + jnp.where(valid[c], weight[c] * l[c], 0.0)
-    return (num / den[:, None]).astype(q.dtype).reshape(q.shape)
+def kernel_rows(batch: int, max_seq: int, pos: int, paged: bool, layers: int) -> list[dict]:
+    key = jax.random.key(batch * max_seq)
+    rows = batch if not paged else batch * (max_seq // PAGE)
+    shape = (rows, KV, max_seq, HEAD_DIM) if not paged else (rows, KV, PAGE, HEAD_DIM)
+    ks = [jax.random.normal(jax.random.fold_in(key, 2 * i), shape, jnp.bfloat16) for i in range(layers)]
+    vs = [jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape, jnp.bfloat16) for i in range(layers)]
+    q = jax.random.normal(jax.random.fold_in(key, 2 * layers), (batch, KV, GROUPS, HEAD_DIM), jnp.bfloat16)
+    positions = jnp.full((batch,), pos, jnp.int32)
+    if paged:
+        where = jnp.asarray(np.random.default_rng(0).permutation(rows).reshape(batch, -1), jnp.int32)
+        attend = functools.partial(paged_decode_attention, positions=positions, tables=where)
+    else:
+        attend = functools.partial(decode_attention, positions=positions, rows=jnp.arange(batch, dtype=jnp.int32))
+    out = []
+    ref = attend(q, ks[0], vs[0]).astype(jnp.float32)
+    kv_bytes = 2 * KV * HEAD_DIM * 2 * batch * (pos + 1)
+    for split in (False, True):
+        fn = functools.partial(attend, chunk=split_chunk(max_seq, PAGE if paged else 0) if split else None)
+        error = float(jnp.linalg.norm(fn(q, ks[0], vs[0]).astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+        if error >= 1e-2:
+            raise AssertionError(f"B={batch} max_seq={max_seq} paged={paged} split: relative error {error:.3g}")
+
+        def chain(q, ks, vs, fn=fn):
+            for k, v in zip(ks, vs):
+                q = fn(q, k, v)
+            return q
+
+        row = dict(batch=batch, max_seq=max_seq, position=pos, paged=paged, split=split, layers=layers, error=error)
+        if jax.default_backend() == "gpu":
+            run = jax.jit(chain)
+            jax.block_until_ready(run(q, ks, vs))
+            kernels = trace_kernels(lambda: run(q, ks, vs))
+            row["us_per_layer"] = sum(sum(d) for d in kernels.values()) / layers
+            row["kernels_per_layer"] = sum(map(len, kernels.values())) / layers
+            row["TBps"] = kv_bytes / row["us_per_layer"] / 1e6
+        out.append(row)
+    return out
+
+
+def model_rows(model_def, params, batches: list[int], max_seq: int, pos: int, paged: bool) -> list[dict]:
+    """The 8B base decode step at each batch, split and unsplit, in alternating rounds."""
+    config = llama3_8b(LAYERS)
+    rows, chunk = [], split_chunk(max_seq, PAGE if paged else 0)
+    for batch in batches:
+        tables = None
+        if paged:
+            cache = KVCache.zeros(config, batch * max_seq // PAGE, PAGE, jnp.bfloat16)
+            tables = jnp.asarray(np.random.default_rng(0).permutation(batch * max_seq // PAGE).reshape(batch, -1),
+                                 jnp.int32)
+        else:
+            cache = KVCache.zeros(config, batch, max_seq, jnp.bfloat16)
+        call = Call(Batch.of(jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), pos, jnp.int32), tables=tables),
+                    jnp.full(batch, -1, jnp.int32), jnp.zeros(1, jnp.int32))
+        runs = {split: (lambda c, split=split: forward(
+            model_def, params, call, c, None, StepOptions(16, "auto", attention_chunk=chunk if split else None)))
+                for split in (False, True)}
+        times, cache = time_alternating(runs, cache)
+        ms = {split: statistics.median(t) * 1e3 for split, t in times.items()}
+        rows.append(dict(batch=batch, max_seq=max_seq, position=pos, paged=paged, step_ms=ms[False],
+                         split_step_ms=ms[True], ratio=ms[True] / ms[False]))
+        print(f"model B={batch:2d} max_seq={max_seq} pos={pos} {'paged' if paged else 'rows '}: unsplit {ms[False]:.3f} ms, split {ms[True]:.3f} ms "
+              f"({ms[True] / ms[False]:.3f}x)", flush=True)
+        del cache
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="one small case and one variant (interpret mode on CPU)")
-    parser.add_argument("--batches", default="1,8,32", help="the cases of these batch sizes")
+    parser.add_argument("--smoke", action="store_true", help="one small case (interpret mode on CPU), no model")
+    parser.add_argument("--batches", default="1,2,4,8,16,32", help="the kernel cases' batch sizes ('' for none)")
+    parser.add_argument("--model-batches", default="1,4,8,16,32", help="the model step's batch sizes ('' for none)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    batches = {int(b) for b in args.batches.split(",")}
-    cases, layers, chunks, stages = [c for c in CASES if c[0] in batches], LAYERS, CHUNKS, STAGES
-    if args.smoke:
-        cases, layers, chunks, stages = [(2, 128, 100)], 1, (64,), (1,)
-    gpu = jax.default_backend() == "gpu"
     device = jax.devices()[0].device_kind
     print(f"# {device}", flush=True)
-    result, key = {"device": device, "rows": []}, jax.random.key(0)
+    result = {"device": device, "kernels": [], "model": []}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "split_attention_smoke.json" if args.smoke else "split_attention.json")
 
-    def save(result: dict) -> None:
+    def save() -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    for batch, max_seq, pos in cases:
-        shape = (batch, KV, max_seq, HEAD_DIM)
-        ks = [jax.random.normal(jax.random.fold_in(key, 2 * i), shape, jnp.bfloat16) for i in range(layers)]
-        vs = [jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape, jnp.bfloat16) for i in range(layers)]
-        q = jax.random.normal(jax.random.fold_in(key, 2 * layers), (batch, KV, GROUPS, HEAD_DIM), jnp.bfloat16)
-        positions = jnp.full((batch,), pos, jnp.int32).at[0].set(min(pos, 70) if batch > 1 else pos)
-        rows = jnp.arange(batch, dtype=jnp.int32)
-        ref = decode_attention(q, ks[0], vs[0], positions, rows).astype(jnp.float32)
-        kv_bytes = 2 * KV * HEAD_DIM * 2 * int(jnp.sum(positions + 1))  # K and V, bf16, the positions seen
-        variants = {"jlora": functools.partial(decode_attention, positions=positions, rows=rows)}
-        for chunk, stage in ((c, s) for c in chunks for s in stages if max_seq // c <= 16 or args.smoke):
-            variants[f"split {chunk} stages {stage}"] = functools.partial(
-                split_attention, positions=positions, rows=rows, chunk=chunk, stages=stage)
-        for name, fn in variants.items():
-            try:
-                out = jax.jit(fn)(q, ks[0], vs[0]).astype(jnp.float32)
-            except Exception as err:  # a variant Triton cannot lower: noted, not timed
-                print(f"B={batch} max_seq={max_seq}: {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-                continue
-            error = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-            if error >= 1e-2:
-                raise AssertionError(f"B={batch} max_seq={max_seq} {name}: relative error {error:.3g}")
-            row = dict(batch=batch, max_seq=max_seq, position=pos, variant=name, error=error)
-            if gpu:
-                run = jax.jit(lambda q, ks, vs, fn=fn: [fn(q, k, v) for k, v in zip(ks, vs)])
-                jax.block_until_ready(run(q, ks, vs))
-                kernels = trace_kernels(lambda: run(q, ks, vs))
-                row["us_per_layer"] = sum(sum(d) for d in kernels.values()) / layers
-                row["kernels_per_layer"] = sum(map(len, kernels.values())) / layers
-                row["TBps"] = kv_bytes / row["us_per_layer"] / 1e6
-            result["rows"].append(row)
-            save(result)
-            timing = (f"{row['us_per_layer']:6.1f} µs per layer ({row['TBps']:.2f} TB/s), "
-                      f"{row['kernels_per_layer']:.0f} kernels, " if gpu else "")
-            print(f"B={batch:2d} max_seq={max_seq} pos={pos}: {name:18s} {timing}error {error:.1e}", flush=True)
-        del ks, vs
+    cases = [(2, 512, 300, paged) for paged in (False, True)] if args.smoke else [
+        (b, n, p, paged) for n, p in CONTEXTS for b in map(int, filter(None, args.batches.split(","))) for paged in (False, True)]
+    for batch, max_seq, pos, paged in cases:
+        per_layer = 2 * batch * KV * max_seq * HEAD_DIM * 2
+        layers = 1 if args.smoke else min(LAYERS, CACHE_BUDGET // per_layer)
+        if layers < 4 and not args.smoke:
+            continue
+        rows = kernel_rows(batch, max_seq, pos, paged, layers)
+        result["kernels"] += rows
+        save()
+        if "us_per_layer" in rows[0]:
+            a, b = rows
+            print(f"B={batch:2d} max_seq={max_seq:5d} pos={pos:5d} {'paged' if paged else 'rows '}: unsplit "
+                  f"{a['us_per_layer']:7.1f} µs ({a['TBps']:.2f} TB/s), split {b['us_per_layer']:7.1f} µs "
+                  f"({b['TBps']:.2f} TB/s, {b['kernels_per_layer']:.0f} kernels): {b['us_per_layer'] / a['us_per_layer']:.2f}x",
+                  flush=True)
+    if args.smoke or not args.model_batches:
+        return
+    model_def, params = random_model(llama3_8b(LAYERS))
+    for max_seq, pos in ((1024, 512), (4096, 4000)):
+        for paged in (True, False):
+            result["model"] += model_rows(model_def, params, [int(b) for b in args.model_batches.split(",")],
+                                          max_seq, pos, paged)
+            save()
 
 
 if __name__ == "__main__":

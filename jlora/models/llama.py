@@ -120,18 +120,23 @@ class CallOptions:
         run beside the GEMM. The other projections and the lm_head keep none (their split-K GEMMs end in
         reductions XLA fuses into the consumers, which a barrier would split off). Off by default: under
         XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
+      attention_chunk: split the Pallas decode attention over chunks of this many positions too
+        (`jlora.pallas.decode_attention`; None: unsplit). It changes the rounding, so an engine fixes it once
+        (`EngineConfig.attention_chunk`), never per call.
     """
 
     backend: str = "auto"
     reduce_axis: str | None = None
     base_first: bool = False
+    attention_chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
     """One group as the attention layers see it: its shape, positions, the positions RoPE rotates by, which
     tokens write the cache, its block tables [B, nb] (`own_block`: request b's is block b, the cache's blocks
-    in request order) and whether decode attention runs in a Pallas kernel."""
+    in request order), whether decode attention runs in a Pallas kernel and the chunk of positions that kernel
+    is split over (None: unsplit)."""
 
     b: int
     s: int
@@ -141,6 +146,7 @@ class _Part:
     tables: jax.Array
     own_block: bool
     kernel: bool
+    chunk: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,9 +334,11 @@ class Attention(nnx.Module):
         """One part's attention over its blocks of the cache: q [B, S, KV, G, D] -> [B, S, KV, G, D]."""
         window = self.config.sliding_window
         if p.kernel and p.tables.shape[1] == 1:  # one block per request: the contiguous kernel
-            return decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.tables[:, 0], window=window)
+            return decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.tables[:, 0], window=window,
+                                    chunk=p.chunk)
         if p.kernel:
-            return paged_decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.tables, window=window)
+            return paged_decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.tables, window=window,
+                                          chunk=p.chunk)
         if p.own_block:
             return _masked_attention(q, k_cache, v_cache, p.positions, window)
         return _masked_attention(q, _gather(k_cache, p.tables), _gather(v_cache, p.tables), p.positions, window)
@@ -417,7 +425,7 @@ class Transformer(nnx.Module):
             if weights.rope_factor is not None:  # LongLoRA: linear RoPE scaling by each token's adapter's factor
                 slot = lora.info.token_slot
                 factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
-        ctx = _Context(self._parts(batch, factor, cache, options.backend), rope_frequencies(self.config), lora,
+        ctx = _Context(self._parts(batch, factor, cache, options), rope_frequencies(self.config), lora,
                        options)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
@@ -431,18 +439,20 @@ class Transformer(nnx.Module):
         cache = KVCache(tuple(ks), tuple(vs))
         return (logits if batch.logits_at is not None else logits.reshape(*batch.groups[0].tokens.shape, -1)), cache
 
-    def _parts(self, batch: Batch, factor: jax.Array | None, cache: KVCache, backend: str) -> tuple[_Part, ...]:
+    def _parts(self, batch: Batch, factor: jax.Array | None, cache: KVCache,
+               options: CallOptions) -> tuple[_Part, ...]:
         """Each group as the layers see it; `factor` [T]: each token's RoPE position divisor (LongLoRA)."""
         parts, start = [], 0
         for g in batch.groups:
             b, s = g.tokens.shape
             rope_positions = g.positions if factor is None else g.positions / factor[start:start + b * s].reshape(b, s)
-            kernel = (s == 1 and _kernel_attention(backend)
+            kernel = (s == 1 and _kernel_attention(options.backend)
                       and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
             writes = jnp.ones((b, s), bool) if g.valid is None else g.valid
             # once for all layers: an iota per layer is a kernel
             tables = jnp.arange(b)[:, None] if g.tables is None else g.tables
-            parts.append(_Part(b, s, g.positions, rope_positions, writes, tables, g.tables is None, kernel))
+            parts.append(_Part(b, s, g.positions, rope_positions, writes, tables, g.tables is None, kernel,
+                               options.attention_chunk if kernel else None))
             start += b * s
         return tuple(parts)
 

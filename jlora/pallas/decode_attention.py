@@ -9,6 +9,13 @@ requests' context lengths, not the cache size. The G query heads sharing a KV he
 products, gathered from q and scattered to the output with their row index clamped to the last head, so a
 tile of a power of two >= 16 rows needs no padded copy of q or slice of the output (two fewer kernels per
 layer; duplicate rows compute and write identical values).
+
+With `chunk`, each program also takes one chunk of that many positions (flash-decoding): at a small batch one
+program per (request, KV head) leaves most of the GPU idle while each walks a long context in series, and over
+a paged cache of small blocks each step of that walk waits on one block's load. The chunks are fixed position
+ranges whose partial softmax sums are combined in chunk order, element by element; chunks past a request's
+position add exact zeros, so a request's result depends neither on the requests beside it nor on the cache's
+size, as long as the chunk stays the same (`split_chunk`, an engine's choice).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from jlora.pallas.common import dot_dim, dot_precision
 from jlora.pallas.config import pow2_divisor
 
-__all__ = ["decode_attention", "decode_attention_supported", "paged_decode_attention"]
+__all__ = ["decode_attention", "decode_attention_supported", "paged_decode_attention", "split_chunk"]
 
 _NEG = -1e30  # the running max's start: finite, so exp(start - max) is 0 rather than NaN
 
@@ -33,6 +40,14 @@ def _block_t(max_seq: int) -> int:
     """Cache positions per loop step: up to 64, so three pipelined stages of K and V tiles (64 x 128 bf16
     each) take 96 KB of shared memory."""
     return pow2_divisor(max_seq, 64)
+
+
+def split_chunk(max_seq: int, block_size: int = 0) -> int:
+    """Positions per chunk of a split for contexts of up to `max_seq` positions over a cache of `block_size`
+    blocks (0: contiguous, whose key blocks are at most 64): at least 256 (shorter chunks cost more in partial
+    sums than they gain), at most 16 chunks (the combine reads every chunk's partial sums), a power of two and a
+    multiple of the block."""
+    return max(256, block_size, 1 << max(0, math.ceil(max_seq / 16) - 1).bit_length())
 
 
 def decode_attention_supported(head_dim: int, max_seq: int) -> bool:
@@ -81,31 +96,48 @@ def _first_block(pos, window: int | None, block_t: int):
     return 0 if window is None else jnp.maximum(pos - window + 1, 0) // block_t
 
 
+def _program(q_ref, load, pos, outs, *, groups: int, tile: int, block_t: int, window: int | None,
+             chunk_blocks: int | None, **options) -> None:
+    """Program (b, h[, c]): request b's KV head h over its visible key blocks (those of chunk c when split),
+    `load(j)` giving block j's keys and values. Unsplit, `outs` is the output [B·KV·G, D]; split, the chunk's
+    weighted values [C, B·KV·G, D], running max and sum of exponentials [C, B·KV·G] (f32; zeros and -1e30 for
+    a chunk with no visible key)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    heads = _heads(b, h, groups, tile)
+    first, last = _first_block(pos, window, block_t), pos // block_t + 1
+    options = dict(block_t=block_t, window=window, **options)
+    if chunk_blocks is None:
+        (o_ref,) = outs
+        o_ref[heads, :] = _attend(q_ref[heads, :], load, pos, first, last, **options).astype(o_ref.dtype)
+        return
+    c = pl.program_id(2)
+    start = jnp.maximum(first, c * chunk_blocks)
+    m, l, acc = online_softmax(q_ref[heads, :], load, pos, start,
+                               jnp.maximum(start, jnp.minimum(last, (c + 1) * chunk_blocks)), **options)
+    acc_ref, m_ref, l_ref = outs
+    acc_ref[c, heads, :] = acc
+    m_ref[c, heads] = m[:, 0]
+    l_ref[c, heads] = l[:, 0]
+
+
 def _kernel(
     pos_ref,  # [B] int32 query positions
     rows_ref,  # [B] int32 cache rows
     q_ref,  # [B·KV·G, D] queries, request-major then KV head, its G query heads consecutive
     k_ref,  # [R, KV, max_seq, D]
     v_ref,  # [R, KV, max_seq, D]
-    o_ref,  # [B·KV·G, D]
-    *,
-    groups: int,
-    tile: int,  # GP: the rows of the products, a power of two >= max(groups, 16)
+    *outs,  # `_program`'s
     block_t: int,
-    window: int | None,
     **options,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
-    pos, row = pos_ref[b], rows_ref[b]
-    heads = _heads(b, h, groups, tile)
+    row = rows_ref[b]
 
     def load(j):
         t = pl.ds(pl.multiple_of(j * block_t, block_t), block_t)
         return k_ref[row, h, t, :], v_ref[row, h, t, :]
 
-    out = _attend(q_ref[heads, :], load, pos, _first_block(pos, window, block_t), pos // block_t + 1,
-                  block_t=block_t, window=window, **options)
-    o_ref[heads, :] = out.astype(o_ref.dtype)
+    _program(q_ref, load, pos_ref[b], outs, block_t=block_t, **options)
 
 
 def _paged_kernel(
@@ -114,25 +146,16 @@ def _paged_kernel(
     q_ref,  # [B·KV·G, D]
     k_ref,  # [P, KV, block_size, D]
     v_ref,  # [P, KV, block_size, D]
-    o_ref,  # [B·KV·G, D]
-    *,
-    groups: int,
-    tile: int,
-    block_t: int,  # the block size
-    window: int | None,
-    **options,
+    *outs,  # `_program`'s
+    **options,  # block_t: the block size
 ):
     b, h = pl.program_id(0), pl.program_id(1)
-    pos = pos_ref[b]
-    heads = _heads(b, h, groups, tile)
 
     def load(j):
         page = table_ref[b, j]
         return k_ref[page, h, :, :], v_ref[page, h, :, :]
 
-    out = _attend(q_ref[heads, :], load, pos, _first_block(pos, window, block_t), pos // block_t + 1,
-                  block_t=block_t, window=window, **options)
-    o_ref[heads, :] = out.astype(o_ref.dtype)
+    _program(q_ref, load, pos_ref[b], outs, **options)
 
 
 def decode_attention(
@@ -143,6 +166,7 @@ def decode_attention(
     rows: jax.Array,
     *,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> jax.Array:
     """Attention of one query per request over its cache row, keys at positions <= its own.
 
@@ -153,13 +177,14 @@ def decode_attention(
       positions: [B] int, each request's query position, in [0, max_seq).
       rows: [B] int cache row of each request.
       window: sliding window: keys at positions > position - window only.
+      chunk: split into chunks of this many positions too (a power of two >= 64), combined after.
 
     Returns:
       [B, KV, G, D] in q's dtype (softmax with scale 1/sqrt(D), f32 accumulation).
     """
     max_seq = k_cache.shape[2]
     return _call(_kernel, "decode_attention", q, jnp.clip(positions, 0, max_seq - 1), rows, k_cache, v_cache,
-                 block_t=_block_t(max_seq), window=window)
+                 block_t=_block_t(max_seq), window=window, chunk=chunk, limit=max_seq)
 
 
 def paged_decode_attention(
@@ -170,6 +195,7 @@ def paged_decode_attention(
     tables: jax.Array,
     *,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> jax.Array:
     """`decode_attention` over a paged cache: request b's position p lives in block tables[b, p // S] at
     offset p % S (S the block size).
@@ -181,27 +207,53 @@ def paged_decode_attention(
       tables: [B, max_blocks] int, each request's blocks in position order (entries past its position are
         not read; blocks may be shared between requests and appear in any order).
       window: sliding window: keys at positions > position - window only.
+      chunk: split into chunks of this many positions too (a multiple of S), combined after.
 
     Returns:
       [B, KV, G, D] in q's dtype.
     """
     limit = tables.shape[1] * k_pages.shape[2]
     return _call(_paged_kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables, k_pages,
-                 v_pages, block_t=k_pages.shape[2], window=window)
+                 v_pages, block_t=k_pages.shape[2], window=window, chunk=chunk, limit=limit)
 
 
-def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None) -> jax.Array:
-    """One program per (request, KV head) of `kernel` over q [B, KV, G, D] -> [B, KV, G, D]."""
+def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
+          limit: int) -> jax.Array:
+    """`kernel` over q [B, KV, G, D] and `limit` cache positions -> [B, KV, G, D]: one program per (request, KV
+    head), and per chunk of `chunk` positions when that is given (None: unsplit)."""
     batch, kv, groups, d = q.shape
-    kernel = functools.partial(kernel, groups=groups, tile=dot_dim(groups), block_t=block_t, window=window,
-                               scale=1 / math.sqrt(d), precision=dot_precision(q.dtype))
     flat = q.reshape(batch * kv * groups, d)
+    n = flat.shape[0]
+    if chunk is not None and (chunk % block_t or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be a power of two and a multiple of the key block {block_t}, got {chunk}")
+    kernel = functools.partial(kernel, groups=groups, tile=dot_dim(groups), block_t=block_t, window=window,
+                               chunk_blocks=None if chunk is None else chunk // block_t, scale=1 / math.sqrt(d),
+                               precision=dot_precision(q.dtype))
+    if chunk is None:
+        grid, out_shape = (batch, kv), jax.ShapeDtypeStruct(flat.shape, q.dtype)
+    else:
+        chunks = -(-limit // chunk)
+        grid = (batch, kv, chunks)
+        out_shape = (jax.ShapeDtypeStruct((chunks, n, d), jnp.float32), jax.ShapeDtypeStruct((chunks, n), jnp.float32),
+                     jax.ShapeDtypeStruct((chunks, n), jnp.float32))
+        name = f"{name}_split{chunks}"
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(flat.shape, q.dtype),
-        grid=(batch, kv),
+        out_shape=out_shape,
+        grid=grid,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_{name}_{kv}x{groups}x{d}",
     )(positions.astype(jnp.int32), where.astype(jnp.int32), flat, k, v)
-    return out.reshape(q.shape)
+    return (out if chunk is None else _combine(*out).astype(q.dtype)).reshape(q.shape)
+
+
+def _combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """The chunks' partial sums (acc [C, N, D], m and l [C, N]) as attention [N, D] f32, summed in chunk order
+    element by element: the same operations for every row whatever the rows beside it. A chunk with no visible
+    key weighs exp(-1e30 - max) = 0; every row has one with a key, its own position."""
+    weight = jnp.exp(m - m.max(axis=0))  # [C, N]
+    num, den = weight[0][:, None] * acc[0], weight[0] * l[0]
+    for c in range(1, acc.shape[0]):
+        num, den = num + weight[c][:, None] * acc[c], den + weight[c] * l[c]
+    return num / den[:, None]

@@ -1,12 +1,14 @@
 """The Pallas decode-attention kernels (interpret mode on CPU) against a plain masked-softmax reference, and
-the paged one against a float64 oracle that gathers each position from its block."""
+the paged one against a float64 oracle that gathers each position from its block; split over chunks of
+positions, the same, and each request's result bit for bit what it is alone."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
+from jlora.pallas.decode_attention import (decode_attention, decode_attention_supported, paged_decode_attention,
+                                           split_chunk)
 from tests import oracle
 
 
@@ -110,3 +112,88 @@ def test_paged_masks_the_rest_of_the_last_block():
     out = paged_decode_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(positions),
                                  jnp.asarray(tables))
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_chunk():
+    assert [split_chunk(n) for n in (128, 1024, 4096, 4100, 8192, 32768)] == [256, 256, 256, 512, 512, 2048]
+    assert split_chunk(4096, 512) == 512  # never less than a block
+    with pytest.raises(ValueError, match="chunk must be a power of two and a multiple of the key block 32"):
+        paged_decode_attention(jnp.zeros((1, 1, 1, 16)), jnp.zeros((4, 1, 32, 16)), jnp.zeros((4, 1, 32, 16)),
+                               jnp.array([3]), jnp.zeros((1, 4), jnp.int32), chunk=48)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_split_matches_reference_and_reads_only_visible_positions(dtype, tol, window):
+    """Four chunks of 256 positions; queries at a chunk's first and last positions, mid-chunk and the cache's
+    end; NaN in other requests' rows, past each query and (windowed) before its window: never read."""
+    rng = np.random.default_rng(11)
+    batch, kv, groups, d, max_seq = 5, 2, 4, 32, 1024
+    q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((batch + 1, kv, max_seq, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((batch + 1, kv, max_seq, d)), dtype)
+    positions, rows = jnp.array([0, 255, 256, 700, max_seq - 1]), jnp.array([1, 2, 3, 4, 5])
+    ref = _reference(q, k, v, positions, rows, window)
+
+    def poison(c):
+        c = c.at[0].set(jnp.nan)
+        for b, (pos, row) in enumerate(zip(positions.tolist(), rows.tolist())):
+            c = c.at[row, :, -(-(pos + 1) // 64) * 64:].set(jnp.nan)  # the blocks past its own
+            if window is not None and pos - window + 1 > 0:
+                c = c.at[row, :, : (pos - window + 1) // 64 * 64].set(jnp.nan)  # the blocks before its window
+        return c
+
+    out = decode_attention(q, poison(k), poison(v), positions, rows, window=window, chunk=256)
+    assert out.shape == q.shape and out.dtype == dtype
+    err = jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+    assert err < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_split_paged_matches_the_float64_oracle(dtype, tol):
+    """Blocks of 16 out of order, 4 chunks of 256 positions, a block shared by two requests; unread blocks NaN."""
+    rng = np.random.default_rng(5)
+    batch, kv, groups, d, size, max_blocks = 3, 2, 4, 32, 16, 64
+    positions = np.array([17, 511, max_blocks * size - 1])
+    used = positions // size + 1
+    num_blocks = int(used.sum()) + 4
+    q, k, v = (rng.standard_normal(s) for s in [(batch, kv, groups, d)] + [(num_blocks, kv, size, d)] * 2)
+    order = iter(rng.permutation(num_blocks - 1))
+    tables = np.full((batch, max_blocks), num_blocks - 1, np.int32)  # past a request's position: a NaN block
+    for b in range(batch):
+        tables[b, : used[b]] = [next(order) for _ in range(used[b])]
+    tables[1, 0] = tables[0, 0]  # a shared first block
+    want = oracle.paged_attention_np(q, k, v, positions, tables)
+    read = set(tables[b, j] for b in range(batch) for j in range(used[b]))
+    unread = [i for i in range(num_blocks) if i not in read]
+    k[unread], v[unread] = np.nan, np.nan
+    out = paged_decode_attention(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                 jnp.asarray(positions), jnp.asarray(tables), chunk=256)
+    err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+    assert err < tol
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_split_gives_each_request_its_bits_alone(paged):
+    """Batch invariance: a request's split result depends neither on the requests beside it, nor on its row,
+    nor on the cache's size (alone, a cache or table cut short: fewer chunks)."""
+    rng = np.random.default_rng(3)
+    batch, kv, groups, d = 4, 2, 4, 32
+    q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), jnp.bfloat16)
+    positions = jnp.array([900, 3, 600, 257])
+    if paged:
+        k, v = (jnp.asarray(rng.standard_normal((256, kv, 16, d)), jnp.bfloat16) for _ in range(2))
+        tables = jnp.asarray(rng.permutation(256)[: batch * 64].reshape(batch, 64), jnp.int32)
+        together = paged_decode_attention(q, k, v, positions, tables, chunk=256)
+    else:
+        k, v = (jnp.asarray(rng.standard_normal((batch, kv, 1024, d)), jnp.bfloat16) for _ in range(2))
+        rows = jnp.array([2, 0, 3, 1])
+        together = decode_attention(q, k, v, positions, rows, chunk=256)
+    for b in range(batch):
+        pick = jnp.array([b, (b + 1) % batch]) if b % 2 else jnp.array([b])  # alone, or first of two
+        if paged:  # only the blocks the picked requests need: 2-4 chunks where the batch had 4
+            blocks = int(positions[pick].max()) // 16 + 1
+            alone = paged_decode_attention(q[pick], k, v, positions[pick], tables[pick, :blocks], chunk=256)
+        else:  # a cache of 960 positions
+            alone = decode_attention(q[pick], k[:, :, :960], v[:, :, :960], positions[pick], rows[pick], chunk=256)
+        np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(together)[b])
