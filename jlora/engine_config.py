@@ -116,9 +116,10 @@ class EngineConfig:
     def attention_chunk(self, kv_heads: int) -> int | None:
         """Positions per chunk that decode attention splits over for a model of `kv_heads` KV heads
         (`split_attention`; `jlora.pallas.decode_attention.split_chunk` of max_seq_len), or None: unsplit.
-        Under 'auto' it splits where the unsplit kernel walks a paged cache's small blocks one load at a
-        time, or where one program per request and KV head would leave most of the GPU's SMs idle, and
-        contexts may be long enough to split. Evidence: docs/performance.md § Decode attention."""
+        Under 'auto' it splits when contexts may be long enough to: over a paged cache always (full batches
+        of short requests pay 1-2 % of a step, small batches or long contexts gain up to a third), over rows
+        where one program per request and KV head would leave most of the GPU's SMs idle. Evidence:
+        docs/performance.md § The model step, *Decode attention split over positions*."""
         split = (self.split_attention == "on" if self.split_attention != "auto" else self.max_seq_len >= 1024 and (
             self.block_size > 0 or self.max_batch * kv_heads // self.tensor_parallel <= 64))
         return split_chunk(self.max_seq_len, self.block_size) if split else None

@@ -10,12 +10,14 @@ products, gathered from q and scattered to the output with their row index clamp
 tile of a power of two >= 16 rows needs no padded copy of q or slice of the output (two fewer kernels per
 layer; duplicate rows compute and write identical values).
 
+Over a paged cache a loop step reads at least 64 positions, several blocks gathered through the block table:
+one small block per step waited on each load.
+
 With `chunk`, each program also takes one chunk of that many positions (flash-decoding): at a small batch one
-program per (request, KV head) leaves most of the GPU idle while each walks a long context in series, and over
-a paged cache of small blocks each step of that walk waits on one block's load. The chunks are fixed position
-ranges whose partial softmax sums are combined in chunk order, element by element; chunks past a request's
-position add exact zeros, so a request's result depends neither on the requests beside it nor on the cache's
-size, as long as the chunk stays the same (`split_chunk`, an engine's choice).
+program per (request, KV head) leaves most of the GPU idle while each walks a long context in series. The
+chunks are fixed position ranges whose partial softmax sums are combined in chunk order, element by element;
+chunks past a request's position add exact zeros, so a request's result depends neither on the requests
+beside it nor on the cache's size, as long as the chunk stays the same (`split_chunk`, an engine's choice).
 """
 
 from __future__ import annotations
@@ -144,18 +146,26 @@ def _paged_kernel(
     pos_ref,  # [B] int32 query positions
     table_ref,  # [B, max_blocks] int32 each request's blocks, in position order
     q_ref,  # [B·KV·G, D]
-    k_ref,  # [P, KV, block_size, D]
-    v_ref,  # [P, KV, block_size, D]
+    k_ref,  # [P·KV·S, D] the blocks [P, KV, S, D], flat
+    v_ref,  # [P·KV·S, D]
     *outs,  # `_program`'s
-    **options,  # block_t: the block size
+    page: int,  # S, the cache's block size
+    block_t: int,  # the key block: `block_t // page` consecutive table entries
+    **options,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
+    kv, max_blocks = pl.num_programs(1), table_ref.shape[1]
+    t = jnp.arange(block_t)
 
     def load(j):
-        page = table_ref[b, j]
-        return k_ref[page, h, :, :], v_ref[page, h, :, :]
+        # Key block j's positions, through their blocks; table entries past the row's end are clamped, and the
+        # values at positions past the query zeroed (their keys are masked), whatever those entries name.
+        pages = table_ref[b, jnp.minimum(j * (block_t // page) + t // page, max_blocks - 1)]
+        rows = (pages * kv + h) * page + t % page
+        seen = j * block_t + t <= pos_ref[b]
+        return k_ref[rows, :], jnp.where(seen[:, None], v_ref[rows, :], 0)
 
-    _program(q_ref, load, pos_ref[b], outs, **options)
+    _program(q_ref, load, pos_ref[b], outs, block_t=block_t, **options)
 
 
 def decode_attention(
@@ -204,17 +214,21 @@ def paged_decode_attention(
       q: [B, KV, G, D] queries.
       k_pages, v_pages: [P, KV, S, D] the cache's blocks; S a power of two >= 16.
       positions: [B] int, each request's query position, < max_blocks · S.
-      tables: [B, max_blocks] int, each request's blocks in position order (entries past its position are
-        not read; blocks may be shared between requests and appear in any order).
+      tables: [B, max_blocks] int, each request's blocks in position order (blocks may be shared between
+        requests and appear in any order; entries past its position are valid block ids, masked if read).
       window: sliding window: keys at positions > position - window only.
       chunk: split into chunks of this many positions too (a multiple of S), combined after.
 
     Returns:
       [B, KV, G, D] in q's dtype.
     """
-    limit = tables.shape[1] * k_pages.shape[2]
-    return _call(_paged_kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables, k_pages,
-                 v_pages, block_t=k_pages.shape[2], window=window, chunk=chunk, limit=limit)
+    num_blocks, kv, size, d = k_pages.shape
+    limit = tables.shape[1] * size
+    # Keys in blocks of at least 64 positions, as over rows: one 16-position block per loop step waits on each load.
+    kernel = functools.partial(_paged_kernel, page=size)
+    return _call(kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables,
+                 k_pages.reshape(num_blocks * kv * size, d), v_pages.reshape(num_blocks * kv * size, d),
+                 block_t=max(size, 64), window=window, chunk=chunk, limit=limit)
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,

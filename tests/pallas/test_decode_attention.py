@@ -117,7 +117,7 @@ def test_paged_masks_the_rest_of_the_last_block():
 def test_split_chunk():
     assert [split_chunk(n) for n in (128, 1024, 4096, 4100, 8192, 32768)] == [256, 256, 256, 512, 512, 2048]
     assert split_chunk(4096, 512) == 512  # never less than a block
-    with pytest.raises(ValueError, match="chunk must be a power of two and a multiple of the key block 32"):
+    with pytest.raises(ValueError, match="chunk must be a power of two and a multiple of the key block 64"):
         paged_decode_attention(jnp.zeros((1, 1, 1, 16)), jnp.zeros((4, 1, 32, 16)), jnp.zeros((4, 1, 32, 16)),
                                jnp.array([3]), jnp.zeros((1, 4), jnp.int32), chunk=48)
 
