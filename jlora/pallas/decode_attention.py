@@ -217,14 +217,15 @@ def paged_decode_attention(
       tables: [B, max_blocks] int, each request's blocks in position order (blocks may be shared between
         requests and appear in any order; entries past its position are valid block ids, masked if read).
       window: sliding window: keys at positions > position - window only.
-      chunk: split into chunks of this many positions too (a multiple of S), combined after.
+      chunk: split into chunks of this many positions too (a power of two, a multiple of max(S, 64)), combined
+        after.
 
     Returns:
       [B, KV, G, D] in q's dtype.
     """
     num_blocks, kv, size, d = k_pages.shape
     limit = tables.shape[1] * size
-    # Keys in blocks of at least 64 positions, as over rows: one 16-position block per loop step waits on each load.
+    # Keys in steps of at least 64 positions, as over rows: with one 16-position block a step, each waited on its load.
     kernel = functools.partial(_paged_kernel, page=size)
     return _call(kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables,
                  k_pages.reshape(num_blocks * kv * size, d), v_pages.reshape(num_blocks * kv * size, d),
