@@ -107,7 +107,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp,
                                   attention_chunk=config.attention_chunk(self.model_config.num_kv_heads))
         self.registry = AdapterRegistry()
-        self.host = HostTier(config.host_capacity)
+        self.host = HostTier(config.host_capacity, config.host_bytes)
         # Loads run on loader threads, at least one per reader process so that all of them read at once; at most
         # twice as many loads are under way or staged on the device at a time (`Admission`).
         threads = max(4, config.adapter_readers)

@@ -30,6 +30,10 @@ class EngineConfig:
     max_cpu_loras: int | None = _option(
         None, "adapters kept read and converted in host memory, least recently used evicted (default: "
               "max_loras), so an adapter evicted from its slot comes back without reading its files", "N")
+    max_cpu_lora_memory: float | None = _option(
+        None, "GiB of host memory the host tier's adapters may take (their arrays), least recently used evicted "
+              "past it as past max_cpu_loras: a count alone bounds memory poorly when ranks and targets differ",
+        "GIB", kind=float)
     adapter_readers: int = _option(
         4, "processes that read and convert adapter files, started as loads need them, so that a load never holds "
            "the GIL the engine loop needs; 0: the loader threads read them", "N")
@@ -91,6 +95,8 @@ class EngineConfig:
             if self.kv_blocks is not None:
                 raise ValueError("give kv_blocks or kv_cache_memory, not both")
         _check_positive(self, "adapter_read_timeout", "seconds")
+        if self.max_cpu_lora_memory is not None:
+            _check_positive(self, "max_cpu_lora_memory", "GiB")
         _check_int(self, "block_size", 0)
         if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16, or 0, got {self.block_size}")
@@ -112,6 +118,11 @@ class EngineConfig:
     def host_capacity(self) -> int:
         """Adapters the host tier keeps: `max_cpu_loras`, by default `max_loras`."""
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    @property
+    def host_bytes(self) -> int | None:
+        """Bytes of arrays the host tier keeps at most (`max_cpu_lora_memory`), or None: no byte budget."""
+        return None if self.max_cpu_lora_memory is None else int(self.max_cpu_lora_memory * 2**30)
 
     def attention_chunk(self, kv_heads: int) -> int | None:
         """Positions per chunk that decode attention splits over for a model of `kv_heads` KV heads

@@ -74,6 +74,14 @@ class HostAdapter:
     # (q_proj and v_proj of q|k|v): the others' slices of A and B are zero, and the copy to the device skips them
     slices: dict[tuple[int, str], tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays (host memory while it is not staged)."""
+        parts = [*(x for layer in self.layers for ab in layer.values() for x in ab), *(self.embed or ()),
+                 *(self.lm_head or ()), *self.bias.values(), *(x for m in self.magnitude.values() for x in m),
+                 *self.embed_rows.values(), *self.lm_head_rows.values()]
+        return sum(x.nbytes for x in parts)
+
     def with_dtype(self, dtype) -> HostAdapter:
         """The adapter with its A and B in `dtype` (as a slot stores them: rounding on the host is the device's
         round-to-nearest-even); arrays already in it are kept, not copied."""

@@ -46,6 +46,11 @@ class PreparedAdapter:
     shift: dict | None  # the columns added after them (LoRA bias), or None
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays: A and B, and DoRA's and LoRA bias's columns."""
+        return self.host.nbytes + sum(x.nbytes for part in (self.scale, self.shift) for x in (part or {}).values())
+
+    @property
     def staged(self) -> bool:
         """Whether its A and B are on the device (`AdapterPool.stage`)."""
         return any(isinstance(x, jax.Array) for x in jax.tree.leaves((self.host.layers, self.host.embed,

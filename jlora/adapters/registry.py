@@ -116,12 +116,14 @@ class AdapterRegistry:
 
 class HostTier:
     """Adapters read and converted on the host (`PreparedAdapter`), by generation, least recently used evicted
-    past `capacity` entries."""
+    past `capacity` entries or past `max_bytes` of arrays (None: no byte budget)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, max_bytes: int | None = None):
         if capacity < 0:
             raise ValueError(f"max_cpu_loras must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # of the adapters kept
         self._lock = threading.Lock()
         self._entries: collections.OrderedDict[int, PreparedAdapter] = collections.OrderedDict()
 
@@ -134,14 +136,21 @@ class HostTier:
 
     def put(self, generation: int, prepared: PreparedAdapter) -> None:
         with self._lock:
+            self._pop(generation)
             self._entries[generation] = prepared
-            self._entries.move_to_end(generation)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            self.nbytes += prepared.nbytes
+            while self._entries and (len(self._entries) > self.capacity
+                                     or self.max_bytes is not None and self.nbytes > self.max_bytes):
+                self._pop(next(iter(self._entries)))  # the least recently used, this one last
 
     def drop(self, generation: int) -> None:
         with self._lock:
-            self._entries.pop(generation, None)
+            self._pop(generation)
+
+    def _pop(self, generation: int) -> None:
+        prepared = self._entries.pop(generation, None)
+        if prepared is not None:
+            self.nbytes -= prepared.nbytes
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -57,6 +57,7 @@ class Metrics:
                                       ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.resident = Gauge("jlora_adapters_resident", "Adapters in device slots", registry=r)
         self.host_adapters = Gauge("jlora_adapters_host", "Adapters in the host tier", registry=r)
+        self.host_bytes = Gauge("jlora_adapters_host_bytes", "Bytes of the host tier's adapters", registry=r)
         self.registered = Gauge("jlora_adapters_registered", "Adapters registered", registry=r)
         self.slot_bytes = Gauge("jlora_adapter_slots_bytes", "Device memory the adapter slots hold (all devices "
                                 "together): the modules some adapter targets, grown when one first targets another",
@@ -82,6 +83,7 @@ class Metrics:
         self._evictions = engine.pool.evictions
         self.resident.set(len(engine.pool.names))
         self.host_adapters.set(len(engine.host))
+        self.host_bytes.set(engine.host.nbytes)
         self.registered.set(len(engine.registry))
         self.slot_bytes.set(engine.pool.nbytes)
 
