@@ -1,5 +1,5 @@
 """Every adapter an engine can serve, whether or not it sits in a device slot: the registry (name -> directory)
-and the host tier (adapters read and converted, LRU within `max_cpu_loras`).
+and the host tier (adapters read and converted, LRU within `max_cpu_loras` and `max_cpu_lora_memory`).
 
 A registration carries a generation, unique over the process: registering a name again (after unregistering
 it) gives a new one, so anything keyed by an adapter's identity (its host copy, a failure, a cache entry)
