@@ -107,10 +107,10 @@ class Admission:
             return
         entry = self.registry.get(adapter)
         if entry is None:
-            return _end(request, "error", f"adapter {adapter!r} is not registered", 404)
+            return request.end("error", f"adapter {adapter!r} is not registered", 404)
         failure = self.registry.failure(entry)
         if failure is not None:
-            return _end(request, "failed", failure)
+            return request.end("failed", failure)
         if self._resident(entry):
             self.stats.device_hits += 1
         else:
@@ -122,7 +122,7 @@ class Admission:
         for item in self.pending:
             if item[0] is request:
                 self.pending.remove(item)
-                _end(request, "cancelled")
+                request.end("cancelled")
                 return True
         return False
 
@@ -141,11 +141,11 @@ class Admission:
             if entry is not None:
                 current = self.registry.get(entry.name)
                 if current is None:
-                    _end(request, "error", f"adapter {entry.name!r} was unregistered", 404)
+                    request.end("error", f"adapter {entry.name!r} was unregistered", 404)
                     continue
                 entry = current  # a name registered again serves its new adapter
                 if self.registry.failure(entry) is not None:
-                    _end(request, "failed", self.registry.failure(entry))
+                    request.end("failed", self.registry.failure(entry))
                     continue
             passing = blocked is not None and entry is not None  # it would hold a slot ahead of `blocked`
             if passing and blocked is not self._blocked:
@@ -250,7 +250,7 @@ class Admission:
         if entry is not None:
             vocab = self.pool.vocab_size(self.pool.slot(entry.name))
             if any(not 0 <= t < vocab for t in request.prompt):
-                return _end(request, "error", f"the prompt has token ids outside [0, {vocab}) (adapter "
+                return request.end("error", f"the prompt has token ids outside [0, {vocab}) (adapter "
                                               f"{entry.name!r}'s vocabulary)", 400)
             self.pool.hold([entry.name])
             request.slot = self.pool.slot(entry.name)
@@ -266,9 +266,4 @@ class Admission:
         try:
             add(request)
         except ValueError as err:  # the batcher refuses it: it ends alone (and gives back its adapter)
-            _end(request, "error", str(err), 400)
-
-
-def _end(request: Request, finish: str, error: str | None = None, status: int | None = None) -> None:
-    request.error, request.status, request.finish = error, status, finish
-    request._notify()
+            request.end("error", str(err), 400)

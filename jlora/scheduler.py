@@ -87,6 +87,12 @@ class Request:
         if self.on_update is not None:
             self.on_update(self)
 
+    def end(self, finish: str, error: str | None = None, status: int | None = None) -> None:
+        """Ends the request before it reached a row (or with every row's state dropped): sets `finish`,
+        `error` and `status` (an HTTP code, None: the server's own) and tells `on_update`."""
+        self.error, self.status, self.finish = error, status, finish
+        self._notify()
+
 
 class Batcher:
     """Runs requests on `runner` in `num_rows` rows of up to `max_seq` positions each (a request's prompt plus

@@ -109,8 +109,7 @@ class OnlineEngine:
                 self._intake(request, adapter)
             except Exception as err:  # only this request is touched: it alone fails
                 logger.exception("taking a request in failed")
-                request.error, request.finish = f"taking the request in failed: {type(err).__name__}: {err}", "failed"
-                request._notify()
+                request.end("failed", f"taking the request in failed: {type(err).__name__}: {err}")
         elif kind == "cancel":
             if item[1].finish is None and not self.admission.cancel(item[1]):
                 self.batcher.cancel(item[1])
@@ -123,9 +122,7 @@ class OnlineEngine:
 
     def _intake(self, request: Request, adapter: str | None) -> None:
         if request.cancelled:
-            request.finish = "cancelled"
-            request._notify()
-            return
+            return request.end("cancelled")
         user_update = request.on_update
         arrival = time.monotonic()
 
@@ -148,8 +145,7 @@ class OnlineEngine:
         pending = [r for r, _ in self.admission.pending]
         self.admission.pending.clear()
         for r in [*pending, *old.waiting, *(r for r in old.running if r is not None)]:
-            r.error, r.finish = message, "failed"
-            r._notify()
+            r.end("failed", message)
 
     def _loop(self) -> None:
         last_start = None  # the last step's start while requests have run since
