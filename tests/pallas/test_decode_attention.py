@@ -197,3 +197,28 @@ def test_split_gives_each_request_its_bits_alone(paged):
         else:  # a cache of 960 positions
             alone = decode_attention(q[pick], k[:, :, :960], v[:, :, :960], positions[pick], rows[pick], chunk=256)
         np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(together)[b])
+
+
+@pytest.mark.parametrize("window", [None, 100, 300])
+@pytest.mark.parametrize("chunk", [None, 256])
+def test_paged_with_a_window_and_a_table_of_no_whole_key_blocks(window, chunk):
+    """63 table entries (the key block reads 4 at a time): a query in the last, partial group reads clamped
+    entries; windows start mid-chunk; every block no request may read is NaN."""
+    rng = np.random.default_rng(9)
+    batch, kv, groups, d, size, max_blocks = 3, 2, 3, 32, 16, 63
+    positions = np.array([max_blocks * size - 1, 300, 700])
+    used = positions // size + 1
+    num_blocks = int(used.sum()) + 2
+    q, k, v = (rng.standard_normal(s) for s in [(batch, kv, groups, d)] + [(num_blocks, kv, size, d)] * 2)
+    order = iter(rng.permutation(num_blocks - 1))
+    tables = np.full((batch, max_blocks), num_blocks - 1, np.int32)
+    for b in range(batch):
+        tables[b, : used[b]] = [next(order) for _ in range(used[b])]
+    want = oracle.paged_attention_np(q, k, v, positions, tables, window)
+    read = {tables[b, j] for b in range(batch) for j in range(used[b])}
+    unread = [i for i in range(num_blocks) if i not in read]
+    k[unread], v[unread] = np.nan, np.nan
+    out = paged_decode_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(positions),
+                                 jnp.asarray(tables), window=window, chunk=chunk)
+    err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+    assert err < 1e-5
