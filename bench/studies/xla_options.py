@@ -1,6 +1,7 @@
 """Decode step time under XLA options (#39): whether another choice of GEMM (cuBLAS for every dot, more Triton
 tilings tried) reads the small projections' weights faster than what XLA picks by default, and whether a fusion
-option merges the small kernels between the GEMMs.
+option merges the small kernels between the GEMMs, and what programmatic dependent launch (PDL: on Hopper a
+kernel starts while the one before it ends) gives.
 
 One process compiles the 8B-shaped decode step (bench/model.py's model, context 512) at each batch size for
 the base model, one r=16 adapter for every row and (batch 32) 32 distinct ones, under jlora's own options
@@ -52,6 +53,12 @@ SETS = {
     "heroless Triton fusion": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
     "same-shape multi-output fusion": {"xla_gpu_experimental_enable_same_shape_multi_output_fusion": True},
     "cuDNN layer norm": {"xla_gpu_enable_cudnn_layer_norm": True},
+    # programmatic dependent launch (Hopper): a kernel starts while the one before it ends
+    "PDL": {"xla_gpu_enable_pdl": True},
+    "PDL with early launch": {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True},
+    "no PDL": {"xla_gpu_enable_pdl": False},
+    "Triton multi-output fusion": {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True},
+    "fusion autotuner": {"xla_gpu_experimental_enable_fusion_autotuner": True},
 }
 ROUNDS, STEPS = 4, 16
 
