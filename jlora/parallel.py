@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jlora.adapters.peft import HostAdapter
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
-from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
+from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides, module_shapes
 
 __all__ = ["TensorParallel"]
 
@@ -159,9 +159,11 @@ class TensorParallel:
         return {"qkv": self.qkv_perm, "gate_up": self.gate_up_perm}.get(group)
 
     def permute_adapter(self, host: HostAdapter) -> HostAdapter:
-        """Reorders an adapter's B rows of q|k|v and gate|up into the TP layout (KV rows copied if shared)."""
-        layers = tuple({g: (a, b if self._perm(g) is None else b[self._perm(g)]) for g, (a, b) in layer.items()}
-                       for layer in host.layers)
+        """Reorders an adapter's B rows of q|k|v and gate|up into the TP layout (KV rows copied if shared): B
+        of the whole group, the slices of modules the adapter does not target zero (`HostAdapter.slices`)."""
+        groups = module_shapes(self.config)
+        layers = tuple({g: (a, b if self._perm(g) is None else host.group(i, g, groups[g][1])[1][self._perm(g)])
+                        for g, (a, b) in layer.items()} for i, layer in enumerate(host.layers))
         return dataclasses.replace(host, layers=layers)
 
     def permute_columns(self, values: dict[tuple[int | None, str], np.ndarray]) -> dict:

@@ -1,9 +1,9 @@
 """PEFT LoRA adapters: parse, validate and convert one adapter directory into slot-ready host arrays.
 
 Reads `adapter_config.json` + `adapter_model.safetensors` and returns `HostAdapter`: for every target
-group of every layer (and the embedding / lm_head) the A and B of one slot, zero-padded to the pool's rank
-R, with the module's scaling folded into B. Everything is checked before anything reaches the device, so a
-bad adapter never touches the pool.
+group of every layer (and the embedding / lm_head) the A and B of one slot over the modules it targets,
+zero-padded to its rank bucket R, with the module's scaling folded into B. Everything is checked before
+anything reaches the device, so a bad adapter never touches the pool.
 
 Supported: `r`, `lora_alpha`, `use_rslora`, `target_modules` (list of names, a regex string or
 "all-linear"), `rank_pattern`, `alpha_pattern`, `layers_to_transform`, `fan_in_fan_out` (for Llama's
@@ -50,7 +50,9 @@ class BaseRowsNeeded(AdapterError):
 class HostAdapter:
     """One adapter converted for a slot (NumPy; A and B in a slot's dtype, scaling folded into the B side),
     holding only what it targets: a slot's other parts are written as zeros on the device, so they cost neither
-    host memory nor a transfer.
+    host memory nor a transfer. That holds within a fused group too: where an adapter targets some of its
+    modules (`slices`: q_proj and v_proj of q|k|v), A and B hold only their slices, in the group's order
+    (`group` gives the whole group's arrays).
 
     Besides A and B per module: `bias` and `magnitude` per (layer, group) key (`(None, "lm_head")` for the
     lm_head), each [N] over the group's fused columns (magnitude with a mask of the DoRA columns); `embed_rows`
@@ -61,7 +63,8 @@ class HostAdapter:
 
     rank: int  # the largest rank over its modules
     # R below: the rank bucket (`rank_bucket`), which the slot write pads to the slot's rank on the device
-    layers: tuple[dict[str, tuple[np.ndarray, np.ndarray]], ...]  # targeted group -> (a [S·R, K], b [N, R])
+    # targeted group -> (a [S'·R, K], b [N', R]) over its S' targeted modules of N' output columns (`slices`)
+    layers: tuple[dict[str, tuple[np.ndarray, np.ndarray]], ...]
     embed: tuple[np.ndarray, np.ndarray] | None  # a [R, V], b [H, R], when targeted
     lm_head: tuple[np.ndarray, np.ndarray] | None  # a [R, H], b [V, R], when targeted
     bias: dict[tuple[int | None, str], np.ndarray] = dataclasses.field(default_factory=dict)
@@ -71,7 +74,8 @@ class HostAdapter:
     added: int = 0  # tokens past the base vocabulary (ids V .. V + added - 1)
     rope_factor: float = 1.0  # LongLoRA: positions divided by this for the adapter's tokens
     # (layer, group) -> the indices of the fused group's modules it targets, where it targets some but not all
-    # (q_proj and v_proj of q|k|v): the others' slices of A and B are zero, and the copy to the device skips them
+    # (q_proj and v_proj of q|k|v): `layers` holds only their slices, and the slot write zeroes the others'.
+    # Under tensor parallelism B holds the whole group, in the devices' order (`permute_adapter`).
     slices: dict[tuple[int, str], tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -81,6 +85,24 @@ class HostAdapter:
                  *(self.lm_head or ()), *self.bias.values(), *(x for m in self.magnitude.values() for x in m),
                  *self.embed_rows.values(), *self.lm_head_rows.values()]
         return sum(x.nbytes for x in parts)
+
+    def group(self, layer: int, group: str, outs: tuple[tuple[str, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+        """A [S·R, K] and B [N, R] of a targeted fused group over all its modules `outs` (module_shapes'), zero
+        in the slices of those the adapter does not target; in the checkpoint's order."""
+        a, b = self.layers[layer][group]
+        kept = self.slices.get((layer, group))
+        if kept is None:
+            return a, b
+        rank = b.shape[1]
+        rows_a, rows_b = module_rows(outs, rank, kept)
+        full_a, full_b = np.zeros((len(outs) * rank, a.shape[1]), a.dtype), np.zeros((sum(n for _, n in outs), rank),
+                                                                                   b.dtype)
+        for full, part, ranges in ((full_a, a, rows_a), (full_b, b, rows_b)):
+            start = 0
+            for first, stop in ranges:
+                full[first:stop] = part[start : start + stop - first]
+                start += stop - first
+        return full_a, full_b
 
     def with_dtype(self, dtype) -> HostAdapter:
         """The adapter with its A and B in `dtype` (as a slot stores them: rounding on the host is the device's
@@ -105,6 +127,14 @@ def rank_bucket(rank: int, padded_rank: int) -> int:
     rank, not the slots' (an r=8 adapter in r=64 slots: 8x fewer bytes), and the slot write compiles once per
     bucket."""
     return min(padded_rank, max(8, 1 << (max(rank, 1) - 1).bit_length()))
+
+
+def module_rows(outs: tuple[tuple[str, int], ...], rank: int, kept: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """((start, stop), ...) of A's rows and of B's that modules `kept` (indices into `outs`, module_shapes'
+    (name, output dim) of a fused group) take in the group's A [S·R, K] and B [N, R]."""
+    starts = np.cumsum([0] + [n for _, n in outs])
+    return (tuple((i * rank, (i + 1) * rank) for i in kept),
+            tuple((int(starts[i]), int(starts[i + 1])) for i in kept))
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -278,7 +308,12 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     ranks = [kinds["A"].shape[0] for kinds in parts.values() if "A" in kinds and kinds["A"].ndim == 2]
     h, v, r_pad = config.hidden_size, config.vocab_size, rank_bucket(max(ranks, default=1), padded_rank)
     layers: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(config.num_layers)]  # targeted only
-    targeted: dict[tuple[int, str], set[int]] = {}  # (layer, group) -> the indices of its modules with weights
+    kept: dict[tuple[int, str], tuple[int, ...]] = {}  # (layer, group) -> the indices of its modules with weights
+    for module, kinds in parts.items():  # known before any is placed: a group's arrays hold only their slices
+        lm = _LAYER_MODULE.match(module)
+        if lm and lm["name"] in slot_of and {"A", "B"} <= set(kinds):
+            key, i = (int(lm["layer"]), slot_of[lm["name"]][0]), slot_of[lm["name"]][1]
+            kept[key] = tuple(sorted({*kept.get(key, ()), i}))
     embed = lm_head = None
     bias: dict[tuple[int | None, str], np.ndarray] = {}
     magnitude: dict[tuple[int | None, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -353,15 +388,15 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                     f"{adapter_dir}: {module}: A {a.shape} and B {b.shape} do not fit the base layer "
                     f"(in {k}, out {n})"
                 )
+            modules = kept[layer, group]
+            (a_rows,), (b_rows,) = module_rows(tuple(outs[j] for j in modules), r_pad, (modules.index(i),))
             if group not in layers[layer]:
-                layers[layer][group] = (np.zeros((len(outs) * r_pad, k), dtype),
-                                        np.zeros((sum(m for _, m in outs), r_pad), dtype))
+                layers[layer][group] = (np.zeros((len(modules) * r_pad, k), dtype),
+                                        np.zeros((sum(outs[j][1] for j in modules), r_pad), dtype))
             ga, gb = layers[layer][group]
-            targeted.setdefault((layer, group), set()).add(i)
-            col = sum(m for _, m in outs[:i])
-            ga[i * r_pad : i * r_pad + rank] = as_dtype(a, dtype)
-            gb[col : col + n, :rank] = as_dtype(scale * _float32(b), dtype)
-            width = sum(m for _, m in outs)
+            ga[a_rows[0] : a_rows[0] + rank] = as_dtype(a, dtype)
+            gb[b_rows[0] : b_rows[1], :rank] = as_dtype(scale * _float32(b), dtype)
+            col, width = sum(m for _, m in outs[:i]), sum(m for _, m in outs)  # the column affine's: every column
             if "bias" in kinds:
                 bias.setdefault((layer, group), np.zeros(width, np.float32))[col : col + n] = \
                     _vector(adapter_dir, module, "lora_B bias", kinds["bias"], n, scale)
@@ -383,8 +418,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     return HostAdapter(rank=rank_used, layers=tuple(layers), embed=embed, lm_head=lm_head, bias=bias,
                        magnitude=magnitude, embed_rows=embed_rows, lm_head_rows=lm_head_rows, added=added,
                        rope_factor=_rope_factor(adapter_dir, cfg, config, max_seq_len),
-                       slices={key: tuple(sorted(modules)) for key, modules in targeted.items()
-                               if len(modules) < len(groups[key[1]][1])})
+                       slices={key: modules for key, modules in kept.items() if len(modules) < len(groups[key[1]][1])})
 
 
 def _vector(adapter_dir: str, module: str, what: str, value: np.ndarray, n: int, scale: float = 1.0) -> np.ndarray:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlora.adapters.config import AdapterError, check_adapter_name
-from jlora.adapters.peft import BaseRows, HostAdapter
+from jlora.adapters.peft import BaseRows, HostAdapter, module_rows
 from jlora.adapters.reader import ProcessReader, ReadRequest
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides, module_shapes
@@ -125,6 +125,11 @@ def _dora_factor(w, a, b, magnitude, mask, *, slice_sizes):
         norms.append(jnp.linalg.norm(w[:, start : start + n].astype(jnp.float32) + delta.T, axis=0))
         start += n
     return jnp.where(mask, magnitude / jnp.concatenate(norms), 1.0)
+
+
+def _whole(x) -> tuple[tuple[int, ...], tuple[tuple[int, int]]]:
+    """(shape, row ranges) of an array copied as it is (`AdapterPool._group_rows`)."""
+    return x.shape, ((0, x.shape[0]),)
 
 
 def _own(host: HostAdapter) -> HostAdapter:
@@ -308,38 +313,34 @@ class AdapterPool:
         # adapter's copy at a time: a transfer per array (128 for q_proj + v_proj over 32 layers) held the
         # engine loop's dispatch for up to 8 ms per step, one transfer by about 1 ms (docs/performance.md,
         # § Tenancy).
-        # Only the rows that hold the targeted modules' weights (`_targeted_rows`: q_proj + v_proj leave q|k|v's k
-        # rows zero, 28 % of the bytes); `_unpacked` writes the zeros on the device.
-        targeted = (tuple({g: self._targeted_rows(host, i, g, a.shape[0]) for g, (a, _) in layer.items()}
-                          for i, layer in enumerate(host.layers)),
-                    None if host.embed is None else (None, None), None if host.lm_head is None else (None, None))
-        rows = [((0, x.shape[0]),) if r is None else r for x, r in zip(leaves, tree.flatten_up_to(targeted))]
+        # The host arrays hold only the targeted modules' slices (`HostAdapter.slices`: q_proj + v_proj leave out
+        # q|k|v's k rows, 28 % of the bytes); `_unpacked` places them in the group's arrays, the rest zero.
+        placed = (tuple({g: self._group_rows(host, i, g, a, b) for g, (a, b) in layer.items()}
+                        for i, layer in enumerate(host.layers)),
+                  None if host.embed is None else tuple(_whole(x) for x in host.embed),
+                  None if host.lm_head is None else tuple(_whole(x) for x in host.lm_head))
+        shapes, rows = zip(*tree.flatten_up_to(placed))
         bits = np.dtype(f"u{np.dtype(self.dtype).itemsize}")
         # (`prepare` leaves A and B in the slots' dtype: the cast copies nothing, but keeps the bytes' count right)
-        flat = np.concatenate([np.ravel(np.asarray(x[first:stop], self.dtype)).view(bits)
-                               for x, ranges in zip(leaves, rows) for first, stop in ranges])
+        flat = np.concatenate([np.ravel(np.asarray(x, self.dtype)).view(bits) for x in leaves])
         with self._staging:
-            arrays = _unpacked(jax.device_put(flat, self._whole), shapes=tuple(x.shape for x in leaves),
-                               rows=tuple(rows), dtype=jnp.dtype(self.dtype), shardings=tuple(places))
+            arrays = _unpacked(jax.device_put(flat, self._whole), shapes=shapes, rows=rows,
+                               dtype=jnp.dtype(self.dtype), shardings=tuple(places))
             arrays = jax.block_until_ready(arrays)
         layers, embed, lm_head = jax.tree.unflatten(tree, arrays)
         return dataclasses.replace(prepared, host=dataclasses.replace(host, layers=layers, embed=embed,
-                                                                      lm_head=lm_head))
+                                                                      lm_head=lm_head, slices={}))
 
-    def _targeted_rows(self, host: HostAdapter, layer: int, group: str, a_rows: int) -> tuple[tuple | None, ...]:
-        """(A's row ranges, B's), each ((start, stop), ...) or None for every row, of a layer's fused group that
-        hold the adapter's weights: where it targets some of the group's modules, their slices of A and, without
-        tensor parallelism, of B (under it B's rows are interleaved over the devices)."""
-        targeted = host.slices.get((layer, group))
-        if targeted is None:
-            return None, None
+    def _group_rows(self, host: HostAdapter, layer: int, group: str, a, b) -> tuple[tuple, tuple]:
+        """((shape, row ranges), each for A and B) of a layer's fused group as a slot holds it: the host arrays'
+        rows go to these ranges, in order (`_unpacked`). Under tensor parallelism B is whole already."""
+        kept = host.slices.get((layer, group))
+        if kept is None:
+            return _whole(a), _whole(b)
         outs = module_shapes(self.config)[group][1]
-        rank = a_rows // len(outs)
-        a = tuple((i * rank, (i + 1) * rank) for i in targeted)
-        if self.tp is not None:
-            return a, None
-        starts = np.cumsum([0] + [n for _, n in outs])
-        return a, tuple((int(starts[i]), int(starts[i + 1])) for i in targeted)
+        rows_a, rows_b = module_rows(outs, b.shape[1], kept)
+        return (((len(outs) * b.shape[1], a.shape[1]), rows_a),
+                _whole(b) if self.tp is not None else ((sum(n for _, n in outs), b.shape[1]), rows_b))
 
     def placement(self, layer: int, groups, memory_kind: str | None = None) -> dict:
         """{group: (sharding of A, sharding of B)} for layer `layer`'s `groups` as a slot holds them (`stage`'s
@@ -424,8 +425,9 @@ class AdapterPool:
             if group == "lm_head":
                 a, b, slices = host.lm_head[0], host.lm_head[1], (self.config.vocab_size,)
             else:
-                a, b = host.layers[layer][group]
-                slices = tuple(n for _, n in module_shapes(self.config)[group][1])
+                outs = module_shapes(self.config)[group][1]
+                a, b = host.group(layer, group, outs)
+                slices = tuple(n for _, n in outs)
             factor = np.asarray(_dora_factor(w, a, b, magnitude, mask, slice_sizes=slices))
             scale[key] = factor
             if base_bias is not None or key in shift:

@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from jlora import testing
 from jlora.adapters import AdapterError, PoolFullError
@@ -358,10 +359,11 @@ def test_adapters_of_mixed_ranks_loaded_in_turn_into_one_wide_slot_generate_as_i
     assert one_slot.pool.evictions >= 2
 
 
-def test_a_copy_to_the_device_carries_only_the_targeted_modules_rows(tmp_path, model_dir, monkeypatch):
-    """Adapters over seeded random subsets of the linear modules (and of the layers): `stage` copies only the rows
-    of A and B that hold the targeted modules' weights (q_proj + v_proj: not q|k|v's k rows), and its copy equals
-    the host arrays `read_adapter` fused, zero slices included, bit for bit."""
+def test_an_adapter_holds_and_copies_only_the_targeted_modules_rows(tmp_path, model_dir, monkeypatch):
+    """Adapters over seeded random subsets of the linear modules (and of the layers): the host arrays hold only the
+    rows of A and B of the targeted modules (q_proj + v_proj: not q|k|v's k rows), `stage` copies exactly those
+    bytes, and a slot's copy equals the whole group, the other modules' slices zero, with each module's slices
+    bit for bit those of the adapter read into a group of its own."""
     from jlora.adapters.peft import LINEAR_MODULES
     from jlora.models.lora_weights import module_shapes
 
@@ -376,23 +378,39 @@ def test_a_copy_to_the_device_carries_only_the_targeted_modules_rows(tmp_path, m
         modules = (["q_proj", "v_proj"] if case == 0
                    else sorted(rng.choice(LINEAR_MODULES, rng.integers(1, 7), replace=False)))
         extra = {"layers_to_transform": [int(rng.integers(CFG["num_hidden_layers"]))]} if case % 3 == 2 else {}
+        rank = int(rng.choice([3, 8, 16]))
         path = str(tmp_path / f"a{case}")
-        testing.write_adapter(path, CFG, r=int(rng.choice([3, 8, 16])), alpha=8, seed=case, target_modules=modules,
-                              **extra)
+        testing.write_adapter(path, CFG, r=rank, alpha=8, seed=case, target_modules=modules, **extra)
         prepared = engine.pool.prepare(path)
+        saved = safetensors.numpy.load_file(os.path.join(path, "adapter_model.safetensors"))
         copied.clear()
         staged = engine.pool.stage(prepared)
-        want = 0
+        held = 0
         for i, (host, device) in enumerate(zip(prepared.host.layers, staged.host.layers)):
             for g, (a, b) in host.items():
                 outs = shapes[g][1]
                 targeted = [j for j, (name, _) in enumerate(outs) if name in modules]
                 assert prepared.host.slices.get((i, g), tuple(range(len(outs)))) == tuple(targeted)
-                want += (a.nbytes + b.nbytes) * len(targeted) // len(outs) if g != "qkv" else (
-                    a.nbytes * len(targeted) // 3 + b.itemsize * b.shape[1] * sum(outs[j][1] for j in targeted))
-                for x, y in zip((a, b), device[g]):
-                    np.testing.assert_array_equal(np.asarray(y), x)
-        assert copied == [want], (modules, copied, want)
+                r = b.shape[1]
+                assert a.shape[0] == len(targeted) * r and b.shape[0] == sum(outs[j][1] for j in targeted)
+                held += a.nbytes + b.nbytes
+                whole_a, whole_b = (np.asarray(x) for x in device[g])
+                assert whole_a.shape[0] == len(outs) * r and whole_b.shape[0] == sum(n for _, n in outs)
+                starts, at = np.cumsum([0] + [n for _, n in outs]), np.cumsum([0] + [outs[j][1] for j in targeted])
+                for j, (name, _) in enumerate(outs):
+                    slice_a, slice_b = whole_a[j * r : (j + 1) * r], whole_b[starts[j] : starts[j + 1]]
+                    if j not in targeted:
+                        assert not slice_a.any() and not slice_b.any()
+                        continue
+                    p = targeted.index(j)
+                    np.testing.assert_array_equal(slice_a, a[p * r : (p + 1) * r])
+                    np.testing.assert_array_equal(slice_b, b[at[p] : at[p + 1]])
+                    parent = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                    key = f"base_model.model.model.layers.{i}.{parent}.{name}"
+                    np.testing.assert_array_equal(slice_a[:rank], saved[f"{key}.lora_A.weight"].astype(np.float32))
+                    np.testing.assert_allclose(slice_b[:, :rank], saved[f"{key}.lora_B.weight"] * 8 / rank, rtol=1e-6)
+                    assert not slice_a[rank:].any() and not slice_b[:, rank:].any()
+        assert copied == [held], (modules, copied, held)
 
 
 def test_a_staged_adapters_install_compiles_nothing(tmp_path, model_dir, monkeypatch):
