@@ -360,10 +360,10 @@ def test_adapters_of_mixed_ranks_loaded_in_turn_into_one_wide_slot_generate_as_i
 
 
 def test_an_adapter_holds_and_copies_only_the_targeted_modules_rows(tmp_path, model_dir, monkeypatch):
-    """Adapters over seeded random subsets of the linear modules (and of the layers): the host arrays hold only the
-    rows of A and B of the targeted modules (q_proj + v_proj: not q|k|v's k rows), `stage` copies exactly those
-    bytes, and a slot's copy equals the whole group, the other modules' slices zero, with each module's slices
-    bit for bit those of the adapter read into a group of its own."""
+    """Adapters over seeded random subsets of the linear modules (and of the layers, and with a rank of its own for
+    one module): the host arrays hold only the rows of A and B of the targeted modules (q_proj + v_proj: not
+    q|k|v's k rows), `stage` copies exactly those bytes, and a slot's copy holds the whole group, the other
+    modules' slices zero and each targeted module's its weights as the adapter file has them."""
     from jlora.adapters.peft import LINEAR_MODULES
     from jlora.models.lora_weights import module_shapes
 
@@ -379,6 +379,8 @@ def test_an_adapter_holds_and_copies_only_the_targeted_modules_rows(tmp_path, mo
                    else sorted(rng.choice(LINEAR_MODULES, rng.integers(1, 7), replace=False)))
         extra = {"layers_to_transform": [int(rng.integers(CFG["num_hidden_layers"]))]} if case % 3 == 2 else {}
         rank = int(rng.choice([3, 8, 16]))
+        if case % 2:  # one module at a rank of its own
+            extra["rank_pattern"] = {modules[-1]: int(rng.choice([2, 5, 12]))}
         path = str(tmp_path / f"a{case}")
         testing.write_adapter(path, CFG, r=rank, alpha=8, seed=case, target_modules=modules, **extra)
         prepared = engine.pool.prepare(path)
@@ -407,9 +409,10 @@ def test_an_adapter_holds_and_copies_only_the_targeted_modules_rows(tmp_path, mo
                     np.testing.assert_array_equal(slice_b, b[at[p] : at[p + 1]])
                     parent = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
                     key = f"base_model.model.model.layers.{i}.{parent}.{name}"
-                    np.testing.assert_array_equal(slice_a[:rank], saved[f"{key}.lora_A.weight"].astype(np.float32))
-                    np.testing.assert_allclose(slice_b[:, :rank], saved[f"{key}.lora_B.weight"] * 8 / rank, rtol=1e-6)
-                    assert not slice_a[rank:].any() and not slice_b[:, rank:].any()
+                    own = extra.get("rank_pattern", {}).get(name, rank)
+                    np.testing.assert_array_equal(slice_a[:own], saved[f"{key}.lora_A.weight"].astype(np.float32))
+                    np.testing.assert_allclose(slice_b[:, :own], saved[f"{key}.lora_B.weight"] * 8 / own, rtol=1e-6)
+                    assert not slice_a[own:].any() and not slice_b[:, own:].any()
         assert copied == [held], (modules, copied, held)
 
 
