@@ -37,7 +37,8 @@ from jlora.models.llama import Batch, KVCache, Transformer
 from jlora.models.lora_weights import LoRAWeights, RowOverrides, module_shapes
 from jlora.parallel import TensorParallel
 from jlora.step import Call, StepOptions
-from jlora.testing import tiny_config, write_adapter
+from jlora.models.loading import load_model
+from jlora.testing import tiny_config, write_adapter, write_model
 
 SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512
 BACKEND = "auto"  # the LoRA backend every call runs (--backend)
@@ -63,6 +64,17 @@ def random_model(config: ModelConfig) -> tuple[ModelDef, list[jax.Array]]:
     filled = [(path, type(v)((jax.random.normal(next(keys), v.shape, jnp.float32) * 0.02).astype(jnp.bfloat16)))
               for path, v in nnx.to_flat_state(state)]
     return ModelDef.split(graphdef, nnx.from_flat_state(filled))
+
+
+def bench_model(tiny: bool, root: str) -> tuple[Transformer, dict, jnp.dtype]:
+    """A study's model, its HF config and dtype: the Llama-3-8B-shaped model with random bf16 weights, or with
+    `tiny` (a smoke run on the CPU) a tiny float32 Llama written under `root`."""
+    if tiny:
+        cfg = tiny_config("llama", vocab_size=256)
+        write_model(f"{root}/m", cfg, seed=0)
+        return load_model(f"{root}/m", jnp.float32, progress=False), cfg, jnp.float32
+    model_def, params = random_model(llama3_8b(32))
+    return model_def.merge(params), llama3_8b_hf(32), jnp.bfloat16
 
 
 def random_lora(config: ModelConfig, rank: int) -> LoRAWeights:

@@ -37,7 +37,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
@@ -46,10 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import serve  # noqa: E402
 from common import pyplot  # noqa: E402
-from jlora import testing  # noqa: E402
+from model import bench_model  # noqa: E402
 from jlora.admission import AdapterStats  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
-from jlora.models.loading import load_model  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
 from jlora.server.chat import ChatTemplate  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
@@ -66,16 +64,7 @@ def build_engines(tiny: bool, args, root: str) -> tuple[list[Engine], dict]:
     options = dict(max_lora_rank=max(RANKS), max_batch=args.max_batch, max_seq_len=512,
                    max_cpu_loras=args.max_cpu_loras, prefill_chunk=args.prefill_chunk,
                    adapter_readers=args.adapter_readers)
-    if tiny:
-        cfg = testing.tiny_config("llama", vocab_size=256)
-        testing.write_model(f"{root}/m", cfg, seed=0)
-        model = load_model(f"{root}/m", jnp.float32, progress=False)
-    else:
-        from model import llama3_8b, llama3_8b_hf, random_model
-
-        model_def, params = random_model(llama3_8b(32))
-        model, cfg = model_def.merge(params), llama3_8b_hf(32)
-    dtype = jnp.float32 if tiny else jnp.bfloat16
+    model, cfg, dtype = bench_model(tiny, root)
     return [Engine(model, dtype=dtype, max_loras=slots, **options)
             for slots in (args.max_loras, args.control_slots) if slots], cfg
 

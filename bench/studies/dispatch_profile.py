@@ -27,17 +27,14 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import llama3_8b, llama3_8b_hf, random_model  # noqa: E402
+from model import bench_model  # noqa: E402
 from tenancy import write_adapters  # noqa: E402
 
-from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
-from jlora.models.loading import load_model  # noqa: E402
 from jlora.scheduler import Request  # noqa: E402
 
 ADAPTERS, ROWS = 16, 32
@@ -68,15 +65,8 @@ def main() -> None:
     parser.add_argument("--note", default="")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    tiny = jax.default_backend() != "gpu"
     root = tempfile.mkdtemp()
-    if tiny:
-        cfg = testing.tiny_config("llama", vocab_size=256)
-        testing.write_model(f"{root}/m", cfg, seed=0)
-        model, dtype = load_model(f"{root}/m", jnp.float32, progress=False), jnp.float32
-    else:
-        model_def, params = random_model(llama3_8b(32))
-        model, cfg, dtype = model_def.merge(params), llama3_8b_hf(32), jnp.bfloat16
+    model, cfg, dtype = bench_model(jax.default_backend() != "gpu", root)
     total = args.steps + args.traced + 64
     engine = Engine(model, dtype=dtype, max_loras=32, max_lora_rank=64, max_batch=ROWS, max_seq_len=total + 32)
     for i, path in enumerate(write_adapters(root, cfg, ADAPTERS, np.random.default_rng(0))):

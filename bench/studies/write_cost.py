@@ -28,17 +28,14 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import llama3_8b, llama3_8b_hf, random_model  # noqa: E402
+from model import bench_model  # noqa: E402
 from tenancy import write_adapters  # noqa: E402
 
-from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
-from jlora.models.loading import load_model  # noqa: E402
 from jlora.scheduler import Request  # noqa: E402
 
 RESIDENT, CYCLED = 16, 32  # adapters the requests use; adapters written into the other 16 slots in turn
@@ -56,15 +53,8 @@ def main() -> None:
     parser.add_argument("--freeze", action="store_true", help="gc.freeze() after the warm-up steps")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    tiny = jax.default_backend() != "gpu"
     root = tempfile.mkdtemp()
-    if tiny:
-        cfg = testing.tiny_config("llama", vocab_size=256)
-        testing.write_model(f"{root}/m", cfg, seed=0)
-        model, dtype = load_model(f"{root}/m", jnp.float32, progress=False), jnp.float32
-    else:
-        model_def, params = random_model(llama3_8b(32))
-        model, cfg, dtype = model_def.merge(params), llama3_8b_hf(32), jnp.bfloat16
+    model, cfg, dtype = bench_model(jax.default_backend() != "gpu", root)
     steps_total = args.rounds * 3 * args.steps + 64
     engine = Engine(model, dtype=dtype, max_loras=32, max_lora_rank=64, max_batch=32,
                     max_seq_len=steps_total + 32)
