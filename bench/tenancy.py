@@ -19,11 +19,14 @@ p50 / p99 from the server's histogram, interpolated within buckets as Prometheus
 With `--control-slots K`, a second server in the same process, over the same weights with K slots, runs each
 run's arrivals again after a wave that makes every adapter they ask for resident: the same adapters in the
 same batches with no loads, so a ratio against it isolates what loads cost from what serving more distinct
-adapters per batch costs. Table (tenancy.md), JSON and a plot (tenancy.png).
+adapters per batch costs. With `--repeat K` an α's runs go K times, the Ns alternating (32, 512, 32, 512...),
+and each N's inter-token latencies are pooled over its K runs: the p99 of one run moves by 0.83-1.14x from run
+to run on the same arrivals (docs/performance.md § Tenancy), the pooled one less. Table (tenancy.md), JSON and a
+plot (tenancy.png).
 
   python bench/tenancy.py [--adapters 32,128,512,1000] [--alphas 1,0.5] [--rate 16] [--requests 384]
                           [--max-loras 32] [--control-slots 0] [--max-cpu-loras 128] [--adapter-readers 4]
-                          [--max-batch 32] [--out bench/results] [--tiny]
+                          [--max-batch 32] [--repeat 1] [--out bench/results] [--tiny]
 """
 
 from __future__ import annotations
@@ -163,13 +166,15 @@ def main() -> None:
     parser.add_argument("--adapter-readers", type=int, default=4, help="reader processes (and loader threads)")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step at most")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each N per α, alternating with the other Ns; latencies pooled over them")
     parser.add_argument("--tiny", action="store_true", help="a tiny float32 model (a smoke run on CPU)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     counts, alphas = [int(n) for n in args.adapters.split(",")], [float(a) for a in args.alphas.split(",")]
     rng = np.random.default_rng(0)
     device = jax.devices()[0].device_kind
-    rows = []
+    rows, pooled = [], []
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:
         engines, cfg = build_engines(args.tiny, args, root)
         start = time.perf_counter()
@@ -184,11 +189,13 @@ def main() -> None:
         touched = {"a0"}
         for alpha in alphas:
             trace_seed = int(rng.integers(1 << 31))
-            for n in counts:
+            records = {}  # (N, "served" or "control") -> the client's records of its runs
+            for repeat, n in ((i, n) for i in range(args.repeat) for n in counts):
                 warm = [f"a{k}" for k in range(min(n, args.max_loras))]
                 send(client, served.url, float("inf"), random_requests(rng, vocab, warm), rng)
                 touched.update(warm)
-                if n == counts[0]:  # the α's arrivals once on resident adapters: the step shapes they make compile
+                if n == counts[0] and repeat == 0:  # the α's arrivals once on resident adapters: the step shapes
+                    # they make compile
                     for server in servers:
                         trace = np.random.default_rng(trace_seed)  # (serve.send: not `send`, which a study may time)
                         serve.send(client, server.url, args.rate, random_requests(
@@ -198,8 +205,10 @@ def main() -> None:
                 cold = {i for i, m in enumerate(models) if m not in touched}
                 touched.update(models)
                 record, row = served.measure(client, args, trace_seed, models)
+                records.setdefault((n, "served"), []).append(record)
                 cold_ttft = [r["ttft"] for r in record if r["index"] in cold]
-                row.update(alpha=alpha, adapters=n, distinct=len(set(models)), cold_requests=len(cold_ttft))
+                row.update(alpha=alpha, adapters=n, repeat=repeat, distinct=len(set(models)),
+                           cold_requests=len(cold_ttft))
                 row["cold_ttft_p50_ms"] = percentile(cold_ttft, 0.5) * 1e3 if cold_ttft else None
                 row["cold_ttft_p99_ms"] = percentile(cold_ttft, 0.99) * 1e3 if cold_ttft else None
                 d2h, h2d = row["disk_to_host"]["p99_ms"], row["host_to_device"]["p99_ms"]
@@ -213,10 +222,14 @@ def main() -> None:
                     wave = sorted(set(models))
                     send(client, control.url, float("inf"), random_requests(np.random.default_rng(n), vocab, wave),
                          np.random.default_rng(n))
-                    row["control"] = control.measure(client, args, trace_seed, models)[1]
+                    record, row["control"] = control.measure(client, args, trace_seed, models)
+                    records.setdefault((n, "control"), []).append(record)
                 print(format_row(row), flush=True)
                 rows.append(row)
-                save(args, device, rows)  # after every run: a call cut short keeps what it measured
+                save(args, device, rows, pooled)  # after every run: a call cut short keeps what it measured
+            if args.repeat > 1:
+                pooled += pool_runs(alpha, counts, records, args.max_batch)
+                save(args, device, rows, pooled)
         client.close()
         for server in servers:
             server.stop()
@@ -252,19 +265,38 @@ class Server:
         return record, row
 
 
-def save(args, device: str, rows: list[dict]) -> None:
-    """The runs so far as JSON, a table and a plot in `args.out`; each against its α's run of fewest adapters."""
+def pool_runs(alpha: float, counts: list[int], records: dict, max_batch: int) -> list[dict]:
+    """Per N, the latencies of its runs pooled (`--repeat`), against the fewest N's pooled and the same runs' all
+    resident (control) ones."""
+    pooled = []
+    for n in counts:
+        row = {"alpha": alpha, "adapters": n, "runs": len(records[n, "served"]),
+               **summarize([r for run in records[n, "served"] for r in run], max_batch)}
+        if (n, "control") in records:
+            row["control"] = summarize([r for run in records[n, "control"] for r in run], max_batch)
+            row["itl_p99_vs_resident"] = row["itl_p99_ms"] / row["control"]["itl_p99_ms"]
+        row["itl_p99_vs_fewest"] = row["itl_p99_ms"] / pooled[0]["itl_p99_ms"] if pooled else 1.0
+        pooled.append(row)
+        print(f"pooled over {row['runs']} runs: alpha {alpha:g} N {n:5d}: ITL p50 {row['itl_p50_ms']:.2f} / p99 "
+              f"{row['itl_p99_ms']:.2f} ms ({row['itl_p99_vs_fewest']:.2f}x the fewest N"
+              + (f", {row['itl_p99_vs_resident']:.2f}x all resident" if "control" in row else "") + ")", flush=True)
+    return pooled
+
+
+def save(args, device: str, rows: list[dict], pooled: list[dict]) -> None:
+    """The runs so far as JSON, a table and a plot in `args.out`; each against its α's run of fewest adapters (of
+    the same repeat), and the pooled latencies of `--repeat`."""
     fewest = {}
     for r in rows:
-        fewest.setdefault(r["alpha"], r)
-        r["throughput_vs_fewest"] = r["tokens_per_s"] / fewest[r["alpha"]]["tokens_per_s"]
-        r["itl_p99_vs_fewest"] = r["itl_p99_ms"] / fewest[r["alpha"]]["itl_p99_ms"]
+        first = fewest.setdefault((r["alpha"], r.get("repeat", 0)), r)
+        r["throughput_vs_fewest"] = r["tokens_per_s"] / first["tokens_per_s"]
+        r["itl_p99_vs_fewest"] = r["itl_p99_ms"] / first["itl_p99_ms"]
     os.makedirs(args.out, exist_ok=True)
     name = "tenancy_tiny" if args.tiny else "tenancy"
     result = {"device": device, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
               "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
               "adapter_readers": args.adapter_readers, "rate": args.rate,
-              "requests": args.requests, "ranks": RANKS, "rows": rows}
+              "requests": args.requests, "ranks": RANKS, "rows": rows, "pooled": pooled}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     write_table(result, os.path.join(args.out, f"{name}.md"))
@@ -341,10 +373,20 @@ def write_table(result: dict, path: str) -> None:
                     f"{rate(r['device_hit_rate'])} | {rate(r['host_hit_rate'])} | {d2h['count']} | "
                     f"{ms(d2h['p50_ms'])} | {ms(d2h['p99_ms'])} | {h2d['count']} | {ms(h2d['p50_ms'])} | "
                     f"{ms(h2d['p99_ms'])} | {waits(r)} | {slot_writes(r)} | {resident(r)} |\n")
+        if result.get("pooled"):
+            f.write("\nLatencies pooled over each N's runs (`--repeat`):\n\n| α | N | runs | TTFT p99 ms | ITL p50 ms | "
+                    "ITL p99 ms | ITL p99 vs fewest N | all resident: ITL p99 ms | ITL p99 vs all resident |\n"
+                    f"|{'---|' * 9}\n")
+            for r in result["pooled"]:
+                c = r.get("control")
+                f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['runs']} | {r['ttft_p99_ms']:.0f} | "
+                        f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
+                        + ("- | - |" if c is None else f"{c['itl_p99_ms']:.2f} | {r['itl_p99_vs_resident']:.2f} |")
+                        + "\n")
 
 
 def plot(result: dict, path: str) -> None:
-    """Throughput, TTFT and inter-token latency against the number of adapters, one line per α."""
+    """Throughput, TTFT and inter-token latency against the number of adapters, one line per α (its first runs)."""
     plt = pyplot()
     if plt is None:
         return
@@ -354,7 +396,7 @@ def plot(result: dict, path: str) -> None:
               ("inter-token latency, ms", [("p50", "itl_p50_ms"), ("p99", "itl_p99_ms")])]
     for ax, (ylabel, series) in zip(axes, panels):
         for alpha in sorted({r["alpha"] for r in result["rows"]}, reverse=True):
-            rows = [r for r in result["rows"] if r["alpha"] == alpha]
+            rows = [r for r in result["rows"] if r["alpha"] == alpha and r.get("repeat", 0) == 0]  # one pass of Ns
             for label, key in series:
                 ax.plot([r["adapters"] for r in rows], [r[key] for r in rows], marker="o",
                         label=f"α={alpha:g} {label}".strip())
