@@ -194,8 +194,8 @@ def main() -> None:
                 warm = [f"a{k}" for k in range(min(n, args.max_loras))]
                 send(client, served.url, float("inf"), random_requests(rng, vocab, warm), rng)
                 touched.update(warm)
-                if n == counts[0] and repeat == 0:  # the α's arrivals once on resident adapters: the step shapes
-                    # they make compile
+                # the α's arrivals once on resident adapters: the step shapes they make compile
+                if n == counts[0] and repeat == 0:
                     for server in servers:
                         trace = np.random.default_rng(trace_seed)  # (serve.send: not `send`, which a study may time)
                         serve.send(client, server.url, args.rate, random_requests(
