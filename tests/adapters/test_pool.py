@@ -398,6 +398,8 @@ def test_an_adapter_holds_and_copies_only_the_targeted_modules_rows(tmp_path, mo
                 held += a.nbytes + b.nbytes
                 whole_a, whole_b = (np.asarray(x) for x in device[g])
                 assert whole_a.shape[0] == len(outs) * r and whole_b.shape[0] == sum(n for _, n in outs)
+                for x, y in zip(prepared.host.group(i, g, outs), (whole_a, whole_b)):  # DoRA's and TP's whole group
+                    np.testing.assert_array_equal(x, y)
                 starts, at = np.cumsum([0] + [n for _, n in outs]), np.cumsum([0] + [outs[j][1] for j in targeted])
                 for j, (name, _) in enumerate(outs):
                     slice_a, slice_b = whole_a[j * r : (j + 1) * r], whole_b[starts[j] : starts[j + 1]]
