@@ -56,9 +56,9 @@ case "${1:-}" in
       XLA_FLAGS="$flags" python3 bench/model.py --tp 1,2 --out "$out${flags:+/default_graphs}" 2>&1 \
         | grep -E "^#|^TP"
     done ;;
-  tiers) python3 bench/studies/adapter_tiers.py --out "$out" 2>&1 | grep -E "^#|^rank" ;;
+  tiers) python3 bench/studies/adapter_tiers.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^rank" ;;
   scoring) python3 bench/scoring.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^\||^One|Error" ;;
   paging) python3 bench/paging.py --out "$out" "${@:2}" 2>&1 | grep -E "^scale|^prefix|^prompt|Error" ;;
-  tenancy) python3 bench/tenancy.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^alpha|Error" ;;
+  tenancy) python3 bench/tenancy.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^alpha|^pooled|Error" ;;
   *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|scoring|paging|tenancy" >&2; exit 2 ;;
 esac
