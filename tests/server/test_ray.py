@@ -24,6 +24,12 @@ pytestmark = pytest.mark.xdist_group("ray")
 CFG = testing.tiny_config("llama", vocab_size=120)
 TARGETS = [["q_proj", "v_proj"], LINEAR_MODULES, ["o_proj", "down_proj"], ["gate_proj", "up_proj"]]
 NAMES = [f"t{i}" for i in range(7)]
+# Ray Serve's router gives up on a replica whose queue-length reply takes longer than 0.1 s, and on the replicas
+# holding a request's adapter after 1-2 s: then it routes to another replica, which loads the adapter a second
+# time. On a loaded 2-core CI machine both happen by chance; the local cluster's processes inherit these.
+PATIENT_ROUTING = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5",
+                   "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10",
+                   "RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S": "60"}
 OPTIONS = EngineConfig(dtype="float32", max_loras=4, max_lora_rank=8, max_batch=8, max_seq_len=160)
 
 
@@ -46,6 +52,9 @@ def url(root):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    patch = pytest.MonkeyPatch()
+    for name, value in PATIENT_ROUTING.items():
+        patch.setenv(name, value)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         for attempt in range(3):  # on a loaded 2-core machine Serve's proxy actor may miss Ray's 60 s to start
@@ -63,6 +72,7 @@ def url(root):
     finally:
         serve.shutdown()
         ray.shutdown()
+        patch.undo()
 
 
 @pytest.fixture(scope="module")
