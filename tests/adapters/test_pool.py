@@ -418,6 +418,30 @@ def test_an_adapter_holds_and_copies_only_the_targeted_modules_rows(tmp_path, mo
         assert copied == [held], (modules, copied, held)
 
 
+def test_reloads_under_one_name_into_one_slot_with_other_modules_of_a_group_each_generate_as_alone(tmp_path,
+                                                                                                      model_dir):
+    """One slot reloaded under one name with adapters that target other slices of q|k|v (q + v, every module, k
+    alone): each write leaves no slice of the one before, so each generates the tokens of an engine that holds
+    only it."""
+    from jlora.adapters.peft import LINEAR_MODULES
+
+    for seed, (name, modules) in enumerate([("qv", ["q_proj", "v_proj"]), ("all", list(LINEAR_MODULES)),
+                                            ("k", ["k_proj"])]):
+        testing.write_adapter(str(tmp_path / name), CFG, r=4, alpha=8, seed=20 + seed, target_modules=modules)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+
+    def generate(engine, name):
+        engine.load_adapter("a", str(tmp_path / name))
+        return [list(t) for t in engine.generate(prompts, ["a", "a"], max_new_tokens=6)]
+
+    alone = {name: generate(_engine(model_dir, max_loras=1), name) for name in ("qv", "all", "k")}
+    engine = _engine(model_dir, max_loras=1)
+    for name in ("qv", "all", "qv", "k", "qv"):
+        if "a" in engine.registry:
+            engine.unload_adapter("a")
+        assert generate(engine, name) == alone[name], name
+
+
 def test_a_staged_adapters_install_compiles_nothing(tmp_path, model_dir, monkeypatch):
     """`stage` (a loader thread's work) compiles the adapter's slot write for the pool's stacks, so `install` (the
     engine loop's) only runs it: with every compilation of the write made impossible, staged adapters of ranks in
