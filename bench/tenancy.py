@@ -20,9 +20,10 @@ With `--control-slots K`, a second server in the same process, over the same wei
 run's arrivals again after a wave that makes every adapter they ask for resident: the same adapters in the
 same batches with no loads, so a ratio against it isolates what loads cost from what serving more distinct
 adapters per batch costs. With `--repeat K` an α's runs go K times, the Ns alternating (32, 512, 32, 512...),
-and each N's inter-token latencies are pooled over its K runs: the p99 of one run moves by 0.83-1.14x from run
-to run on the same arrivals (docs/performance.md § Tenancy), the pooled one less. Table (tenancy.md), JSON and a
-plot (tenancy.png).
+and each N's latencies are pooled over its K runs (after each round, so a run cut short keeps the rounds done):
+the p99 of one run moves by 0.83-1.14x from run to run on the same arrivals (docs/performance.md § Tenancy), the
+pooled one less; so do its on-disk requests' TTFT and its loads' histograms. Table (tenancy.md), JSON and a plot
+(tenancy.png).
 
   python bench/tenancy.py [--adapters 32,128,512,1000] [--alphas 1,0.5] [--rate 16] [--requests 384]
                           [--max-loras 32] [--control-slots 0] [--max-cpu-loras 128] [--adapter-readers 4]
@@ -32,6 +33,7 @@ plot (tenancy.png).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import os
@@ -126,12 +128,16 @@ def histogram(registry, name: str, labels: dict) -> tuple[list[tuple[float, floa
 
 def histogram_delta(before, after) -> dict:
     """p50, p99 (linear within buckets, as histogram_quantile) and mean in ms of what a histogram observed
-    between two readings; None when it observed nothing."""
+    between two readings, and its cumulative bucket counts [(upper bound, count)] (for pooling runs); None
+    percentiles when it observed nothing."""
     (b0, s0, c0), (b1, s1, c1) = before, after
-    count = c1 - c0
+    return bucket_summary([(le, n1 - dict(b0).get(le, 0.0)) for le, n1 in b1], s1 - s0, c1 - c0)
+
+
+def bucket_summary(cumulative: list[tuple[float, float]], total: float, count: float) -> dict:
+    """p50, p99 and mean in ms of a histogram's cumulative buckets [(upper bound, count)], sum (s) and count."""
     if count == 0:
-        return {"count": 0, "p50_ms": None, "p99_ms": None, "mean_ms": None}
-    cumulative = [(le, n1 - dict(b0).get(le, 0.0)) for le, n1 in b1]
+        return {"count": 0, "p50_ms": None, "p99_ms": None, "mean_ms": None, "buckets": cumulative}
 
     def quantile(q: float) -> float:
         rank, lower, below = q * count, 0.0, 0.0
@@ -144,7 +150,16 @@ def histogram_delta(before, after) -> dict:
         return lower
 
     return {"count": int(count), "p50_ms": quantile(0.5) * 1e3, "p99_ms": quantile(0.99) * 1e3,
-            "mean_ms": (s1 - s0) / count * 1e3}
+            "mean_ms": total / count * 1e3, "buckets": cumulative}
+
+
+def pooled_histogram(runs: list[dict]) -> dict:
+    """One histogram summary of several runs' `histogram_delta`s: their bucket counts added."""
+    counts = collections.Counter()
+    for run in runs:
+        counts.update(dict(run.get("buckets", [])))
+    total = sum((run["mean_ms"] or 0.0) * run["count"] / 1e3 for run in runs)
+    return bucket_summary(sorted(counts.items()), total, sum(run["count"] for run in runs))
 
 
 def pick_models(rng, n: int, alpha: float, size: int) -> list[str]:
@@ -174,7 +189,7 @@ def main() -> None:
     counts, alphas = [int(n) for n in args.adapters.split(",")], [float(a) for a in args.alphas.split(",")]
     rng = np.random.default_rng(0)
     device = jax.devices()[0].device_kind
-    rows, pooled = [], []
+    rows, pooled = [], {}  # pooled: α -> its Ns' pooled rows
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:
         engines, cfg = build_engines(args.tiny, args, root)
         start = time.perf_counter()
@@ -190,6 +205,8 @@ def main() -> None:
         for alpha in alphas:
             trace_seed = int(rng.integers(1 << 31))
             records = {}  # (N, "served" or "control") -> the client's records of its runs
+            colds = {}  # N -> the TTFTs of its runs' requests that found their adapter on disk
+            alpha_rows = []
             for repeat, n in ((i, n) for i in range(args.repeat) for n in counts):
                 warm = [f"a{k}" for k in range(min(n, args.max_loras))]
                 send(client, served.url, float("inf"), random_requests(rng, vocab, warm), rng)
@@ -207,6 +224,7 @@ def main() -> None:
                 record, row = served.measure(client, args, trace_seed, models)
                 records.setdefault((n, "served"), []).append(record)
                 cold_ttft = [r["ttft"] for r in record if r["index"] in cold]
+                colds.setdefault(n, []).extend(cold_ttft)
                 row.update(alpha=alpha, adapters=n, repeat=repeat, distinct=len(set(models)),
                            cold_requests=len(cold_ttft))
                 row["cold_ttft_p50_ms"] = percentile(cold_ttft, 0.5) * 1e3 if cold_ttft else None
@@ -226,10 +244,10 @@ def main() -> None:
                     records.setdefault((n, "control"), []).append(record)
                 print(format_row(row), flush=True)
                 rows.append(row)
+                alpha_rows.append(row)
+                if args.repeat > 1 and n == counts[-1]:  # a round of Ns done: pool the rounds so far
+                    pooled[alpha] = pool_runs(alpha, counts, records, colds, alpha_rows, args.max_batch)
                 save(args, device, rows, pooled)  # after every run: a call cut short keeps what it measured
-            if args.repeat > 1:
-                pooled += pool_runs(alpha, counts, records, args.max_batch)
-                save(args, device, rows, pooled)
         client.close()
         for server in servers:
             server.stop()
@@ -265,13 +283,22 @@ class Server:
         return record, row
 
 
-def pool_runs(alpha: float, counts: list[int], records: dict, max_batch: int) -> list[dict]:
-    """Per N, the latencies of its runs pooled (`--repeat`), against the fewest N's pooled and the same runs' all
-    resident (control) ones."""
+def pool_runs(alpha: float, counts: list[int], records: dict, colds: dict, rows: list[dict],
+              max_batch: int) -> list[dict]:
+    """Per N, its runs pooled (`--repeat`): the latencies of all its requests, its on-disk requests' TTFT p99
+    against the pooled loads' bound (disk -> host p99 + host -> device p99 + ITL p99), and the ITL p99 against
+    the fewest N's pooled and the same runs' all-resident (control) ones."""
     pooled = []
     for n in counts:
-        row = {"alpha": alpha, "adapters": n, "runs": len(records[n, "served"]),
+        runs = [r for r in rows if r["adapters"] == n]
+        row = {"alpha": alpha, "adapters": n, "runs": len(runs),
                **summarize([r for run in records[n, "served"] for r in run], max_batch)}
+        for stage in AdapterStats.STAGES:
+            row[stage] = pooled_histogram([r[stage] for r in runs])
+        d2h, h2d = row["disk_to_host"]["p99_ms"], row["host_to_device"]["p99_ms"]
+        row["cold_requests"] = len(colds[n])
+        row["cold_ttft_p99_ms"] = percentile(colds[n], 0.99) * 1e3 if colds[n] else None
+        row["load_plus_step_ms"] = None if d2h is None else d2h + (h2d or 0.0) + row["itl_p99_ms"]
         if (n, "control") in records:
             row["control"] = summarize([r for run in records[n, "control"] for r in run], max_batch)
             row["itl_p99_vs_resident"] = row["itl_p99_ms"] / row["control"]["itl_p99_ms"]
@@ -279,11 +306,13 @@ def pool_runs(alpha: float, counts: list[int], records: dict, max_batch: int) ->
         pooled.append(row)
         print(f"pooled over {row['runs']} runs: alpha {alpha:g} N {n:5d}: ITL p50 {row['itl_p50_ms']:.2f} / p99 "
               f"{row['itl_p99_ms']:.2f} ms ({row['itl_p99_vs_fewest']:.2f}x the fewest N"
-              + (f", {row['itl_p99_vs_resident']:.2f}x all resident" if "control" in row else "") + ")", flush=True)
+              + (f", {row['itl_p99_vs_resident']:.2f}x all resident" if "control" in row else "")
+              + f"); on disk: {row['cold_requests']} requests, TTFT p99 {ms(row['cold_ttft_p99_ms'])} ms, load + "
+              f"step p99 {ms(row['load_plus_step_ms'])} ms", flush=True)
     return pooled
 
 
-def save(args, device: str, rows: list[dict], pooled: list[dict]) -> None:
+def save(args, device: str, rows: list[dict], pooled: dict[float, list[dict]]) -> None:
     """The runs so far as JSON, a table and a plot in `args.out`; each against its α's run of fewest adapters (of
     the same repeat), and the pooled latencies of `--repeat`."""
     fewest = {}
@@ -296,7 +325,8 @@ def save(args, device: str, rows: list[dict], pooled: list[dict]) -> None:
     result = {"device": device, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
               "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
               "adapter_readers": args.adapter_readers, "rate": args.rate,
-              "requests": args.requests, "ranks": RANKS, "rows": rows, "pooled": pooled}
+              "requests": args.requests, "ranks": RANKS, "rows": rows,
+              "pooled": [r for alpha_rows in pooled.values() for r in alpha_rows]}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     write_table(result, os.path.join(args.out, f"{name}.md"))
@@ -374,12 +404,14 @@ def write_table(result: dict, path: str) -> None:
                     f"{ms(d2h['p50_ms'])} | {ms(d2h['p99_ms'])} | {h2d['count']} | {ms(h2d['p50_ms'])} | "
                     f"{ms(h2d['p99_ms'])} | {waits(r)} | {slot_writes(r)} | {resident(r)} |\n")
         if result.get("pooled"):
-            f.write("\nLatencies pooled over each N's runs (`--repeat`):\n\n| α | N | runs | TTFT p99 ms | ITL p50 ms | "
-                    "ITL p99 ms | ITL p99 vs fewest N | all resident: ITL p99 ms | ITL p99 vs all resident |\n"
-                    f"|{'---|' * 9}\n")
+            f.write("\nLatencies pooled over each N's runs (`--repeat`):\n\n| α | N | runs | TTFT p99 ms | on disk: "
+                    "requests | TTFT p99 ms | load + step p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 vs fewest N | "
+                    f"all resident: ITL p99 ms | ITL p99 vs all resident |\n|{'---|' * 12}\n")
             for r in result["pooled"]:
                 c = r.get("control")
                 f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['runs']} | {r['ttft_p99_ms']:.0f} | "
+                        f"{r.get('cold_requests', '-')} | {ms(r.get('cold_ttft_p99_ms'))} | "
+                        f"{ms(r.get('load_plus_step_ms'))} | "
                         f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
                         + ("- | - |" if c is None else f"{c['itl_p99_ms']:.2f} | {r['itl_p99_vs_resident']:.2f} |")
                         + "\n")
