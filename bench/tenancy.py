@@ -293,6 +293,7 @@ def pool_runs(alpha: float, counts: list[int], records: dict, colds: dict, rows:
         runs = [r for r in rows if r["adapters"] == n]
         row = {"alpha": alpha, "adapters": n, "runs": len(runs),
                **summarize([r for run in records[n, "served"] for r in run], max_batch)}
+        mean_rates(row, runs)
         for stage in AdapterStats.STAGES:
             row[stage] = pooled_histogram([r[stage] for r in runs])
         d2h, h2d = row["disk_to_host"]["p99_ms"], row["host_to_device"]["p99_ms"]
@@ -301,6 +302,7 @@ def pool_runs(alpha: float, counts: list[int], records: dict, colds: dict, rows:
         row["load_plus_step_ms"] = None if d2h is None else d2h + (h2d or 0.0) + row["itl_p99_ms"]
         if (n, "control") in records:
             row["control"] = summarize([r for run in records[n, "control"] for r in run], max_batch)
+            mean_rates(row["control"], [r["control"] for r in runs])
             row["itl_p99_vs_resident"] = row["itl_p99_ms"] / row["control"]["itl_p99_ms"]
         row["itl_p99_vs_fewest"] = row["itl_p99_ms"] / pooled[0]["itl_p99_ms"] if pooled else 1.0
         pooled.append(row)
@@ -310,6 +312,14 @@ def pool_runs(alpha: float, counts: list[int], records: dict, colds: dict, rows:
               + f"); on disk: {row['cold_requests']} requests, TTFT p99 {ms(row['cold_ttft_p99_ms'])} ms, load + "
               f"step p99 {ms(row['load_plus_step_ms'])} ms", flush=True)
     return pooled
+
+
+def mean_rates(pooled: dict, runs: list[dict]) -> None:
+    """A pooled row's throughputs: the mean of its runs' (a rate over the span of all runs would count the time
+    between them); None where no run measured one."""
+    for key in ("tokens_per_s", "steady_tokens_per_s"):
+        rates = [r[key] for r in runs if r[key] is not None]
+        pooled[key] = float(np.mean(rates)) if rates else None
 
 
 def save(args, device: str, rows: list[dict], pooled: dict[float, list[dict]]) -> None:
