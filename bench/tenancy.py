@@ -135,7 +135,7 @@ def histogram_delta(before, after) -> dict:
 
 
 def bucket_summary(cumulative: list[tuple[float, float]], total: float, count: float) -> dict:
-    """p50, p99 and mean in ms of a histogram's cumulative buckets [(upper bound, count)], sum (s) and count."""
+    """p50, p99 and mean in ms of a histogram's cumulative buckets [(upper bound, count)], its sum (s) and count."""
     if count == 0:
         return {"count": 0, "p50_ms": None, "p99_ms": None, "mean_ms": None, "buckets": cumulative}
 
@@ -302,7 +302,7 @@ def pool_runs(alpha: float, counts: list[int], records: dict, colds: dict, rows:
         row["load_plus_step_ms"] = None if d2h is None else d2h + (h2d or 0.0) + row["itl_p99_ms"]
         if (n, "control") in records:
             row["control"] = summarize([r for run in records[n, "control"] for r in run], max_batch)
-            mean_rates(row["control"], [r["control"] for r in runs])
+            mean_rates(row["control"], [r["control"] for r in runs if "control" in r])
             row["itl_p99_vs_resident"] = row["itl_p99_ms"] / row["control"]["itl_p99_ms"]
         row["itl_p99_vs_fewest"] = row["itl_p99_ms"] / pooled[0]["itl_p99_ms"] if pooled else 1.0
         pooled.append(row)
@@ -420,8 +420,7 @@ def write_table(result: dict, path: str) -> None:
             for r in result["pooled"]:
                 c = r.get("control")
                 f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['runs']} | {r['ttft_p99_ms']:.0f} | "
-                        f"{r.get('cold_requests', '-')} | {ms(r.get('cold_ttft_p99_ms'))} | "
-                        f"{ms(r.get('load_plus_step_ms'))} | "
+                        f"{r['cold_requests']} | {ms(r['cold_ttft_p99_ms'])} | {ms(r['load_plus_step_ms'])} | "
                         f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
                         + ("- | - |" if c is None else f"{c['itl_p99_ms']:.2f} | {r['itl_p99_vs_resident']:.2f} |")
                         + "\n")
