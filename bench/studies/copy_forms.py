@@ -8,10 +8,14 @@ shows in the dispatch, one on the device in the wait.
 
 Copies, each of 8B-shaped q_proj + v_proj adapters (ranks 8/16/32/64: 7-55 MB), by a thread beside the loop,
 without pause or 5 adapters a second: `per layer` (one `jax.device_put` per layer of a pytree of A and B
-arrays, as `AdapterPool.stage` copies), `packed` (the adapter's bytes as one contiguous array, one
-`device_put`), `host copy` (the packed bytes copied host to host with numpy, no device involved).
+arrays, as `AdapterPool.stage` copied), `packed` (the adapter's bytes as one contiguous array, one
+`device_put`, as `AdapterPool.stage` copies now), `mapped` (the same from host memory registered with the GPU
+client once, `Client.dma_map`: PjRt then copies from it directly instead of through a pinned staging buffer of
+its own; GPU only), `host copy` (the packed bytes copied host to host with numpy, no device involved).
+`--no-staging` runs the process with PjRt's staging of host-to-device copies off (the client option
+`should_stage_host_to_device_transfers`; the CUDA driver then stages pageable memory itself).
 
-  python bench/studies/copy_forms.py [--steps 300]  # GPU
+  python bench/studies/copy_forms.py [--steps 300] [--no-staging]  # GPU
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ def percentiles(seconds: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="loop intervals per way")
+    parser.add_argument("--no-staging", action="store_true", help="PjRt's staging of host-to-device copies off")
     args = parser.parse_args()
+    if args.no_staging:  # before the backend starts
+        jax.config.update("jax_pjrt_client_create_options", {"should_stage_host_to_device_transfers": False})
     device = jax.devices()[0]
     library = adapters(np.random.default_rng(0))
     flat = [packed(a) for a in library]
@@ -74,6 +81,18 @@ def main() -> None:
 
     def copy_on_host(i: int) -> None:
         flat[i % len(flat)].copy()
+
+    mapped = [np.empty_like(x) for x in flat]  # each adapter's packed bytes in host memory the client maps
+    try:
+        for m, x in zip(mapped, flat):
+            device.client.dma_map(m.ctypes.data, m.nbytes)
+            m[...] = x
+    except Exception as err:  # UNIMPLEMENTED off GPU
+        print(f"no mapped copies: {type(err).__name__}: {err}", flush=True)
+        mapped = None
+
+    def copy_mapped(i: int) -> None:
+        jax.device_put(mapped[i % len(mapped)], device).block_until_ready()
 
     def run(name: str, copy=None, gap: float = 0.0) -> None:
         stop, copies = threading.Event(), []
@@ -118,8 +137,14 @@ def main() -> None:
     for gap, rate in ((0.0, "unpaced"), (0.2, "5/s")):
         run(f"per layer, {rate}", copy_per_layer, gap)
         run(f"packed, {rate}", copy_packed, gap)
+        if mapped is not None:
+            run(f"mapped, {rate}", copy_mapped, gap)
         run(f"host copy, {rate}", copy_on_host, gap)
     run("none, again")
+    if mapped is not None:
+        for m in mapped:
+            device.client.dma_unmap(m.ctypes.data)
+        np.testing.assert_array_equal(np.asarray(jax.device_put(mapped[1], device)), flat[1])  # copies are exact
 
 
 if __name__ == "__main__":
