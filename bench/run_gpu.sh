@@ -19,6 +19,9 @@
 #   bash bench/run_gpu.sh scoring [ARGS]  # Engine.score, multiple choice, base / 1 / 32 adapters (bench/scoring.py ARGS)
 #   bash bench/run_gpu.sh paging [ARGS]   # the paged KV cache: rows per memory, shared prefixes, prompt rate (bench/paging.py ARGS)
 #   bash bench/run_gpu.sh tenancy [ARGS]  # N adapters over 32 slots (bench/tenancy.py ARGS; needs the serving packages)
+#   bash bench/run_gpu.sh copies  # adapter copies beside an engine-shaped loop, PjRt's staging on, then off
+#                                 # (bench/studies/copy_forms.py: per layer, packed, DMA-mapped, host to host)
+#   bash bench/run_gpu.sh epilogue  # the LoRA expand in a Pallas GEMM's epilogue (bench/studies/epilogue_expand.py)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,5 +63,11 @@ case "${1:-}" in
   scoring) python3 bench/scoring.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^\||^One|Error" ;;
   paging) python3 bench/paging.py --out "$out" "${@:2}" 2>&1 | grep -E "^scale|^prefix|^prompt|Error" ;;
   tenancy) python3 bench/tenancy.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^alpha|^pooled|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|scoring|paging|tenancy" >&2; exit 2 ;;
+  copies)
+    for staging in "" --no-staging; do
+      echo "# copy_forms.py $staging"
+      (cd bench/studies && python3 copy_forms.py $staging 2>&1 | grep -vE "^W1|bfc_alloc")
+    done ;;
+  epilogue) python3 bench/studies/epilogue_expand.py --out "$out" 2>&1 | grep -E "^#|µs|Error" ;;
+  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue" >&2; exit 2 ;;
 esac
