@@ -1,0 +1,66 @@
+"""The tenancy targets (issue #36) checked against `bench/tenancy.py` runs: one line per target and row, the
+measured value, its bound and whether it is met; exit status 1 when one is not.
+
+Each file's pooled rows (`--repeat`) are read where it has them, else its single runs. Against each α's run of
+fewest adapters (N = 32: every adapter resident) of the same file, and against the same arrivals with every
+adapter resident (`--control-slots`) where the file has them:
+  - throughput at N >= 1000 with α = 1: at least 0.9x the fewest N's;
+  - ITL p99 of every run with loads: at most 1.2x the run without loads: the all-resident run of the same
+    arrivals where there is one (what loads cost, at the same adapter mix), else the fewest N's;
+  - TTFT p99 of the requests whose adapter was on disk: at most the loads' p99 (disk -> host + host -> device)
+    plus the ITL p99.
+
+  python bench/tenancy_targets.py [bench/results/tenancy.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+THROUGHPUT, ITL = 0.9, 1.2
+
+
+def checks(result: dict) -> list[tuple[str, str, float | None, float, str]]:
+    """(target, row, measured, bound, unit) for each target row of one tenancy.py result."""
+    rows = result.get("pooled") or result["rows"]
+    out, seen = [], {}
+    for r in rows:
+        seen[r["alpha"], r["adapters"]] = run = seen.get((r["alpha"], r["adapters"]), 0) + 1
+        fewest = min((f for f in rows if f["alpha"] == r["alpha"] and f.get("repeat", 0) == r.get("repeat", 0)),
+                     key=lambda f: f["adapters"])
+        if r is fewest:
+            continue
+        name = f"α = {r['alpha']:g}, N = {r['adapters']}" + (f", {r['runs']} runs" if "runs" in r else f", run {run}")
+        if r["alpha"] == 1 and r["adapters"] >= 1000:
+            out.append(("throughput / the fewest N's", name, r["tokens_per_s"] / fewest["tokens_per_s"], THROUGHPUT,
+                        "x"))
+        control = r.get("control")
+        without = ("all resident", control) if control else (f"N = {fewest['adapters']}", fewest)
+        out.append((f"ITL p99 / {without[0]}", name, r["itl_p99_ms"] / without[1]["itl_p99_ms"], ITL, "x"))
+        if r.get("cold_requests"):
+            out.append(("on-disk TTFT p99 <= load + step p99", name, r["cold_ttft_p99_ms"], r["load_plus_step_ms"],
+                        " ms"))
+    return out
+
+
+def main() -> int:
+    met = True
+    for path in sys.argv[1:] or ["bench/results/tenancy.json"]:
+        with open(path) as f:
+            result = json.load(f)
+        print(f"# {path}: {result['device']}, {result['max_loras']} slots, {result['rate']:g} requests/s\n")
+        print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
+        for target, row, value, bound, unit in checks(result):
+            ok = value is not None and bound is not None and (value >= bound if target.startswith("throughput")
+                                                               else value <= bound)
+            met &= ok
+            fmt = (lambda x: f"{x:.3f}{unit}") if unit == "x" else (lambda x: f"{x:.0f}{unit}")
+            print(f"| {target} | {row} | {'-' if value is None else fmt(value)} | "
+                  f"{'-' if bound is None else fmt(bound)} | {'yes' if ok else 'no'} |")
+        print()
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
