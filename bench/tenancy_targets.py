@@ -15,14 +15,36 @@ adapter resident (`--control-slots`) where the file has them:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 THROUGHPUT, ITL = 0.9, 1.2
 
 
-def checks(result: dict) -> list[tuple[str, str, float | None, float, str]]:
-    """(target, row, measured, bound, unit) for each target row of one tenancy.py result."""
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One target row: the measured value against its bound (None: not in the file), at most it or at least it."""
+
+    target: str
+    row: str
+    value: float | None
+    bound: float | None
+    unit: str  # "x" (a ratio) or " ms"
+    at_least: bool = False
+
+    @property
+    def met(self) -> bool:
+        if self.value is None or self.bound is None:
+            return False
+        return self.value >= self.bound if self.at_least else self.value <= self.bound
+
+    def shown(self, x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}x" if self.unit == "x" else f"{x:.0f}{self.unit}"
+
+
+def checks(result: dict) -> list[Check]:
+    """Each target row of one tenancy.py result."""
     rows = result.get("pooled") or result["rows"]
     out, seen = [], {}
     for r in rows:
@@ -33,14 +55,14 @@ def checks(result: dict) -> list[tuple[str, str, float | None, float, str]]:
             continue
         name = f"α = {r['alpha']:g}, N = {r['adapters']}" + (f", {r['runs']} runs" if "runs" in r else f", run {run}")
         if r["alpha"] == 1 and r["adapters"] >= 1000:
-            out.append(("throughput / the fewest N's", name, r["tokens_per_s"] / fewest["tokens_per_s"], THROUGHPUT,
-                        "x"))
+            out.append(Check("throughput / the fewest N's", name, r["tokens_per_s"] / fewest["tokens_per_s"],
+                             THROUGHPUT, "x", at_least=True))
         control = r.get("control")
-        without = ("all resident", control) if control else (f"N = {fewest['adapters']}", fewest)
-        out.append((f"ITL p99 / {without[0]}", name, r["itl_p99_ms"] / without[1]["itl_p99_ms"], ITL, "x"))
+        label, without = ("all resident", control) if control else (f"N = {fewest['adapters']}", fewest)
+        out.append(Check(f"ITL p99 / {label}", name, r["itl_p99_ms"] / without["itl_p99_ms"], ITL, "x"))
         if r.get("cold_requests"):
-            out.append(("on-disk TTFT p99 <= load + step p99", name, r["cold_ttft_p99_ms"], r["load_plus_step_ms"],
-                        " ms"))
+            out.append(Check("on-disk TTFT p99 <= load + step p99", name, r["cold_ttft_p99_ms"],
+                             r["load_plus_step_ms"], " ms"))
     return out
 
 
@@ -51,13 +73,9 @@ def main() -> int:
             result = json.load(f)
         print(f"# {path}: {result['device']}, {result['max_loras']} slots, {result['rate']:g} requests/s\n")
         print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
-        for target, row, value, bound, unit in checks(result):
-            ok = value is not None and bound is not None and (value >= bound if target.startswith("throughput")
-                                                               else value <= bound)
-            met &= ok
-            fmt = (lambda x: f"{x:.3f}{unit}") if unit == "x" else (lambda x: f"{x:.0f}{unit}")
-            print(f"| {target} | {row} | {'-' if value is None else fmt(value)} | "
-                  f"{'-' if bound is None else fmt(bound)} | {'yes' if ok else 'no'} |")
+        for c in checks(result):
+            met &= c.met
+            print(f"| {c.target} | {c.row} | {c.shown(c.value)} | {c.shown(c.bound)} | {'yes' if c.met else 'no'} |")
         print()
     return 0 if met else 1
 
