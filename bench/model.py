@@ -34,10 +34,10 @@ from jlora.engine import Engine
 from jlora.runner import ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Batch, KVCache, Transformer
+from jlora.models.loading import load_model
 from jlora.models.lora_weights import LoRAWeights, RowOverrides, module_shapes
 from jlora.parallel import TensorParallel
 from jlora.step import Call, StepOptions
-from jlora.models.loading import load_model
 from jlora.testing import tiny_config, write_adapter, write_model
 
 SLOTS, STEPS, REPEATS, CONTEXT = 32, 8, 5, 512

@@ -157,7 +157,7 @@ def pooled_histogram(runs: list[dict]) -> dict:
     """One histogram summary of several runs' `histogram_delta`s: their bucket counts added."""
     counts = collections.Counter()
     for run in runs:
-        counts.update(dict(run.get("buckets", [])))
+        counts.update(dict(run["buckets"]))
     total = sum((run["mean_ms"] or 0.0) * run["count"] / 1e3 for run in runs)
     return bucket_summary(sorted(counts.items()), total, sum(run["count"] for run in runs))
 

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product
 sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth  # noqa: E402
 from kernels import CALLS, device_time_per_call  # noqa: E402
-from small_gemm import SHAPES, TILES  # noqa: E402
+from small_gemm import SHAPES, TILES, check_tiling, split_k_block  # noqa: E402
 
 import jlora  # noqa: E402
 from jlora.batch_info import LoRABatchInfo  # noqa: E402
@@ -47,19 +47,11 @@ RANK, SLOTS = 16, 32
 
 
 def _kernel(x_ref, w_ref, s_ref, slot_ref, b_ref, o_ref, d_ref, *, block_k: int, k_per_split: int):
-    # Program (n, k): rows [Mp, BN] of column block n over K split k; split 0 also writes the block's delta.
-    n, k = pl.program_id(0), pl.program_id(1)
-    block_n = o_ref.shape[-1]
-    cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+    # Program (n, k): small_gemm.py's block of the partials; split 0 also writes the block's delta.
+    block_n, mp = o_ref.shape[-1], x_ref.shape[0]
+    o_ref[0], cols = split_k_block(x_ref, w_ref, block_n=block_n, block_k=block_k, k_per_split=k_per_split)
 
-    def step(j, acc):
-        ks = pl.ds(pl.multiple_of(k * k_per_split + j * block_k, block_k), block_k)
-        return acc + pltriton.dot(x_ref[:, ks], w_ref[ks, cols])
-
-    mp = x_ref.shape[0]
-    o_ref[0] = jax.lax.fori_loop(0, k_per_split // block_k, step, jnp.zeros((mp, block_n), jnp.float32))
-
-    @pl.when(k == 0)
+    @pl.when(pl.program_id(1) == 0)
     def _():
         rows = jnp.arange(mp)[:, None]  # [Mp, 1]
 
@@ -76,9 +68,7 @@ def fused(x, w, s, slots, b, *, block_n: int, block_k: int, splits: int, num_war
     s and b bf16."""
     m, k_dim = x.shape
     n_dim = w.shape[1]
-    if n_dim % block_n or k_dim % (splits * block_k):
-        raise ValueError(f"N {n_dim} and K {k_dim} must divide by block_n {block_n} and splits x block_k "
-                         f"{splits} x {block_k}")
+    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k, splits=splits)
     mp = -(-m // 16) * 16
     pad = ((0, mp - m), (0, 0))
     s = jnp.pad(jnp.where((slots >= 0)[:, None], s, jnp.zeros_like(s)), pad)  # padding and base rows: none

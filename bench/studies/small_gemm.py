@@ -40,27 +40,36 @@ TILES = [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
          for bn, bk, s in itertools.product((64, 128), (64, 128), (1, 2, 4, 8))]
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, k_per_split: int):
-    # Program (n, s): rows [Mp, BN] of column block n over K split s.
+def split_k_block(x_ref, w_ref, *, block_n: int, block_k: int, k_per_split: int):
+    """Program (n, s)'s [Mp, BN] f32 block of x @ w: column block n over K split s, and the block's columns."""
     n, s = pl.program_id(0), pl.program_id(1)
-    block_n = o_ref.shape[-1]
     cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
 
     def step(j, acc):
         k = pl.ds(pl.multiple_of(s * k_per_split + j * block_k, block_k), block_k)
         return acc + pltriton.dot(x_ref[:, k], w_ref[k, cols])
 
-    acc = jax.lax.fori_loop(0, k_per_split // block_k, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
-    o_ref[0] = acc  # o_ref: this program's [1, Mp, BN] block of the [splits, Mp, N] partials
+    return jax.lax.fori_loop(0, k_per_split // block_k, step,
+                             jnp.zeros((x_ref.shape[0], block_n), jnp.float32)), cols
+
+
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int, k_per_split: int):
+    # o_ref: this program's [1, Mp, BN] block of the [splits, Mp, N] partials
+    o_ref[0], _ = split_k_block(x_ref, w_ref, block_n=o_ref.shape[-1], block_k=block_k, k_per_split=k_per_split)
+
+
+def check_tiling(k_dim: int, n_dim: int, *, block_n: int, block_k: int, splits: int, **_) -> None:
+    """Raises ValueError unless the tiling divides [K, N]."""
+    if n_dim % block_n or k_dim % (splits * block_k):
+        raise ValueError(f"N {n_dim} and K {k_dim} must divide by block_n {block_n} and splits x block_k "
+                         f"{splits} x {block_k}")
 
 
 def pallas_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, splits: int, num_warps: int):
     """x [M, K] @ w [K, N] -> [M, N] in x's dtype, rows padded to a multiple of 16."""
     m, k_dim = x.shape
     n_dim = w.shape[1]
-    if n_dim % block_n or k_dim % (splits * block_k):
-        raise ValueError(f"N {n_dim} and K {k_dim} must divide by block_n {block_n} and splits x block_k "
-                         f"{splits} x {block_k}")
+    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k, splits=splits)
     mp = -(-m // 16) * 16
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     kernel = functools.partial(_kernel, block_k=block_k, k_per_split=k_dim // splits)
