@@ -1,7 +1,8 @@
 """The tenancy targets (issue #36) checked against `bench/tenancy.py` runs: one line per target and row, the
-measured value, its bound and whether it is met; exit status 1 when one is not.
+measured value, its bound and whether it is met; exit status 1 when one is not, 2 for a file that is no result.
 
-Each file's pooled rows (`--repeat`) are read where it has them, else its single runs. Against each α's run of
+A file holds one result, or several under "runs". Each result's pooled rows (`--repeat`) are read where it has
+them, else its single runs. Against each α's run of
 fewest adapters (N = 32: every adapter resident) of the same file, and against the same arrivals with every
 adapter resident (`--control-slots`) where the file has them:
   - throughput at N >= 1000 with α = 1: at least 0.9x the fewest N's;
@@ -70,13 +71,20 @@ def main() -> int:
     met = True
     for path in sys.argv[1:] or ["bench/results/tenancy.json"]:
         with open(path) as f:
-            result = json.load(f)
-        print(f"# {path}: {result['device']}, {result['max_loras']} slots, {result['rate']:g} requests/s\n")
-        print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
-        for c in checks(result):
-            met &= c.met
-            print(f"| {c.target} | {c.row} | {c.shown(c.value)} | {c.shown(c.bound)} | {'yes' if c.met else 'no'} |")
-        print()
+            data = json.load(f)
+        # a tenancy.py result, or several gathered under "runs" (bench/results' merged files)
+        for i, result in enumerate(data.get("runs", [data])):
+            if not {"device", "max_loras", "rate", "rows"} <= result.keys():
+                print(f"{path}: not a bench/tenancy.py result (no device, max_loras, rate and rows)", file=sys.stderr)
+                return 2
+            print(f"# {path}{f', run {i + 1}' if 'runs' in data else ''}: {result['device']}, "
+                  f"{result['max_loras']} slots, {result['rate']:g} requests/s\n")
+            print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
+            for c in checks(result):
+                met &= c.met
+                print(f"| {c.target} | {c.row} | {c.shown(c.value)} | {c.shown(c.bound)} | "
+                      f"{'yes' if c.met else 'no'} |")
+            print()
     return 0 if met else 1
 
 

@@ -59,3 +59,19 @@ def test_repeated_runs_of_one_n_are_told_apart(tmp_path, monkeypatch, capsys):
     assert status == 1
     assert "| ITL p99 / all resident | α = 0.5, N = 512, run 1 | 1.267x | 1.200x | no |" in out
     assert "| ITL p99 / all resident | α = 0.5, N = 512, run 2 | 1.125x | 1.200x | yes |" in out
+
+
+def test_results_gathered_under_runs_are_each_checked_and_other_json_is_refused(tmp_path, monkeypatch, capsys):
+    one = {"device": "GPU", "max_loras": 32, "rate": 16, "rows": [_row(1, 32), _row(1, 128, itl_p99_ms=17.0)]}
+    two = one | {"rows": [_row(1, 32), _row(1, 128, itl_p99_ms=20.0)]}
+    path = tmp_path / "gathered.json"
+    path.write_text(json.dumps({"note": "two processes", "runs": [one, two]}))
+    monkeypatch.setattr(sys, "argv", ["tenancy_targets.py", str(path)])
+    assert tenancy_targets.main() == 1
+    out = capsys.readouterr().out
+    assert f"# {path}, run 1: GPU" in out and f"# {path}, run 2: GPU" in out
+    assert "| ITL p99 / N = 32 | α = 1, N = 128, run 1 | 1.062x | 1.200x | yes |" in out
+    assert "| ITL p99 / N = 32 | α = 1, N = 128, run 1 | 1.250x | 1.200x | no |" in out
+    path.write_text(json.dumps({"rows": []}))
+    assert tenancy_targets.main() == 2
+    assert "not a bench/tenancy.py result" in capsys.readouterr().err
