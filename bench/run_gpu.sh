@@ -20,7 +20,7 @@
 #   bash bench/run_gpu.sh paging [ARGS]   # the paged KV cache: rows per memory, shared prefixes, prompt rate (bench/paging.py ARGS)
 #   bash bench/run_gpu.sh tenancy [ARGS]  # N adapters over 32 slots (bench/tenancy.py ARGS; needs the serving packages)
 #   bash bench/run_gpu.sh copies  # adapter copies beside an engine-shaped loop, PjRt's staging on, then off
-#                                 # (bench/studies/copy_forms.py: per layer, packed, DMA-mapped, host to host)
+#                                 # (bench/studies/copy_forms.py: per layer, packed, 4 MB pieces, gated, DMA-mapped, host to host)
 #   bash bench/run_gpu.sh epilogue  # the LoRA expand in a Pallas GEMM's epilogue (bench/studies/epilogue_expand.py)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail

@@ -4,18 +4,24 @@ matters (#36's ITL tail; docs/performance.md, § Tenancy).
 The loop: 1 ms of Python, then the dispatch of a memory-bound step (x [32, 4096] through 64 pairs of 8B-shaped
 MLP weights, about 15 GB read, fed a token array from the host), then the read of the step before (two steps
 in flight). Each interval is split into the dispatch's host time and the read's wait: a stall on the host
-shows in the dispatch, one on the device in the wait.
+shows in the dispatch, one on the device in the wait. The step takes `--inputs` small arrays (8, as the engine's
+step), from the host each step or, in the `device inputs` rounds, placed on the device beforehand: if the copies
+slow the dispatch through the step's own input transfers (one host-to-device stream per device), the rounds
+with device inputs do not slow.
 
 Copies, each of 8B-shaped q_proj + v_proj adapters (ranks 8/16/32/64: 7-55 MB), by a thread beside the loop,
 without pause or 5 adapters a second: `per layer` (one `jax.device_put` per layer of a pytree of A and B
 arrays, as `AdapterPool.stage` copied), `packed` (the adapter's bytes as one contiguous array, one
-`device_put`, as `AdapterPool.stage` copies now), `mapped` (the same from host memory registered with the GPU
+`device_put`, as `AdapterPool.stage` copies now), `chunked` (the same bytes in 4 MB `device_put`s, so a
+step's input waits behind at most one of them), `gated` (those chunks issued only while the loop waits for
+the step before, so none is in flight while the loop dispatches: whether the copy slows the dispatch as its
+transfer runs or only as it is issued), `mapped` (the same from host memory registered with the GPU
 client once, `Client.dma_map`: PjRt then copies from it directly instead of through a pinned staging buffer of
 its own; GPU only), `host copy` (the packed bytes copied host to host with numpy, no device involved).
 `--no-staging` runs the process with PjRt's staging of host-to-device copies off (the client option
 `should_stage_host_to_device_transfers`; the CUDA driver then stages pageable memory itself).
 
-  python bench/studies/copy_forms.py [--steps 300] [--no-staging]  # GPU
+  python bench/studies/copy_forms.py [--steps 300] [--inputs 8] [--no-staging]  # GPU
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def percentiles(seconds: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="loop intervals per way")
+    parser.add_argument("--inputs", type=int, default=8, help="the step's small input arrays")
     parser.add_argument("--no-staging", action="store_true", help="PjRt's staging of host-to-device copies off")
     args = parser.parse_args()
     if args.no_staging:  # before the backend starts
@@ -58,17 +65,20 @@ def main() -> None:
                for i in range(pairs)]
 
     @jax.jit
-    def step(weights, tokens):
-        x = jnp.ones((32, d), jnp.bfloat16) * tokens[:, None].astype(jnp.bfloat16)
+    def step(weights, inputs):
+        x = jnp.ones((32, d), jnp.bfloat16) * sum(inputs)[:, None].astype(jnp.bfloat16)
         for up, down in weights:
             x = x + jax.nn.silu(x @ up) @ down
         return x[:, 0]
 
-    jax.block_until_ready((step(weights, np.zeros(32, np.int32)), jax.device_put(library[0], device),
+    def host_inputs(k: int) -> list[np.ndarray]:
+        return [np.full(32, k + i, np.int32) for i in range(args.inputs)]
+
+    jax.block_until_ready((step(weights, host_inputs(0)), jax.device_put(library[0], device),
                            jax.device_put(flat[0], device)))
     start = time.perf_counter()
     for k in range(20):
-        out = step(weights, np.full(32, k, np.int32))
+        out = step(weights, host_inputs(k))
     out.block_until_ready()
     print(f"Device: {device.device_kind}; step alone {(time.perf_counter() - start) / 20 * 1e3:.2f} ms; "
           f"adapters of ranks {RANKS}: {[round(x.nbytes / 1e6, 1) for x in flat]} MB", flush=True)
@@ -78,6 +88,18 @@ def main() -> None:
 
     def copy_packed(i: int) -> None:
         jax.device_put(flat[i % len(flat)], device).block_until_ready()
+
+    def copy_chunked(i: int, chunk: int = 4 << 20) -> None:
+        x = flat[i % len(flat)]
+        jax.block_until_ready([jax.device_put(x[j:j + chunk], device) for j in range(0, x.nbytes, chunk)])
+
+    waiting = threading.Event()  # set while the loop waits for the step before
+
+    def copy_gated(i: int, chunk: int = 4 << 20) -> None:
+        x = flat[i % len(flat)]
+        for j in range(0, x.nbytes, chunk):
+            waiting.wait()
+            jax.device_put(x[j:j + chunk], device).block_until_ready()
 
     def copy_on_host(i: int) -> None:
         flat[i % len(flat)].copy()
@@ -94,7 +116,10 @@ def main() -> None:
     def copy_mapped(i: int) -> None:
         jax.device_put(mapped[i % len(mapped)], device).block_until_ready()
 
-    def run(name: str, copy=None, gap: float = 0.0) -> None:
+    def run(name: str, copy=None, gap: float = 0.0, on_device: bool = False) -> None:
+        # device inputs: placed beforehand, one set per step (a call whose inputs a step in flight holds waits)
+        feeds = ([jax.device_put(host_inputs(k), device) for k in range(args.steps)] if on_device else None)
+        jax.block_until_ready(feeds)
         stop, copies = threading.Event(), []
 
         def copier():
@@ -115,10 +140,12 @@ def main() -> None:
             while time.perf_counter() < end:  # the loop's Python work
                 pass
             t0 = time.perf_counter()
-            out = step(weights, np.full(32, k, np.int32))
+            out = step(weights, feeds[k] if on_device else host_inputs(k))
             t1 = time.perf_counter()
+            waiting.set()
             if in_flight is not None:
                 np.asarray(in_flight)  # the step before, as the engine reads its tokens
+            waiting.clear()
             in_flight = out
             now = time.perf_counter()
             dispatches.append(t1 - t0)
@@ -127,18 +154,24 @@ def main() -> None:
             last = now
         np.asarray(in_flight)
         stop.set()
+        waiting.set()  # a gated copy's last chunk
         if worker:
             worker.join()
         copied = (f"{len(copies)} copies, {np.median(copies) * 1e3:.1f} ms p50" if copies else "no copies")
-        print(f"{name:28s} interval {percentiles(intervals[20:])}  dispatch {percentiles(dispatches[20:])}  "
+        print(f"{name:36s} interval {percentiles(intervals[20:])}  dispatch {percentiles(dispatches[20:])}  "
               f"wait {percentiles(waits[20:])} ms (p50 / p99); {copied}", flush=True)
 
     run("none")
+    run("none, device inputs", on_device=True)
     for gap, rate in ((0.0, "unpaced"), (0.2, "5/s")):
         run(f"per layer, {rate}", copy_per_layer, gap)
         run(f"packed, {rate}", copy_packed, gap)
+        run(f"packed, {rate}, device inputs", copy_packed, gap, on_device=True)
+        run(f"chunked, {rate}", copy_chunked, gap)
+        run(f"gated, {rate}", copy_gated, gap)
         if mapped is not None:
             run(f"mapped, {rate}", copy_mapped, gap)
+            run(f"mapped, {rate}, device inputs", copy_mapped, gap, on_device=True)
         run(f"host copy, {rate}", copy_on_host, gap)
     run("none, again")
     if mapped is not None:
