@@ -1,5 +1,6 @@
 """The decode-floor targets (issue #39) checked against a `bench/model.py` run: one line per target row, the
-measured ratio, its bound and whether it is met; exit status 1 when one is not (or cannot be read).
+measured ratio, its bound and whether it is met; exit status 1 when one is not (or cannot be read from the rows),
+2 when the file is not a bench/model.py result.
 
   - the base decode step at batch 1 and 32: at most 1.15x its floor (weights + KV at the copy bandwidth);
   - one r=16 adapter at batch 32: at most 1.04x the base step;
@@ -40,8 +41,15 @@ def checks(rows: list[dict]) -> list[tuple[str, str, float | None, float]]:
 
 def main() -> int:
     path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/model.json"
-    with open(path) as f:
-        result = json.load(f)
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as err:
+        print(f"{path}: cannot read it: {err}", file=sys.stderr)
+        return 2
+    if not isinstance(result, dict) or not {"device", "copy_bandwidth_Bps", "rows"} <= result.keys():
+        print(f"{path}: not a bench/model.py result (no device, copy_bandwidth_Bps and rows)", file=sys.stderr)
+        return 2
     print(f"# {path}: {result['device']}, copy bandwidth {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s\n")
     print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
     met = True

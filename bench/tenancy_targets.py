@@ -70,11 +70,15 @@ def checks(result: dict) -> list[Check]:
 def main() -> int:
     met = True
     for path in sys.argv[1:] or ["bench/results/tenancy.json"]:
-        with open(path) as f:
-            data = json.load(f)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as err:
+            print(f"{path}: cannot read it: {err}", file=sys.stderr)
+            return 2
         # a tenancy.py result, or several gathered under "runs" (bench/results' merged files)
-        for i, result in enumerate(data.get("runs", [data])):
-            if not {"device", "max_loras", "rate", "rows"} <= result.keys():
+        for i, result in enumerate(data.get("runs", [data]) if isinstance(data, dict) else [data]):
+            if not isinstance(result, dict) or not {"device", "max_loras", "rate", "rows"} <= result.keys():
                 print(f"{path}: not a bench/tenancy.py result (no device, max_loras, rate and rows)", file=sys.stderr)
                 return 2
             print(f"# {path}{f', run {i + 1}' if 'runs' in data else ''}: {result['device']}, "

@@ -38,3 +38,16 @@ def test_a_row_past_its_bound_or_missing_fails(tmp_path, monkeypatch, capsys):
     assert "| decode batch 1 | 1.160x | 1.15x | no |" in out
     assert "| decode batch 32 | not in this file (rerun bench/model.py) | 1.15x | no |" in out
     assert "| decode batch 32, 1 adapter r=16 | 1.000x | 1.04x | yes |" in out
+
+
+def test_a_file_that_is_not_a_model_result_is_refused_without_a_traceback(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "x.json"
+    for text, message in (("{not json", "cannot read it"), ("[1]", "not a bench/model.py result"),
+                          (json.dumps({"rows": []}), "not a bench/model.py result")):
+        path.write_text(text)
+        monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(path)])
+        assert decode_targets.main() == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(tmp_path / "missing.json")])
+    assert decode_targets.main() == 2
+    assert "missing.json: cannot read it" in capsys.readouterr().err

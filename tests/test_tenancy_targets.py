@@ -75,3 +75,9 @@ def test_results_gathered_under_runs_are_each_checked_and_other_json_is_refused(
     path.write_text(json.dumps({"rows": []}))
     assert tenancy_targets.main() == 2
     assert "not a bench/tenancy.py result" in capsys.readouterr().err
+    for text in ("[1, 2]", "{not json"):  # JSON of another shape, and no JSON at all
+        path.write_text(text)
+        assert tenancy_targets.main() == 2
+    monkeypatch.setattr(sys, "argv", ["tenancy_targets.py", str(tmp_path / "missing.json")])
+    assert tenancy_targets.main() == 2
+    assert "missing.json: cannot read it" in capsys.readouterr().err
