@@ -14,8 +14,8 @@ without pause or 5 adapters a second: `per layer` (one `jax.device_put` per laye
 arrays, as `AdapterPool.stage` copied), `packed` (the adapter's bytes as one contiguous array, one
 `device_put`, as `AdapterPool.stage` copies now), `chunked` (the same bytes in 4 MB `device_put`s, so a
 step's input waits behind at most one of them), `gated` (those chunks issued only while the loop waits for
-the step before, so none is in flight while the loop dispatches: whether the copy slows the dispatch as its
-transfer runs or only as it is issued), `mapped` (the same from host memory registered with the GPU
+the step before, so none is issued while the loop dispatches: whether the copy slows the dispatch as it is
+issued or while its transfer runs), `mapped` (the same from host memory registered with the GPU
 client once, `Client.dma_map`: PjRt then copies from it directly instead of through a pinned staging buffer of
 its own; GPU only), `host copy` (the packed bytes copied host to host with numpy, no device involved).
 `--no-staging` runs the process with PjRt's staging of host-to-device copies off (the client option
@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from copy_pacing import RANKS, adapters  # the same library of 8B-shaped adapters
+
+CHUNK = 4 << 20  # bytes per piece of the chunked and gated copies
 
 
 def packed(adapter: list[dict]) -> np.ndarray:
@@ -89,17 +91,17 @@ def main() -> None:
     def copy_packed(i: int) -> None:
         jax.device_put(flat[i % len(flat)], device).block_until_ready()
 
-    def copy_chunked(i: int, chunk: int = 4 << 20) -> None:
+    def copy_chunked(i: int) -> None:
         x = flat[i % len(flat)]
-        jax.block_until_ready([jax.device_put(x[j:j + chunk], device) for j in range(0, x.nbytes, chunk)])
+        jax.block_until_ready([jax.device_put(x[j:j + CHUNK], device) for j in range(0, x.nbytes, CHUNK)])
 
     waiting = threading.Event()  # set while the loop waits for the step before
 
-    def copy_gated(i: int, chunk: int = 4 << 20) -> None:
+    def copy_gated(i: int) -> None:
         x = flat[i % len(flat)]
-        for j in range(0, x.nbytes, chunk):
+        for j in range(0, x.nbytes, CHUNK):
             waiting.wait()
-            jax.device_put(x[j:j + chunk], device).block_until_ready()
+            jax.device_put(x[j:j + CHUNK], device).block_until_ready()
 
     def copy_on_host(i: int) -> None:
         flat[i % len(flat)].copy()
