@@ -17,8 +17,9 @@ adapter resident (`--control-slots`) where the file has them:
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
+
+from result_files import read_results
 
 THROUGHPUT, ITL = 0.9, 1.2
 
@@ -70,18 +71,12 @@ def checks(result: dict) -> list[Check]:
 def main() -> int:
     met = True
     for path in sys.argv[1:] or ["bench/results/tenancy.json"]:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as err:
-            print(f"{path}: cannot read it: {err}", file=sys.stderr)
-            return 2
         # a tenancy.py result, or several gathered under "runs" (bench/results' merged files)
-        for i, result in enumerate(data.get("runs", [data]) if isinstance(data, dict) else [data]):
-            if not isinstance(result, dict) or not {"device", "max_loras", "rate", "rows"} <= result.keys():
-                print(f"{path}: not a bench/tenancy.py result (no device, max_loras, rate and rows)", file=sys.stderr)
-                return 2
-            print(f"# {path}{f', run {i + 1}' if 'runs' in data else ''}: {result['device']}, "
+        results = read_results(path, ("device", "max_loras", "rate", "rows"), "bench/tenancy.py")
+        if results is None:
+            return 2
+        for i, result in enumerate(results):
+            print(f"# {path}{f', run {i + 1}' if len(results) > 1 else ''}: {result['device']}, "
                   f"{result['max_loras']} slots, {result['rate']:g} requests/s\n")
             print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
             for c in checks(result):

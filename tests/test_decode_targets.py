@@ -43,7 +43,8 @@ def test_a_row_past_its_bound_or_missing_fails(tmp_path, monkeypatch, capsys):
 def test_a_file_that_is_not_a_model_result_is_refused_without_a_traceback(tmp_path, monkeypatch, capsys):
     path = tmp_path / "x.json"
     for text, message in (("{not json", "cannot read it"), ("[1]", "not a bench/model.py result"),
-                          (json.dumps({"rows": []}), "not a bench/model.py result")):
+                          (json.dumps({"rows": []}), "not a bench/model.py result"),
+                          (json.dumps({"runs": 5}), "not a bench/model.py result")):
         path.write_text(text)
         monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(path)])
         assert decode_targets.main() == 2
@@ -51,3 +52,15 @@ def test_a_file_that_is_not_a_model_result_is_refused_without_a_traceback(tmp_pa
     monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(tmp_path / "missing.json")])
     assert decode_targets.main() == 2
     assert "missing.json: cannot read it" in capsys.readouterr().err
+
+
+def test_results_gathered_under_runs_are_each_checked(tmp_path, monkeypatch, capsys):
+    one = {"device": "GPU", "copy_bandwidth_Bps": 4e12, "rows": [_row("decode", 1, 0, base_vs_floor=1.1)]}
+    two = one | {"rows": [_row("decode", 1, 0, base_vs_floor=1.2)]}
+    path = tmp_path / "gathered.json"
+    path.write_text(json.dumps({"runs": [one, two]}))
+    monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(path)])
+    assert decode_targets.main() == 1
+    out = capsys.readouterr().out
+    assert f"# {path}, run 1: GPU" in out and f"# {path}, run 2: GPU" in out
+    assert "| decode batch 1 | 1.100x | 1.15x | yes |" in out and "| decode batch 1 | 1.200x | 1.15x | no |" in out
