@@ -14,8 +14,9 @@ wave of one request per slot's worth of the most popular adapters makes them res
 every adapter resident, no loads), and the OS drops the adapter files' pages (posix_fadvise), so a read
 from disk is one. Per run: throughput, TTFT and inter-token latency (p50 / p99), the TTFT of requests that
 found their adapter on disk (an adapter's first request of the benchmark: nothing loads an adapter before a
-request asks for it), the device and host tiers' hit rates, and load latency (disk -> host, host -> device;
-p50 / p99 from the server's histogram, interpolated within buckets as Prometheus' histogram_quantile does).
+request asks for it), the tiers' hit rates (the slots, the device cache, the host tier), and load latency (disk ->
+host, host -> device; p50 / p99 from the server's histogram, interpolated within buckets as Prometheus'
+histogram_quantile does).
 With `--control-slots K`, a second server in the same process, over the same weights with K slots, runs each
 run's arrivals again after a wave that makes every adapter they ask for resident: the same adapters in the
 same batches with no loads, so a ratio against it isolates what loads cost from what serving more distinct
@@ -26,8 +27,8 @@ pooled one less; so do its on-disk requests' TTFT and its loads' histograms. Tab
 (tenancy.png).
 
   python bench/tenancy.py [--adapters 32,128,512,1000] [--alphas 1,0.5] [--rate 16] [--requests 384]
-                          [--max-loras 32] [--control-slots 0] [--max-cpu-loras 128] [--adapter-readers 4]
-                          [--max-batch 32] [--repeat 1] [--out bench/results] [--tiny]
+                          [--max-loras 32] [--control-slots 0] [--max-cpu-loras 128] [--device-cache-memory GIB]
+                          [--adapter-readers 4] [--max-batch 32] [--repeat 1] [--out bench/results] [--tiny]
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from serve import compile_waves, percentile, random_requests, send, start_server
 
 RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "v_proj")
+TIERS = ("device", "device_cache", "host")  # AdapterStats' hits and misses: the slots, the device cache, the host
 
 
 def build_engines(tiny: bool, args, root: str) -> tuple[list[Engine], dict]:
@@ -70,8 +72,10 @@ def build_engines(tiny: bool, args, root: str) -> tuple[list[Engine], dict]:
                    max_cpu_loras=args.max_cpu_loras, prefill_chunk=args.prefill_chunk,
                    adapter_readers=args.adapter_readers)
     model, cfg, dtype = bench_model(tiny, root)
-    return [Engine(model, dtype=dtype, max_loras=slots, **options)
-            for slots in (args.max_loras, args.control_slots) if slots], cfg
+    served = Engine(model, dtype=dtype, max_loras=args.max_loras, device_cache_memory=args.device_cache_memory,
+                    **options)
+    control = [Engine(model, dtype=dtype, max_loras=args.control_slots, **options)] if args.control_slots else []
+    return [served, *control], cfg
 
 
 def write_adapters(root: str, cfg: dict, n: int, rng) -> list[str]:
@@ -178,6 +182,8 @@ def main() -> None:
                         help="a second server over the same weights with this many slots runs each run's arrivals "
                              "again, every adapter they use made resident first: the run without loads (0: none)")
     parser.add_argument("--max-cpu-loras", type=int, default=128, help="host tier: adapters")
+    parser.add_argument("--device-cache-memory", type=float, default=None, metavar="GIB",
+                        help="device cache: GiB of adapters kept on the device beside the slots (default: none)")
     parser.add_argument("--adapter-readers", type=int, default=4, help="reader processes (and loader threads)")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step at most")
@@ -267,14 +273,14 @@ class Server:
         """The α's arrivals (`trace_seed`) asking for `models`: the client's record, and the run's row: latency,
         throughput, tier hit rates and what the server's histograms observed during it."""
         stats, registry = self.online.admission.stats, self.online.metrics.registry
-        tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in ("device", "host")]
+        tiers = [(getattr(stats, f"{t}_hits"), getattr(stats, f"{t}_misses")) for t in TIERS]
         loads = [histogram(registry, "jlora_adapter_load_seconds", {"stage": s}) for s in AdapterStats.STAGES]
         steps = histogram(registry, "jlora_step_seconds", {})
         trace = np.random.default_rng(trace_seed)  # every N of an α: the same arrivals and lengths
         vocab = self.online.engine.model_config.vocab_size
         record = send(client, self.url, args.rate, random_requests(trace, vocab, models), trace)
         row = summarize(record, args.max_batch)
-        for tier, (hits, misses) in zip(("device", "host"), tiers):
+        for tier, (hits, misses) in zip(TIERS, tiers):
             hits, misses = getattr(stats, f"{tier}_hits") - hits, getattr(stats, f"{tier}_misses") - misses
             row[f"{tier}_hit_rate"] = hits / (hits + misses) if hits + misses else None
         for stage, before in zip(AdapterStats.STAGES, loads):
@@ -334,6 +340,7 @@ def save(args, device: str, rows: list[dict], pooled: dict[float, list[dict]]) -
     name = "tenancy_tiny" if args.tiny else "tenancy"
     result = {"device": device, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
               "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
+              "device_cache_memory": args.device_cache_memory,
               "adapter_readers": args.adapter_readers, "rate": args.rate,
               "requests": args.requests, "ranks": RANKS, "rows": rows,
               "pooled": [r for alpha_rows in pooled.values() for r in alpha_rows]}
@@ -349,6 +356,12 @@ def ms(x: float | None) -> str:
 
 def rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
+
+
+def cache_memory(result: dict) -> str:
+    """The device cache's budget, as the table and the plot name it."""
+    gib = result.get("device_cache_memory")
+    return "no device cache" if gib is None else f"device cache {gib:g} GiB"
 
 
 def slot_writes(r: dict) -> str:
@@ -384,7 +397,8 @@ def format_row(r: dict) -> str:
             f"p50 {ms(r['cold_ttft_p50_ms'])} / p99 {ms(r['cold_ttft_p99_ms'])} ms; load + step p99 "
             f"{ms(r['load_plus_step_ms'])} ms), ITL p50 {r['itl_p50_ms']:.2f} / "
             f"p99 {r['itl_p99_ms']:.2f} ms, engine step p50 {ms(r['step']['p50_ms'])} / p99 "
-            f"{ms(r['step']['p99_ms'])} ms, hits device {rate(r['device_hit_rate'])} host {rate(r['host_hit_rate'])}, "
+            f"{ms(r['step']['p99_ms'])} ms, hits device {rate(r['device_hit_rate'])} device cache "
+            f"{rate(r.get('device_cache_hit_rate'))} host {rate(r['host_hit_rate'])}, "
             f"loads disk->host {d2h['count']} p50 {ms(d2h['p50_ms'])} / p99 {ms(d2h['p99_ms'])} ms, host->device "
             f"{h2d['count']} p50 {ms(h2d['p50_ms'])} / p99 {ms(h2d['p99_ms'])} ms, waits {waits(r)} ms, "
             f"slot writes {slot_writes(r)}{control}")
@@ -394,15 +408,17 @@ def write_table(result: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write(f"Device: {result['device']}; batch {result['max_batch']}, prefill_chunk {result['prefill_chunk']}; "
                 f"{result['max_loras']} device slots, host "
-                f"tier {result['max_cpu_loras']} adapters, {result.get('adapter_readers', 4)} readers; "
+                f"tier {result['max_cpu_loras']} adapters, {cache_memory(result)}, "
+                f"{result.get('adapter_readers', 4)} readers; "
                 "q_proj + v_proj adapters of ranks "
                 f"{'/'.join(map(str, result['ranks']))}; Poisson arrivals at {result['rate']:g} req/s, "
                 f"{result['requests']} requests per run.\n\n"
                 "| α | N | used | tok/s | vs fewest N | TTFT p50 ms | TTFT p99 ms | on disk: requests | TTFT p50 ms | "
-                "TTFT p99 ms | load + step p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 vs fewest N | device hits | host hits | "
+                "TTFT p99 ms | load + step p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 vs fewest N | device hits | "
+                "device cache hits | host hits | "
                 "disk→host loads | p50 ms | p99 ms | host→device loads | p50 ms | p99 ms | waits p50 / p99 ms | "
                 "slot writes (host time) | all resident: ITL p50 ms | ITL p99 ms | ITL p99 vs all resident |\n"
-                f"|{'---|' * 27}\n")
+                f"|{'---|' * 28}\n")
         for r in result["rows"]:
             d2h, h2d = r["disk_to_host"], r["host_to_device"]
             f.write(f"| {r['alpha']:g} | {r['adapters']} | {r['distinct']} | {r['tokens_per_s']:.0f} | "
@@ -410,7 +426,8 @@ def write_table(result: dict, path: str) -> None:
                     f"{r['cold_requests']} | {ms(r['cold_ttft_p50_ms'])} | {ms(r['cold_ttft_p99_ms'])} | "
                     f"{ms(r['load_plus_step_ms'])} | "
                     f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_vs_fewest']:.2f} | "
-                    f"{rate(r['device_hit_rate'])} | {rate(r['host_hit_rate'])} | {d2h['count']} | "
+                    f"{rate(r['device_hit_rate'])} | {rate(r.get('device_cache_hit_rate'))} | "
+                    f"{rate(r['host_hit_rate'])} | {d2h['count']} | "
                     f"{ms(d2h['p50_ms'])} | {ms(d2h['p99_ms'])} | {h2d['count']} | {ms(h2d['p50_ms'])} | "
                     f"{ms(h2d['p99_ms'])} | {waits(r)} | {slot_writes(r)} | {resident(r)} |\n")
         if result.get("pooled"):
@@ -448,7 +465,7 @@ def plot(result: dict, path: str) -> None:
     axes[0].set_ylim(bottom=0)
     axes[1].set_yscale("log")
     fig.suptitle(f"jlora serve on {result['device']}: {result['max_loras']} device slots, host tier "
-                 f"{result['max_cpu_loras']}, Poisson {result['rate']:g} req/s", fontsize=9)
+                 f"{result['max_cpu_loras']}, {cache_memory(result)}, Poisson {result['rate']:g} req/s", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

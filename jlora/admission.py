@@ -1,14 +1,16 @@
 """`Admission`: between an engine's requests and its `Batcher`, requests wait until their adapter sits in a device
 slot, and adapters move disk -> host -> device without pausing the rows that decode.
 
-- **Loads off the loop.** A request for a registered adapter that is not in a slot needs a load, which runs on
-  the loader (worker threads): disk -> host when the host tier lacks the adapter (the files read, checked and
+- **Loads off the loop.** A request for a registered adapter that is not in a slot needs a load. From the
+  device cache (`AdapterTiers`) it is done at once: the adapter is on the device already. Else it runs on the
+  loader (worker threads): disk -> host when the host tier lacks the adapter (the files read, checked and
   converted, `AdapterPool.prepare`, into the host tier), then host -> device (`AdapterPool.stage`: the copy to
-  the device). Requests for the same adapter share one load. At most `max_loads` loads are under way or
-  staged on the device and not yet installed, started in the waiting requests' order: a staged copy holds
-  device memory until a slot takes it. A load that fails fails its requests ("failed", the loader's message)
-  and every later one for the same registration, without retrying; so does a slot write that fails (the
-  device's memory for a part no adapter targeted before), which evicts nothing.
+  the device, kept by the device cache within its budget). Requests for the same adapter share one load. At
+  most `max_loads` loads are under way or staged on the device and not yet installed, started in the waiting
+  requests' order: a staged copy holds device memory until a slot takes it. A load that fails fails its
+  requests ("failed", the loader's message) and every later one for the same registration, without retrying;
+  so does a slot write that fails (the device's memory for a part no adapter targeted before), which evicts
+  nothing.
 - **Slot writes while a step runs.** `poll` writes a staged adapter into a free slot or the slot of the least
   recently used idle adapter (`AdapterPool.install`: one jitted write of device memory), one per poll: a
   write costs the loop a few milliseconds of host time, and a burst of finished loads must not stall one step
@@ -41,7 +43,8 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from jlora.adapters import AdapterError, AdapterPool, PoolFullError, PreparedAdapter
-from jlora.adapters.registry import AdapterRegistry, HostTier, Registration
+from jlora.adapters.registry import AdapterRegistry, Registration
+from jlora.adapters.tiers import AdapterTiers
 from jlora.scheduler import Request
 
 __all__ = ["Admission", "AdapterStats"]
@@ -51,7 +54,8 @@ logger = logging.getLogger("jlora.admission")
 
 @dataclasses.dataclass
 class AdapterStats:
-    """What `Admission` counts, for metrics: per tier, requests that found their adapter there or not, and load
+    """What `Admission` counts, for metrics: per tier, requests that found their adapter there or not (device: the
+    slots, on arrival; then per load, the device cache, and the host tier when the device cache had not), and load
     latencies (seconds) not yet taken by a reader: queued (a started load waiting for a loader thread), disk to
     host and host to device on loader threads, slot_wait (a staged copy waiting to be written: for a slot that no
     running request holds, or for the next poll) and the slot write's host time on the engine loop (between two
@@ -59,6 +63,8 @@ class AdapterStats:
 
     device_hits: int = 0
     device_misses: int = 0
+    device_cache_hits: int = 0
+    device_cache_misses: int = 0
     host_hits: int = 0
     host_misses: int = 0
     disk_to_host: list[float] = dataclasses.field(default_factory=list)
@@ -77,19 +83,19 @@ class Admission:
     Args:
       pool: the device slots.
       registry: the adapters that may be requested.
-      host: the host tier.
+      tiers: the host tier and the device cache.
       loader: runs disk -> host loads (worker threads).
       wake: called (from a loader thread) when a load finishes.
       max_passes: how many requests may be admitted past one whose adapter is loaded and waits for a slot.
       max_loads: how many loads may be under way or staged at once.
     """
 
-    def __init__(self, pool: AdapterPool, registry: AdapterRegistry, host: HostTier,
+    def __init__(self, pool: AdapterPool, registry: AdapterRegistry, tiers: AdapterTiers,
                  loader: concurrent.futures.Executor, wake: Callable[[], None] = lambda: None, max_passes: int = 32,
                  max_loads: int = 8):
         if max_passes < 0 or max_loads < 1:
             raise ValueError(f"max_passes must be >= 0 and max_loads >= 1, got {max_passes} and {max_loads}")
-        self.pool, self.registry, self.host, self.loader, self.wake = pool, registry, host, loader, wake
+        self.pool, self.registry, self.tiers, self.loader, self.wake = pool, registry, tiers, loader, wake
         self.max_passes, self.max_loads = max_passes, max_loads
         self.stats = AdapterStats()
         self.pending: collections.deque[tuple[Request, Registration | None]] = collections.deque()
@@ -180,25 +186,27 @@ class Admission:
         return future is not None and future.done() and future.exception() is None
 
     def _load(self, entry: Registration) -> None:
-        """Starts entry's load: disk -> host unless the host tier has it, then host -> device."""
-        prepared = self.host.get(entry.generation)
-        if prepared is not None:
-            self.stats.host_hits += 1
-        else:
-            self.stats.host_misses += 1
+        """Starts entry's load: from the device cache, a load done at once; else disk -> host unless the host tier
+        has it, then host -> device, on a loader thread."""
+        tier, found = self.tiers.find(entry.generation)
+        self.stats.device_cache_hits += tier == "device"
+        self.stats.device_cache_misses += tier != "device"
+        self.stats.host_hits += tier == "host"
+        self.stats.host_misses += tier == "disk"
+        submitted = time.monotonic()
+        if tier == "device":  # nothing to copy: the slot write is all there is
+            future = concurrent.futures.Future()
+            future.set_result(found)
+            self._loads[entry.generation] = future
+            self._staged_at[entry.generation] = submitted
+            self.wake()
+            return
 
         def load() -> PreparedAdapter:
-            nonlocal prepared
             self.stats.queued.append(time.monotonic() - submitted)
             try:
-                if prepared is None:
-                    start = time.monotonic()
-                    prepared = self.pool.prepare(entry.adapter_dir)
-                    self.host.put(entry.generation, prepared)
-                    self.stats.disk_to_host.append(time.monotonic() - start)
-                start = time.monotonic()
-                staged = self.pool.stage(prepared)
-                self.stats.host_to_device.append(time.monotonic() - start)
+                staged = self.tiers.staged(self.pool, entry, found,
+                                           lambda stage, seconds: getattr(self.stats, stage).append(seconds))
                 self._staged_at[entry.generation] = time.monotonic()
                 return staged
             except Exception as err:  # AdapterError, or anything else reading it raised: not retried either
@@ -209,7 +217,6 @@ class Admission:
                 self.registry.fail(entry, f"adapter {entry.name!r} cannot be loaded: {reason}")
                 raise
 
-        submitted = time.monotonic()
         future = self.loader.submit(load)
         self._loads[entry.generation] = future
         future.add_done_callback(lambda _: self.wake())

@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", type=int, action="append", help="stop token id (repeatable)")
     gen.add_argument("--seed", type=int, default=0)
     EngineConfig.add_arguments(gen.add_argument_group("engine options"),
-                               skip=("max_loras", "max_cpu_loras", "max_cpu_lora_memory", "evict"))
+                               skip=("max_loras", "max_cpu_loras", "max_cpu_lora_memory", "device_cache_memory",
+                                     "evict"))
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
     gen.add_argument("--output", help="write results to this file (atomically) instead of stdout")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")

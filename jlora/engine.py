@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlora.adapters import AdapterError, AdapterPool, PoolFullError, check_adapter_name
-from jlora.adapters.registry import AdapterRegistry, HostTier
+from jlora.adapters.registry import AdapterRegistry
+from jlora.adapters.tiers import AdapterCache, AdapterTiers
 from jlora.adapters.reader import ProcessReader
 from jlora.admission import Admission
 from jlora.engine_config import EngineConfig
@@ -107,7 +108,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp,
                                   attention_chunk=config.attention_chunk(self.model_config.num_kv_heads))
         self.registry = AdapterRegistry()
-        self.host = HostTier(config.host_capacity, config.host_bytes)
+        self.tiers = AdapterTiers(host=AdapterCache(config.host_capacity, config.host_bytes),
+                                  device=AdapterCache(None, config.device_cache_bytes))
         # Loads run on loader threads, at least one per reader process so that all of them read at once; at most
         # twice as many loads are under way or staged on the device at a time (`Admission`).
         threads = max(4, config.adapter_readers)
@@ -163,11 +165,11 @@ class Engine:
         check_adapter_name(name)
         prepared = self.pool.prepare(adapter_dir)
         entry = self.registry.register(name, adapter_dir)
-        self.host.put(entry.generation, prepared)
-        self.pool.install(name, prepared, entry.generation)
+        self.tiers.host.put(entry.generation, prepared)
+        self.pool.install(name, self.tiers.staged(self.pool, entry, prepared), entry.generation)
 
     def unload_adapter(self, name: str) -> None:
-        """Unregisters an adapter and frees its slot and host copy.
+        """Unregisters an adapter and frees its slot and its copies in the host tier and the device cache.
 
         Raises:
           KeyError: it is not registered.
@@ -179,7 +181,7 @@ class Engine:
         if self.pool.generation(name) is not None:
             self.pool.unload(name)  # raises while requests hold it
         self.registry.unregister(name)
-        self.host.drop(entry.generation)
+        self.tiers.drop(entry.generation)
 
     @property
     def adapters(self) -> list[str]:
@@ -206,11 +208,10 @@ class Engine:
             for entry in entries:
                 if entry.name in held:
                     continue
-                prepared = self.host.get(entry.generation) or self.pool.prepare(entry.adapter_dir)
-                self.host.put(entry.generation, prepared)
+                staged = self.tiers.staged(self.pool, entry, self.tiers.find(entry.generation)[1])
                 if self.pool.generation(entry.name) is not None:  # an older registration of the name
                     self.pool.unload(entry.name)
-                self.pool.install(entry.name, prepared, entry.generation)
+                self.pool.install(entry.name, staged, entry.generation)
                 self.pool.hold([entry.name])
                 held.append(entry.name)
             return np.array([-1 if a is None else self.pool.slot(a) for a in adapters], np.int32)
@@ -231,8 +232,8 @@ class Engine:
 
     def vocab_size(self, adapter: str | None) -> int:
         """The token ids requests with `adapter` (None: the base model) may hold and sample: the base
-        vocabulary plus the tokens the adapter adds. For an adapter neither in a slot nor on the host, whose
-        files have not been read, an upper bound: plus `max_extra_vocab`. Marks nothing used (the server asks
+        vocabulary plus the tokens the adapter adds. For an adapter in no slot or tier, whose files have not
+        been read, an upper bound: plus `max_extra_vocab`. Marks nothing used (the server asks
         from its request threads).
 
         Raises:
@@ -246,7 +247,7 @@ class Engine:
         slot = self.pool.peek(adapter)
         if slot is not None and self.pool.generation(adapter) == entry.generation:
             return self.pool.vocab_size(slot)
-        prepared = self.host.get(entry.generation)
+        prepared = self.tiers.find(entry.generation)[1]
         return self.model_config.vocab_size + (self.pool.max_extra_vocab if prepared is None else prepared.host.added)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
@@ -414,7 +415,7 @@ class Engine:
         rows = bucket(min(len(requests), self.config.max_batch))
         batcher = self.new_batcher(rows, bucket(longest, 16), progress)
         loaded = threading.Event()
-        admission = Admission(self.pool, self.registry, self.host, self.loader, wake=loaded.set,
+        admission = Admission(self.pool, self.registry, self.tiers, self.loader, wake=loaded.set,
                               max_loads=self.max_loads)
         for r, a in zip(requests, adapters):
             admission.submit(r, a)

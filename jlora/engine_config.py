@@ -34,6 +34,11 @@ class EngineConfig:
         None, "GiB of host memory the host tier's adapters may take (their arrays), least recently used evicted "
               "past it as past max_cpu_loras: a count alone bounds memory poorly when ranks and targets differ",
         "GIB", kind=float)
+    device_cache_memory: float | None = _option(
+        None, "GiB of device memory (all devices together) for adapters kept copied to the device beside the slots, "
+              "least recently used evicted past it: an adapter evicted from its slot that the device cache still "
+              "holds comes back by a device-side slot write, with no host -> device copy beside the running steps "
+              "(default: none kept)", "GIB", kind=float)
     adapter_readers: int = _option(
         4, "processes that read and convert adapter files, started as loads need them, so that a load never holds "
            "the GIL the engine loop needs; 0: the loader threads read them", "N")
@@ -95,8 +100,9 @@ class EngineConfig:
             if self.kv_blocks is not None:
                 raise ValueError("give kv_blocks or kv_cache_memory, not both")
         _check_positive(self, "adapter_read_timeout", "seconds")
-        if self.max_cpu_lora_memory is not None:
-            _check_positive(self, "max_cpu_lora_memory", "GiB")
+        for name in ("max_cpu_lora_memory", "device_cache_memory"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name, "GiB")
         _check_int(self, "block_size", 0)
         if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16, or 0, got {self.block_size}")
@@ -123,6 +129,11 @@ class EngineConfig:
     def host_bytes(self) -> int | None:
         """Bytes of arrays the host tier keeps at most (`max_cpu_lora_memory`), or None: no byte budget."""
         return None if self.max_cpu_lora_memory is None else int(self.max_cpu_lora_memory * 2**30)
+
+    @property
+    def device_cache_bytes(self) -> int:
+        """Bytes of arrays the device cache keeps at most (`device_cache_memory`; 0: none)."""
+        return 0 if self.device_cache_memory is None else int(self.device_cache_memory * 2**30)
 
     def attention_chunk(self, kv_heads: int) -> int | None:
         """Positions per chunk that decode attention splits over for a model of `kv_heads` KV heads

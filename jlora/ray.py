@@ -76,7 +76,7 @@ class Replica:
         self.id = serve.get_replica_context().replica_id.unique_id
         self.loads = 0  # adapters this replica was asked to take (the multiplexed loads)
         engine = self.online.engine
-        capacity = max(engine.host.capacity, engine.pool.num_slots)
+        capacity = max(engine.tiers.host.capacity, engine.pool.num_slots)
 
         async def load(name: str) -> str:  # a function: Ray Serve's wrapper keeps its cache on it
             return await self._load(name)
@@ -88,9 +88,10 @@ class Replica:
         engine = self.online.engine
         entry = engine.registry.get(name)
         self.loads += 1
-        if entry is not None and engine.host.get(entry.generation) is None:
+        if entry is not None and engine.tiers.find(entry.generation)[0] == "disk":
             try:
-                engine.host.put(entry.generation, await asyncio.to_thread(engine.pool.prepare, entry.adapter_dir))
+                engine.tiers.host.put(entry.generation,
+                                      await asyncio.to_thread(engine.pool.prepare, entry.adapter_dir))
             except Exception:  # noqa: BLE001 - AdapterError and OS errors alike: the request reports them
                 pass
         return name

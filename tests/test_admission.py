@@ -2,6 +2,7 @@
 where every adapter is resident; a slot rewritten while a step that read it is in flight leaves that step's
 tokens alone; a corrupt adapter fails only its own requests, once, and is not read again."""
 
+import collections
 import concurrent.futures
 import threading
 import time
@@ -63,14 +64,16 @@ def _truth(engine: Engine, specs) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("slots, host, seed", [(2, 2, 0), (3, 8, 1), (4, 0, 2)])
-def test_requests_over_many_adapters_equal_the_all_resident_engine(root, resident, slots, host, seed, monkeypatch):
+@pytest.mark.parametrize("slots, host, cache, seed",
+                         [(2, 2, None, 0), (3, 8, None, 1), (4, 0, None, 2), (2, 0, 1.0, 3)])
+def test_requests_over_many_adapters_equal_the_all_resident_engine(root, resident, slots, host, cache, seed,
+                                                                   monkeypatch):
     pytest.importorskip("prometheus_client")  # the online engine's metrics
     from jlora.server.online import OnlineEngine
 
     rng = np.random.default_rng(seed)
     engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=slots, max_cpu_loras=host,
-                                    max_lora_rank=8, max_batch=4, progress=False)
+                                    max_lora_rank=8, max_batch=4, device_cache_memory=cache, progress=False)
     reads = []
     prepare = engine.pool.prepare
     monkeypatch.setattr(engine.pool, "prepare", lambda path: (reads.append(path), prepare(path))[1])
@@ -98,17 +101,20 @@ def test_requests_over_many_adapters_equal_the_all_resident_engine(root, residen
                 online.cancel(r)
             time.sleep(float(rng.exponential(0.004)))
         assert all(e.wait(120) for e in done)
-        # Whether a random arrival finds its adapter in a slot depends on the machine's pace: one more request,
-        # for an adapter now in a slot, is a device hit for certain.
-        again = engine.resident_adapters[0]
-        specs.append(([4, 5, 6], again, 3, 0.0, 0))
-        done.append(threading.Event())
-        requests.append(Request([4, 5, 6], -1, 3, 0.0, 1.0, 0, on_update=lambda r, e=done[-1]: r.finish and e.set()))
-        online.submit(requests[-1], again)
-        assert done[-1].wait(120)
+        # Whether a random arrival finds its adapter in a slot, or one evicted before, depends on the machine's
+        # pace: two more requests, one at a time, for an adapter now in a slot (a device hit for certain) and for
+        # one loaded and evicted before (from the device cache where there is one).
+        evicted = next(n for n in early if f"{root}/lib/{n}" in reads and engine.pool.peek(n) is None)
+        for again in (engine.resident_adapters[0], evicted):
+            specs.append(([4, 5, 6], again, 3, 0.0, 0))
+            done.append(threading.Event())
+            requests.append(Request([4, 5, 6], -1, 3, 0.0, 1.0, 0,
+                                    on_update=lambda r, e=done[-1]: r.finish and e.set()))
+            online.submit(requests[-1], again)
+            assert done[-1].wait(120)
     finally:
         online.stop()
-    assert list(requests[-1].out) == _truth(resident, specs[-1:])[0]
+    assert [r.out for r in requests[-2:]] == _truth(resident, specs[-2:])
     want = _truth(resident, [s for s in specs[:72]])
     for i, r in enumerate(requests[:72]):
         if r.finish == "cancelled":  # what it had generated when the cancel arrived
@@ -124,6 +130,8 @@ def test_requests_over_many_adapters_equal_the_all_resident_engine(root, residen
     assert not any(engine.pool.in_use(name) for name in engine.resident_adapters)  # every hold released
     stats = online.admission.stats
     assert stats.device_misses > 0 and stats.device_hits > 0 and stats.host_misses > 0
+    if cache:  # it holds every adapter: each is read from its files once, however often it is evicted
+        assert stats.device_cache_hits > 0 and max(collections.Counter(reads).values()) == 1
 
 
 def test_loads_are_bounded_and_the_loop_writes_only_staged_copies(root, resident, monkeypatch):
@@ -144,7 +152,7 @@ def test_loads_are_bounded_and_the_loop_writes_only_staged_copies(root, resident
         return slot
 
     monkeypatch.setattr(engine.pool, "install", spy)
-    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader, max_loads=2)
+    admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader, max_loads=2)
     batcher = Batcher(engine.runner, 4, bucket(32, 16))
     requests = [Request([3, 4, 5], -1, 3) for _ in names]
     for r, name in zip(requests, names):
@@ -229,7 +237,7 @@ def test_passing_is_free_while_an_adapter_loads_and_bounded_once_it_waits_for_a_
     engine.register_adapter("cold", str(root / "lib" / "a02"))
     gate, prepare = threading.Event(), engine.pool.prepare
     monkeypatch.setattr(engine.pool, "prepare", lambda path: (gate.wait(30), prepare(path))[1])
-    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader, max_passes=0)
+    admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader, max_passes=0)
     admitted = []
     cold, hot, later = (Request([1, 2], -1, 2) for _ in range(3))
     admission.submit(cold, "cold")
@@ -255,7 +263,7 @@ def test_one_slot_write_per_poll(root):
     engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8, progress=False)
     for name in ("a03", "a04"):
         engine.register_adapter(name, str(root / "lib" / name))
-    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader)
+    admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader)
     admitted, requests = [], [Request([1, 2], -1, 2) for _ in range(2)]
     admission.submit(requests[0], "a03")
     admission.submit(requests[1], "a04")
@@ -380,7 +388,7 @@ def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_own_requests_on
         return allocate(pool, features, targets)
 
     monkeypatch.setattr(AdapterPool, "_allocate", out_of_memory)
-    admission = Admission(engine.pool, engine.registry, engine.host, engine.loader)
+    admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader)
     admitted, ok, bad = [], Request([1, 2], -1, 2), Request([1, 2], -1, 2)
     admission.submit(ok, "a00")
     admission.poll(admitted.append)

@@ -37,6 +37,8 @@ from jlora import EngineConfig, cli
     (dict(kv_cache_memory="2"), "kv_cache_memory must be a number of GiB > 0, got '2'"),
     (dict(kv_cache_memory=2, kv_blocks=10), "give kv_blocks or kv_cache_memory, not both"),
     (dict(max_cpu_lora_memory=-1), "max_cpu_lora_memory must be a number of GiB > 0, got -1"),
+    (dict(device_cache_memory=0), "device_cache_memory must be a number of GiB > 0, got 0"),
+    (dict(device_cache_memory=float("inf")), "device_cache_memory must be a number of GiB > 0, got inf"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -49,6 +51,7 @@ def test_values_are_normalized():
     assert EngineConfig(dtype=np.dtype("float32")).dtype == "float32"
     assert EngineConfig().host_capacity == 8 and EngineConfig(max_cpu_loras=100).host_capacity == 100
     assert EngineConfig().host_bytes is None and EngineConfig(max_cpu_lora_memory=0.5).host_bytes == 2**29
+    assert EngineConfig().device_cache_bytes == 0 and EngineConfig(device_cache_memory=2).device_cache_bytes == 2**31
     with pytest.raises(ValueError, match="max_batch"):  # replace checks again
         dataclasses.replace(EngineConfig(), max_batch=0)
 
@@ -89,7 +92,8 @@ def test_both_commands_take_the_engine_flags(command, capsys):
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     text = capsys.readouterr().out
-    skipped = {"generate": ("max_loras", "max_cpu_loras", "max_cpu_lora_memory", "evict"), "serve": ()}[command]
+    skipped = {"generate": ("max_loras", "max_cpu_loras", "max_cpu_lora_memory", "device_cache_memory", "evict"),
+               "serve": ()}[command]
     for field in dataclasses.fields(EngineConfig):
         assert ("--" + field.name.replace("_", "-") in text) == (field.name not in skipped), field.name
 

@@ -115,7 +115,7 @@ def test_admission_keys_requests_by_registration(engine, tmp_path):
     from jlora.admission import Admission
 
     def admitted(adapter):
-        admission = Admission(engine.pool, engine.registry, engine.host, engine.loader, wake=lambda: None)
+        admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader, wake=lambda: None)
         request, seen = Request([1, 2, 3], -1, 1), []
         admission.submit(request, adapter)
         admission.poll(seen.append)

@@ -1,24 +1,21 @@
-"""Every adapter an engine can serve, whether or not it sits in a device slot: the registry (name -> directory)
-and the host tier (adapters read and converted, LRU within `max_cpu_loras` and `max_cpu_lora_memory`).
+"""Every adapter an engine can serve, whether or not it sits in a device slot: the registry (name -> directory).
 
 A registration carries a generation, unique over the process: registering a name again (after unregistering
 it) gives a new one, so anything keyed by an adapter's identity (its host copy, a failure, a cache entry)
-never mistakes the new adapter for the old. Both classes are thread-safe: the server reads them from its request threads while the
-engine's loop and its loader threads write them.
+never mistakes the new adapter for the old (`jlora.adapters.tiers`). The registry is thread-safe: the server
+reads it from its request threads while the engine's loop and its loader threads write it.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import os
 import threading
 
 from jlora.adapters.config import AdapterError, check_adapter_name
-from jlora.adapters.pool import PreparedAdapter
 
-__all__ = ["AdapterRegistry", "HostTier", "Registration", "Scan"]
+__all__ = ["AdapterRegistry", "Registration", "Scan"]
 
 _generations = itertools.count(1)
 
@@ -112,45 +109,3 @@ class AdapterRegistry:
 
     def failure(self, entry: Registration) -> str | None:
         return self._failed.get(entry.generation)
-
-
-class HostTier:
-    """Adapters read and converted on the host (`PreparedAdapter`), by generation, least recently used evicted
-    past `capacity` entries or past `max_bytes` of arrays (None: no byte budget)."""
-
-    def __init__(self, capacity: int, max_bytes: int | None = None):
-        if capacity < 0:
-            raise ValueError(f"max_cpu_loras must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self.max_bytes = max_bytes
-        self.nbytes = 0  # of the adapters kept
-        self._lock = threading.Lock()
-        self._entries: collections.OrderedDict[int, PreparedAdapter] = collections.OrderedDict()
-
-    def get(self, generation: int) -> PreparedAdapter | None:
-        with self._lock:
-            prepared = self._entries.get(generation)
-            if prepared is not None:
-                self._entries.move_to_end(generation)
-            return prepared
-
-    def put(self, generation: int, prepared: PreparedAdapter) -> None:
-        with self._lock:
-            self._pop(generation)
-            self._entries[generation] = prepared
-            self.nbytes += prepared.nbytes
-            while self._entries and (len(self._entries) > self.capacity
-                                     or self.max_bytes is not None and self.nbytes > self.max_bytes):
-                self._pop(next(iter(self._entries)))  # the least recently used, this one last
-
-    def drop(self, generation: int) -> None:
-        with self._lock:
-            self._pop(generation)
-
-    def _pop(self, generation: int) -> None:
-        prepared = self._entries.pop(generation, None)
-        if prepared is not None:
-            self.nbytes -= prepared.nbytes
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -17,8 +17,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.035, 0.0
 
 class Metrics:
     """Requests by adapter and outcome, tokens, running and waiting requests, KV-cache blocks, step time and the
-    interval between steps, time to first token; adapters registered, on the host and in slots, per-tier hits and
-    misses, load latencies and waits, runtime registrations and evictions."""
+    interval between steps, time to first token; adapters registered, in slots, in the device cache and on the host,
+    per-tier hits and misses, load latencies and waits, runtime registrations and evictions."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -61,6 +61,10 @@ class Metrics:
         self.resident = Gauge("jlora_adapters_resident", "Adapters in device slots", registry=r)
         self.host_adapters = Gauge("jlora_adapters_host", "Adapters in the host tier", registry=r)
         self.host_bytes = Gauge("jlora_adapters_host_bytes", "Bytes of the host tier's adapters", registry=r)
+        self.device_cache_adapters = Gauge("jlora_adapters_device_cache", "Adapters in the device cache (kept on the "
+                                           "device beside the slots)", registry=r)
+        self.device_cache_bytes = Gauge("jlora_adapters_device_cache_bytes", "Bytes of the device cache's adapters "
+                                        "(all devices together)", registry=r)
         self.registered = Gauge("jlora_adapters_registered", "Adapters registered", registry=r)
         self.slot_bytes = Gauge("jlora_adapter_slots_bytes", "Device memory the adapter slots hold (all devices "
                                 "together): the modules some adapter targets, grown when one first targets another",
@@ -72,7 +76,7 @@ class Metrics:
         """Brings the adapter metrics up to `stats` (an `Admission`'s) and `engine`'s tiers (on the engine's
         thread)."""
         seen = self._counted
-        for tier in ("device", "host"):
+        for tier in ("device", "device_cache", "host"):
             hits, misses = getattr(stats, f"{tier}_hits"), getattr(stats, f"{tier}_misses")
             self.tier_hits.labels(tier).inc(hits - getattr(seen, f"{tier}_hits"))
             self.tier_misses.labels(tier).inc(misses - getattr(seen, f"{tier}_misses"))
@@ -85,8 +89,10 @@ class Metrics:
         self.adapter_evictions.inc(engine.pool.evictions - self._evictions)
         self._evictions = engine.pool.evictions
         self.resident.set(len(engine.pool.names))
-        self.host_adapters.set(len(engine.host))
-        self.host_bytes.set(engine.host.nbytes)
+        self.host_adapters.set(len(engine.tiers.host))
+        self.host_bytes.set(engine.tiers.host.nbytes)
+        self.device_cache_adapters.set(len(engine.tiers.device))
+        self.device_cache_bytes.set(engine.tiers.device.nbytes)
         self.registered.set(len(engine.registry))
         self.slot_bytes.set(engine.pool.nbytes)
 

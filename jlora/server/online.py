@@ -43,7 +43,7 @@ class OnlineEngine:
         self.metrics = metrics or Metrics()
         self.batcher = engine.new_batcher(bucket(engine.config.max_batch), bucket(engine.config.max_seq_len, 16))
         self._inbox: queue.Queue = queue.Queue()
-        self.admission = Admission(engine.pool, engine.registry, engine.host, engine.loader,
+        self.admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader,
                                    wake=lambda: self._inbox.put(("wake",)), max_loads=engine.max_loads)
         self._queued = 0  # submitted, not yet taken in by the loop
         self._preemptions_seen = 0  # the batcher's count already added to the metric

@@ -1,6 +1,7 @@
 """`jlora serve --lora-dir DIR --max-loras 2`: 105 adapters served from one process over two device slots. Concurrent
 requests over 8 of them equal the engine's own generation with all 8 resident; a corrupt adapter fails its own
-requests with a clear error and every other tenant is served; the tiers' metrics count what happened."""
+requests with a clear error and every other tenant is served; an adapter evicted from its slot comes back from
+the device cache without another copy; the tiers' metrics count what happened."""
 
 import asyncio
 
@@ -34,7 +35,8 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(root):
     proc, url = start_server(str(root / "m"), "--lora-dir", str(root / "lib"), "--max-loras", "2",
-                             "--max-cpu-loras", "3", "--max-lora-rank", "8", "--max-batch", "4", "--max-seq-len", "64")
+                             "--max-cpu-loras", "3", "--device-cache-memory", "1", "--max-lora-rank", "8",
+                             "--max-batch", "4", "--max-seq-len", "64")
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -67,9 +69,18 @@ def test_many_adapters_over_two_slots_equal_the_resident_engine(server, root):
             return await asyncio.gather(*(one(http, a, p, n, 0.01 * (i % 6)) for i, (a, p, n) in enumerate(jobs)))
 
     assert asyncio.run(run()) == want
+    # then each adapter once more, one at a time: at least six were evicted, and come back from the device cache
+    for name in USED:
+        i = next(i for i, job in enumerate(jobs) if job[0] == name)
+        body = {"model": name, "prompt": jobs[i][1], "max_tokens": jobs[i][2], "temperature": 0, "ignore_eos": True}
+        out = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+        assert out["choices"][0]["token_ids"] == want[i]
+    assert metric(server, 'jlora_adapter_tier_hits_total{tier="device_cache"}') >= 6
+    assert metric(server, 'jlora_adapter_load_seconds_count{stage="host_to_device"}') == 8  # each copied once
+    assert metric(server, "jlora_adapters_device_cache ") == 8  # (the space: not the _bytes gauge)
+    assert metric(server, "jlora_adapters_device_cache_bytes") > 0
     assert metric(server, "jlora_adapter_evictions_total") > 0
     assert metric(server, 'jlora_adapter_tier_misses_total{tier="device"}') >= 8
-    assert metric(server, 'jlora_adapter_load_seconds_count{stage="host_to_device"}') >= 8
     assert metric(server, 'jlora_adapter_load_seconds_count{stage="slot_write"}') >= 8
     assert metric(server, 'jlora_adapter_load_seconds_count{stage="queued"}') >= 8
     assert metric(server, 'jlora_adapter_load_seconds_count{stage="slot_wait"}') >= 8

@@ -1,0 +1,106 @@
+"""Where an adapter is kept between its files and a device slot: the host tier (read and converted, LRU within
+`max_cpu_loras` and `max_cpu_lora_memory`) and the device cache (also copied to the device, LRU within
+`device_cache_memory`), so that an adapter evicted from its slot comes back without reading its files, and from
+the device cache without a host -> device copy either: only the slot write, which moves device memory.
+
+Both are keyed by registration generation (`Registration`): a name registered again never finds the old
+adapter's copies. Thread-safe: the server's request threads, the engine's loop and its loader threads use them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from jlora.adapters.pool import AdapterPool, PreparedAdapter
+from jlora.adapters.registry import Registration
+
+__all__ = ["AdapterCache", "AdapterTiers"]
+
+
+class AdapterCache:
+    """`PreparedAdapter`s by generation, least recently used evicted past `capacity` entries (None: no count bound)
+    or past `max_bytes` of arrays (None: no byte budget)."""
+
+    def __init__(self, capacity: int | None, max_bytes: int | None = None):
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"max_cpu_loras must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # of the adapters kept
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[int, PreparedAdapter] = collections.OrderedDict()
+
+    def get(self, generation: int) -> PreparedAdapter | None:
+        with self._lock:
+            prepared = self._entries.get(generation)
+            if prepared is not None:
+                self._entries.move_to_end(generation)
+            return prepared
+
+    def put(self, generation: int, prepared: PreparedAdapter) -> None:
+        with self._lock:
+            self._pop(generation)
+            self._entries[generation] = prepared
+            self.nbytes += prepared.nbytes
+            while self._entries and (self.capacity is not None and len(self._entries) > self.capacity
+                                     or self.max_bytes is not None and self.nbytes > self.max_bytes):
+                self._pop(next(iter(self._entries)))  # the least recently used, this one last
+
+    def drop(self, generation: int) -> None:
+        with self._lock:
+            self._pop(generation)
+
+    def _pop(self, generation: int) -> None:
+        prepared = self._entries.pop(generation, None)
+        if prepared is not None:
+            self.nbytes -= prepared.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterTiers:
+    """The host tier and the device cache of one engine."""
+
+    host: AdapterCache
+    device: AdapterCache
+
+    def find(self, generation: int) -> tuple[str, PreparedAdapter | None]:
+        """The nearest tier that holds the adapter: ("device", staged), ("host", prepared) or ("disk", None)."""
+        staged = self.device.get(generation)
+        if staged is not None:
+            return "device", staged
+        prepared = self.host.get(generation)
+        return ("host", prepared) if prepared is not None else ("disk", None)
+
+    def staged(self, pool: AdapterPool, entry: Registration, found: PreparedAdapter | None,
+               timed: Callable[[str, float], None] = lambda stage, seconds: None) -> PreparedAdapter:
+        """`entry`'s adapter on the device, ready for `pool.install`: `found` (`find`'s) as it is when staged, else
+        copied there (`pool.stage`), its files read first when `found` is None (`pool.prepare`). Each tier it
+        passes through keeps it; `timed` is told the read's and the copy's seconds ("disk_to_host", "host_to_device").
+
+        Raises:
+          AdapterError: the adapter is invalid.
+        """
+        if found is not None and found.staged:
+            return found
+        if found is None:
+            start = time.monotonic()
+            found = pool.prepare(entry.adapter_dir)
+            self.host.put(entry.generation, found)
+            timed("disk_to_host", time.monotonic() - start)
+        start = time.monotonic()
+        staged = pool.stage(found)
+        timed("host_to_device", time.monotonic() - start)
+        self.device.put(entry.generation, staged)
+        return staged
+
+    def drop(self, generation: int) -> None:
+        """Forgets an adapter in both tiers (unregistered)."""
+        self.host.drop(generation)
+        self.device.drop(generation)

@@ -1,0 +1,135 @@
+"""The host tier: least recently used adapters evicted past its count and past its byte budget, the bytes it
+holds counted as adapters come, go and come again."""
+
+import numpy as np
+import pytest
+
+from jlora import testing
+from jlora.adapters.peft import LINEAR_MODULES, HostAdapter
+from jlora.adapters.pool import PreparedAdapter
+from jlora.adapters.tiers import AdapterCache
+from jlora.engine import Engine
+
+
+def _adapter(nbytes: int) -> PreparedAdapter:
+    a, b = np.zeros(nbytes // 8, np.float32), np.zeros(nbytes // 8, np.float32)
+    return PreparedAdapter(HostAdapter(rank=4, layers=({"qkv": (a, b)},), embed=None, lm_head=None), None, None)
+
+
+def test_evicts_the_least_recently_used_past_the_bytes_and_the_count():
+    tier = AdapterCache(capacity=3, max_bytes=1000)
+    for generation, size in enumerate([400, 400, 160]):  # 960 bytes; least recently used first: 0, 1, 2
+        tier.put(generation, _adapter(size))
+    assert len(tier) == 3 and tier.nbytes == 960
+    assert tier.get(0) is not None  # 1, 2, 0
+    tier.put(3, _adapter(200))  # 1160 bytes and 4 entries: 1 goes, and that is enough: 2, 0, 3
+    assert len(tier) == 3 and tier.nbytes == 760 and tier.get(1) is None
+    tier.put(3, _adapter(480))  # the same generation again, counted once at its new size: 1040 bytes, 2 goes
+    assert len(tier) == 2 and tier.nbytes == 880
+    assert tier.get(2) is None and tier.get(0) is not None and tier.get(3) is not None
+    tier.drop(3)
+    assert tier.get(3) is None and tier.nbytes == 400
+    tier.put(9, _adapter(2000))  # larger than the whole budget: kept by nothing, and nothing else kept
+    assert tier.get(9) is None and len(tier) == 0 and tier.nbytes == 0
+
+
+def test_the_engine_keeps_its_host_tier_within_max_cpu_lora_memory(tmp_path):
+    cfg = testing.tiny_config("llama")
+    testing.write_model(str(tmp_path / "m"), cfg, seed=1)
+    engine = Engine.from_pretrained(str(tmp_path / "m"), dtype="float32", max_loras=1, max_cpu_loras=10,
+                                    max_lora_rank=8, max_cpu_lora_memory=1e-9, progress=False)
+    names = []
+    for i, r in enumerate([2, 8, 4]):
+        testing.write_adapter(str(tmp_path / f"a{i}"), cfg, r=r, alpha=8, seed=i)
+        engine.register_adapter(f"a{i}", str(tmp_path / f"a{i}"))
+        names.append(f"a{i}")
+    assert engine.tiers.host.max_bytes == int(1e-9 * 2**30)  # the config's budget, too small for any adapter
+    sizes = [engine.pool.prepare(str(tmp_path / n)).nbytes for n in names]
+    budget = sizes[1] + sizes[2]  # holds the last two, not all three
+    engine.tiers.host.max_bytes = budget
+    outs = [list(engine.generate([[1, 2, 3]], [n], max_new_tokens=2)[0]) for n in names]
+    assert len(engine.tiers.host) == 2 and engine.tiers.host.nbytes == budget
+    assert [list(engine.generate([[1, 2, 3]], [n], max_new_tokens=2)[0]) for n in names] == outs  # read again
+
+
+@pytest.mark.parametrize("gib", [0, -1.0, float("inf")])
+def test_a_bad_budget_names_the_option(gib):
+    with pytest.raises(ValueError, match="max_cpu_lora_memory must be a number of GiB > 0"):
+        Engine(None, max_cpu_lora_memory=gib)
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    """A tiny model and three adapters of different ranks and targets."""
+    root = tmp_path_factory.mktemp("tiers")
+    cfg = testing.tiny_config("llama")
+    testing.write_model(str(root / "m"), cfg, seed=1)
+    kinds = [(2, ["q_proj", "v_proj"]), (8, list(LINEAR_MODULES)), (4, ["o_proj", "down_proj"])]
+    for i, (r, targets) in enumerate(kinds):
+        testing.write_adapter(str(root / f"a{i}"), cfg, r=r, alpha=8, seed=i, target_modules=targets)
+    return root
+
+
+def _counting(engine: Engine, monkeypatch) -> dict[str, list]:
+    """The adapter directories `engine` reads and the adapters it copies to the device, as they happen."""
+    seen = {"reads": [], "copies": []}
+    prepare, copied = engine.pool.prepare, engine.pool._copied
+    monkeypatch.setattr(engine.pool, "prepare", lambda path: (seen["reads"].append(path), prepare(path))[1])
+    monkeypatch.setattr(engine.pool, "_copied", lambda p: (seen["copies"].append(p), copied(p))[1])
+    return seen
+
+
+def test_the_device_cache_brings_evicted_adapters_back_without_a_read_or_a_copy(lib, monkeypatch):
+    """One slot, no host tier, three adapters taking turns: with a device cache each adapter is read and copied
+    once, and every later turn only writes the slot; the tokens equal an engine's that holds all three in slots.
+    Without one, every turn reads and copies again."""
+    names = ["a0", "a1", "a2"]
+    truth = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=3, max_lora_rank=8, progress=False)
+    for n in names:
+        truth.load_adapter(n, str(lib / n))
+    want = [list(truth.generate([[1, 2, 3]], [n], max_new_tokens=3, temperature=1.0, seed=5)[0]) for n in names]
+    for cache in (None, 1.0):
+        engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_cpu_loras=0,
+                                        max_lora_rank=8, device_cache_memory=cache, progress=False)
+        for n in names:
+            engine.register_adapter(n, str(lib / n))
+        seen = _counting(engine, monkeypatch)
+        for _ in range(2):
+            got = [list(engine.generate([[1, 2, 3]], [n], max_new_tokens=3, temperature=1.0, seed=5)[0])
+                   for n in names]
+            assert got == want
+        assert engine.pool.evictions == 5
+        turns = 3 if cache else 6
+        assert len(seen["reads"]) == len(seen["copies"]) == turns, cache
+        assert len(engine.tiers.device) == (3 if cache else 0) and len(engine.tiers.host) == 0
+        if cache:  # the bytes counted are the staged arrays'
+            assert engine.tiers.device.nbytes == sum(engine.tiers.device.get(e.generation).nbytes
+                                                     for e in map(engine.registry.get, names))
+
+
+def test_the_device_cache_serves_prefill_logits_and_forgets_an_unregistered_adapter(lib, monkeypatch):
+    """The path that writes slots without `Admission` (`prefill_logits`) takes adapters from the device cache
+    too; unloading an adapter drops it from both tiers, and registering the name again reads the new files."""
+    engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
+                                    device_cache_memory=1.0, progress=False)
+    for n in ["a0", "a1"]:
+        engine.register_adapter(n, str(lib / n))
+    first = [engine.prefill_logits([[1, 2, 3]], [n])[0] for n in ["a0", "a1"]]
+    seen = _counting(engine, monkeypatch)
+    again = [engine.prefill_logits([[1, 2, 3]], [n])[0] for n in ["a0", "a1"]]
+    assert seen == {"reads": [], "copies": []}
+    np.testing.assert_array_equal(np.stack(again), np.stack(first))
+    engine.unload_adapter("a0")  # in the cache, not in the slot
+    assert len(engine.tiers.device) == 1 and len(engine.tiers.host) == 1
+    engine.register_adapter("a0", str(lib / "a2"))  # the name again, other files
+    got = engine.prefill_logits([[1, 2, 3]], ["a0"])[0]
+    assert seen["reads"] == [str(lib / "a2")] and len(seen["copies"]) == 1
+    assert not np.array_equal(got, first[0])
+
+
+def test_a_device_cache_smaller_than_an_adapter_keeps_none(lib):
+    engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
+                                    device_cache_memory=1e-9, progress=False)
+    engine.register_adapter("a1", str(lib / "a1"))
+    engine.generate([[1, 2]], ["a1"], max_new_tokens=1)
+    assert len(engine.tiers.device) == 0 and engine.tiers.device.nbytes == 0 and len(engine.tiers.host) == 1
