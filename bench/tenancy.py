@@ -59,6 +59,7 @@ from jlora.server.chat import ChatTemplate  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
 from jlora.server.online import OnlineEngine  # noqa: E402
 from serve import compile_waves, percentile, random_requests, send, start_server, summarize  # noqa: E402
+from tenancy_targets import device_cache  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "v_proj")
@@ -358,12 +359,6 @@ def rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def cache_memory(result: dict) -> str:
-    """The device cache's budget, as the table and the plot name it."""
-    gib = result.get("device_cache_memory")
-    return "no device cache" if gib is None else f"device cache {gib:g} GiB"
-
-
 def slot_writes(r: dict) -> str:
     """The slot writes' count and host time p50 / p99 (rows saved before they were measured: -)."""
     w = r.get("slot_write") or {"count": 0}
@@ -408,7 +403,7 @@ def write_table(result: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write(f"Device: {result['device']}; batch {result['max_batch']}, prefill_chunk {result['prefill_chunk']}; "
                 f"{result['max_loras']} device slots, host "
-                f"tier {result['max_cpu_loras']} adapters, {cache_memory(result)}, "
+                f"tier {result['max_cpu_loras']} adapters, {device_cache(result)}, "
                 f"{result.get('adapter_readers', 4)} readers; "
                 "q_proj + v_proj adapters of ranks "
                 f"{'/'.join(map(str, result['ranks']))}; Poisson arrivals at {result['rate']:g} req/s, "
@@ -465,7 +460,7 @@ def plot(result: dict, path: str) -> None:
     axes[0].set_ylim(bottom=0)
     axes[1].set_yscale("log")
     fig.suptitle(f"jlora serve on {result['device']}: {result['max_loras']} device slots, host tier "
-                 f"{result['max_cpu_loras']}, {cache_memory(result)}, Poisson {result['rate']:g} req/s", fontsize=9)
+                 f"{result['max_cpu_loras']}, {device_cache(result)}, Poisson {result['rate']:g} req/s", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

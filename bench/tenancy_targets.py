@@ -68,6 +68,12 @@ def checks(result: dict) -> list[Check]:
     return out
 
 
+def device_cache(result: dict) -> str:
+    """The run's device cache, as `bench/tenancy.py --device-cache-memory` set it (none in runs before it)."""
+    gib = result.get("device_cache_memory")
+    return "no device cache" if gib is None else f"device cache {gib:g} GiB"
+
+
 def main() -> int:
     met = True
     for path in sys.argv[1:] or ["bench/results/tenancy.json"]:
@@ -77,7 +83,7 @@ def main() -> int:
             return 2
         for i, result in enumerate(results):
             print(f"# {path}{f', run {i + 1}' if len(results) > 1 else ''}: {result['device']}, "
-                  f"{result['max_loras']} slots, {result['rate']:g} requests/s\n")
+                  f"{result['max_loras']} slots, {device_cache(result)}, {result['rate']:g} requests/s\n")
             print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
             for c in checks(result):
                 met &= c.met
