@@ -239,6 +239,8 @@ class Admission:
         except PoolFullError:
             return False
         except Exception as err:  # the device out of memory for a part no adapter targeted before, say
+            if self.tiers.relieve(err):  # the device cache let go of its adapters: the next poll tries again
+                return False
             reason = f"{type(err).__name__}: {err}"
             logger.warning("adapter %r cannot be written into a slot: %s", entry.name, reason)
             self.registry.fail(entry, f"adapter {entry.name!r} cannot be written into a slot: {reason}")

@@ -21,8 +21,8 @@ import numpy as np
 
 from jlora.adapters import AdapterError, AdapterPool, PoolFullError, check_adapter_name
 from jlora.adapters.registry import AdapterRegistry
-from jlora.adapters.tiers import AdapterCache, AdapterTiers
 from jlora.adapters.reader import ProcessReader
+from jlora.adapters.tiers import AdapterCache, AdapterTiers
 from jlora.admission import Admission
 from jlora.engine_config import EngineConfig
 from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
@@ -166,7 +166,7 @@ class Engine:
         prepared = self.pool.prepare(adapter_dir)
         entry = self.registry.register(name, adapter_dir)
         self.tiers.host.put(entry.generation, prepared)
-        self.pool.install(name, self.tiers.staged(self.pool, entry, prepared), entry.generation)
+        self.tiers.retried(self.pool.install, name, self.tiers.staged(self.pool, entry, prepared), entry.generation)
 
     def unload_adapter(self, name: str) -> None:
         """Unregisters an adapter and frees its slot and its copies in the host tier and the device cache.
@@ -211,7 +211,7 @@ class Engine:
                 staged = self.tiers.staged(self.pool, entry, self.tiers.find(entry.generation)[1])
                 if self.pool.generation(entry.name) is not None:  # an older registration of the name
                     self.pool.unload(entry.name)
-                self.pool.install(entry.name, staged, entry.generation)
+                self.tiers.retried(self.pool.install, entry.name, staged, entry.generation)
                 self.pool.hold([entry.name])
                 held.append(entry.name)
             return np.array([-1 if a is None else self.pool.slot(a) for a in adapters], np.int32)

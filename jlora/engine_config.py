@@ -37,8 +37,9 @@ class EngineConfig:
     device_cache_memory: float | None = _option(
         None, "GiB of device memory (all devices together) for adapters kept copied to the device beside the slots, "
               "least recently used evicted past it: an adapter evicted from its slot that the device cache still "
-              "holds comes back by a device-side slot write, with no host -> device copy beside the running steps "
-              "(default: none kept)", "GIB", kind=float)
+              "holds comes back by a device-side slot write, with no host -> device copy beside the running steps; it "
+              "lets go of its adapters where a load runs the device out of memory (default: none kept)", "GIB",
+        kind=float)
     adapter_readers: int = _option(
         4, "processes that read and convert adapter files, started as loads need them, so that a load never holds "
            "the GIL the engine loop needs; 0: the loader threads read them", "N")

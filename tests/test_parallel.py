@@ -1,7 +1,7 @@
 """Tensor parallelism on 4 virtual CPU devices: TP logits, generations (greedy and sampled, and through a
 preemption), scores and log-probabilities equal single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
-split along the vocabulary or replicated; adapter loads do not recompile and steps copy nothing between
-devices. Each case runs in a subprocess, since the device count must be set before JAX starts."""
+split along the vocabulary or replicated; adapter loads do not recompile, steps copy nothing between devices,
+and an adapter evicted from its slot comes back from the device cache. Each case runs in a subprocess, since the device count must be set before JAX starts."""
 
 import os
 import subprocess
@@ -41,7 +41,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     results = []
     for size in (1, tp):
         engine = Engine.from_pretrained(f"{root}/m", dtype="float32", tensor_parallel=size, backend=backend,
-                                        max_loras=2, max_lora_rank=8, progress=False)
+                                        max_loras=2, max_lora_rank=8, device_cache_memory=1.0, progress=False)
         if size > 1:
             assert engine.runner.tp.vocab_parallel == (vocab % tp == 0 and not tied)
         engine.load_adapter("a", f"{root}/a")  # every part: b's load adds none to the step
@@ -63,7 +63,14 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
         preempted = [Request(list(range(1, 11)), -1, 30, 0.9, seed=1), Request(list(range(5, 15)), -1, 30, seed=2)]
         assert drive(Batcher(engine.runner, 2, 64, block_size=16, num_blocks=4), preempted).preemptions >= 1
         generated.append([r.out for r in preempted])
+        # A third adapter evicts one of the two; the logits below write it back from the device cache, placed
+        # over the devices as its slot holds it, without another copy.
+        engine.register_adapter("c", f"{root}/b")
+        engine.prefill_logits([[1, 2]], ["c"])
+        copies, copied = [], engine.pool._copied
+        engine.pool._copied = lambda prepared: (copies.append(prepared), copied(prepared))[1]
         results.append((engine.prefill_logits(prompts, adapters), generated, scores, with_logprobs))
+        assert not copies and engine.pool.evictions >= 2
     (logits_1, gen_1, scores_1, lp_1), (logits_tp, gen_tp, scores_tp, lp_tp) = results
     for one, many in zip(logits_1, logits_tp):
         np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-4)

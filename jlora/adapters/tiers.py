@@ -14,11 +14,14 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from jlora.adapters.pool import AdapterPool, PreparedAdapter
 from jlora.adapters.registry import Registration
 
 __all__ = ["AdapterCache", "AdapterTiers"]
+
+T = TypeVar("T")
 
 
 class AdapterCache:
@@ -27,7 +30,7 @@ class AdapterCache:
 
     def __init__(self, capacity: int | None, max_bytes: int | None = None):
         if capacity is not None and capacity < 0:
-            raise ValueError(f"max_cpu_loras must be >= 0, got {capacity}")
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.nbytes = 0  # of the adapters kept
@@ -53,6 +56,11 @@ class AdapterCache:
     def drop(self, generation: int) -> None:
         with self._lock:
             self._pop(generation)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
 
     def _pop(self, generation: int) -> None:
         prepared = self._entries.pop(generation, None)
@@ -95,10 +103,29 @@ class AdapterTiers:
             self.host.put(entry.generation, found)
             timed("disk_to_host", time.monotonic() - start)
         start = time.monotonic()
-        staged = pool.stage(found)
+        staged = self.retried(pool.stage, found)
         timed("host_to_device", time.monotonic() - start)
         self.device.put(entry.generation, staged)
         return staged
+
+    def relieve(self, err: Exception) -> bool:
+        """Whether `err` is the device out of memory (XLA's RESOURCE_EXHAUSTED) while the device cache held adapters,
+        which it then lets go, so that the work that raised it may be tried once more: the cache gives way before
+        a load fails."""
+        if "RESOURCE_EXHAUSTED" not in str(err) or not len(self.device):
+            return False
+        self.device.clear()
+        return True
+
+    def retried(self, work: Callable[..., T], *args) -> T:
+        """`work(*args)`, run once more if it ran the device out of memory while the device cache held adapters
+        (`relieve`)."""
+        try:
+            return work(*args)
+        except RuntimeError as err:
+            if not self.relieve(err):
+                raise
+            return work(*args)
 
     def drop(self, generation: int) -> None:
         """Forgets an adapter in both tiers (unregistered)."""

@@ -133,3 +133,33 @@ def test_a_device_cache_smaller_than_an_adapter_keeps_none(lib):
     engine.register_adapter("a1", str(lib / "a1"))
     engine.generate([[1, 2]], ["a1"], max_new_tokens=1)
     assert len(engine.tiers.device) == 0 and engine.tiers.device.nbytes == 0 and len(engine.tiers.host) == 1
+
+
+@pytest.mark.parametrize("failing", ["_copied", "_allocate"])
+def test_the_device_cache_gives_way_when_the_device_runs_out_of_memory(lib, monkeypatch, failing):
+    """The device out of memory while the device cache holds adapters, in the copy to the device or in a slot
+    write (new stacks for modules no adapter targeted before): the cache lets go of its adapters and the load
+    goes on; without adapters in the cache the error stands (`test_admission`'s slot write test)."""
+    from jlora.adapters.pool import AdapterPool
+
+    truth = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_lora_rank=8, progress=False)
+    truth.load_adapter("a2", str(lib / "a2"))
+    want = list(truth.generate([[1, 2, 3]], ["a2"], max_new_tokens=3)[0])
+    engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
+                                    device_cache_memory=1.0, progress=False)
+    for n in ["a0", "a2"]:
+        engine.register_adapter(n, str(lib / n))
+    engine.generate([[1, 2, 3]], ["a0"], max_new_tokens=1)
+    assert len(engine.tiers.device) == 1
+    real, raised = getattr(AdapterPool, failing), []
+
+    def out_of_memory(*args):
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 75.5MiB")
+        return real(*args)
+
+    monkeypatch.setattr(AdapterPool, failing, out_of_memory)
+    assert list(engine.generate([[1, 2, 3]], ["a2"], max_new_tokens=3)[0]) == want
+    assert raised and engine.resident_adapters == ["a2"]
+    assert engine.tiers.device.get(engine.registry.get("a0").generation) is None  # let go
