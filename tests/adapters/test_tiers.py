@@ -1,5 +1,7 @@
-"""The host tier: least recently used adapters evicted past its count and past its byte budget, the bytes it
-holds counted as adapters come, go and come again."""
+"""The host tier and the device cache: least recently used adapters evicted past a count and past a byte budget,
+the bytes held counted as adapters come, go and come again; an adapter evicted from its slot comes back from the
+device cache without a read or a copy, with the tokens of an engine that never evicted it; the device cache gives
+way when the device runs out of memory."""
 
 import numpy as np
 import pytest
