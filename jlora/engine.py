@@ -49,6 +49,14 @@ def _host_staging(tensor_parallel: int):
     return contextlib.nullcontext()
 
 
+def _free_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """Bytes the devices' allocators can still hand out, all together, or None where a backend does not say (CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if any(not st or "bytes_limit" not in st for st in stats):
+        return None
+    return sum(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
+
+
 def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     """Each of n requests' seed: `seed + i`, or `seed[i]`; as uint32 values (checked)."""
     seeds = [seed + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
@@ -108,6 +116,11 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp,
                                   attention_chunk=config.attention_chunk(self.model_config.num_kv_heads))
         self.registry = AdapterRegistry()
+        devices = list(tp.mesh.devices.flat) if tp is not None else [jax.devices()[0]]
+        free = _free_bytes(devices)
+        if free is not None and config.device_cache_bytes > free:
+            raise ValueError(f"device_cache_memory {config.device_cache_memory:g} GiB is more than the "
+                             f"{free / 2**30:.1f} GiB the device(s) have free beside the model")
         self.tiers = AdapterTiers(host=AdapterCache(config.host_capacity, config.host_bytes),
                                   device=AdapterCache(None, config.device_cache_bytes))
         # Loads run on loader threads, at least one per reader process so that all of them read at once; at most

@@ -165,3 +165,30 @@ def test_the_device_cache_gives_way_when_the_device_runs_out_of_memory(lib, monk
     assert list(engine.generate([[1, 2, 3]], ["a2"], max_new_tokens=3)[0]) == want
     assert raised and engine.resident_adapters == ["a2"]
     assert engine.tiers.device.get(engine.registry.get("a0").generation) is None  # let go
+
+
+def test_a_device_cache_larger_than_the_free_device_memory_is_refused(lib, monkeypatch):
+    """Where the backend tells its free memory (a GPU; the CPU does not), a budget above it is refused at start,
+    naming both."""
+    import jlora.engine
+
+    monkeypatch.setattr(jlora.engine, "_free_bytes", lambda devices: 3 * 2**29)  # 1.5 GiB
+    with pytest.raises(ValueError, match=r"device_cache_memory 2 GiB is more than the 1.5 GiB the device\(s\) have "
+                                         "free beside the model"):
+        Engine.from_pretrained(str(lib / "m"), dtype="float32", max_lora_rank=8, device_cache_memory=2,
+                               progress=False)
+    engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_lora_rank=8, device_cache_memory=1,
+                                    progress=False)
+    assert engine.tiers.device.max_bytes == 2**30
+
+
+def test_free_device_memory_is_summed_over_the_devices_or_unknown():
+    from jlora.engine import _free_bytes
+
+    class Device:  # what `_free_bytes` reads of a jax.Device
+        def __init__(self, stats):
+            self.memory_stats = lambda: stats
+
+    used = [Device({"bytes_limit": 10, "bytes_in_use": 4}), Device({"bytes_limit": 8, "bytes_in_use": 1})]
+    assert _free_bytes(used) == 13
+    assert _free_bytes([used[0], Device(None)]) is None and _free_bytes([Device({"bytes_in_use": 1})]) is None
