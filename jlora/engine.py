@@ -122,7 +122,7 @@ class Engine:
             raise ValueError(f"device_cache_memory {config.device_cache_memory:g} GiB is more than the "
                              f"{free / 2**30:.1f} GiB the device(s) have free beside the model")
         self.tiers = AdapterTiers(host=AdapterCache(config.host_capacity, config.host_bytes),
-                                  device=AdapterCache(None, config.device_cache_bytes))
+                                  device=AdapterCache(None, config.device_cache_bytes), registry=self.registry)
         # Loads run on loader threads, at least one per reader process so that all of them read at once; at most
         # twice as many loads are under way or staged on the device at a time (`Admission`).
         threads = max(4, config.adapter_readers)
@@ -178,7 +178,7 @@ class Engine:
         check_adapter_name(name)
         prepared = self.pool.prepare(adapter_dir)
         entry = self.registry.register(name, adapter_dir)
-        self.tiers.host.put(entry.generation, prepared)
+        self.tiers.keep(self.tiers.host, entry, prepared)
         self.tiers.retried(self.pool.install, name, self.tiers.staged(self.pool, entry, prepared), entry.generation)
 
     def unload_adapter(self, name: str) -> None:

@@ -90,8 +90,8 @@ class Replica:
         self.loads += 1
         if entry is not None and engine.tiers.find(entry.generation)[0] == "disk":
             try:
-                engine.tiers.host.put(entry.generation,
-                                      await asyncio.to_thread(engine.pool.prepare, entry.adapter_dir))
+                engine.tiers.keep(engine.tiers.host, entry,
+                                  await asyncio.to_thread(engine.pool.prepare, entry.adapter_dir))
             except Exception:  # noqa: BLE001 - AdapterError and OS errors alike: the request reports them
                 pass
         return name

@@ -4,7 +4,7 @@
 the device cache without a host -> device copy either: only the slot write, which moves device memory.
 
 Both are keyed by registration generation (`Registration`): a name registered again never finds the old
-adapter's copies. Thread-safe: the server's request threads, the engine's loop and its loader threads use them.
+adapter's copies, and a load that ends after its adapter was unregistered keeps no copy. Thread-safe: the server's request threads, the engine's loop and its loader threads use them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from jlora.adapters.pool import AdapterPool, PreparedAdapter
-from jlora.adapters.registry import Registration
+from jlora.adapters.registry import AdapterRegistry, Registration
 
 __all__ = ["AdapterCache", "AdapterTiers"]
 
@@ -73,10 +73,20 @@ class AdapterCache:
 
 @dataclasses.dataclass(frozen=True)
 class AdapterTiers:
-    """The host tier and the device cache of one engine."""
+    """The host tier and the device cache of one engine, over its registry."""
 
     host: AdapterCache
     device: AdapterCache
+    registry: AdapterRegistry
+
+    def keep(self, cache: AdapterCache, entry: Registration, prepared: PreparedAdapter) -> None:
+        """Puts `entry`'s adapter into `cache` (the host tier or the device cache) unless `entry` is no longer
+        registered. Checked after the put: an unregister racing with it drops the copy either way (`drop` runs
+        after `AdapterRegistry.unregister`), so no copy outlives its registration, unreachable until evicted."""
+        cache.put(entry.generation, prepared)
+        current = self.registry.get(entry.name)
+        if current is None or current.generation != entry.generation:
+            cache.drop(entry.generation)
 
     def find(self, generation: int) -> tuple[str, PreparedAdapter | None]:
         """The nearest tier that holds the adapter: ("device", staged), ("host", prepared) or ("disk", None)."""
@@ -100,12 +110,12 @@ class AdapterTiers:
         if found is None:
             start = time.monotonic()
             found = pool.prepare(entry.adapter_dir)
-            self.host.put(entry.generation, found)
+            self.keep(self.host, entry, found)
             timed("disk_to_host", time.monotonic() - start)
         start = time.monotonic()
         staged = self.retried(pool.stage, found)
         timed("host_to_device", time.monotonic() - start)
-        self.device.put(entry.generation, staged)
+        self.keep(self.device, entry, staged)
         return staged
 
     def relieve(self, err: Exception) -> bool:

@@ -233,9 +233,10 @@ def paged_decode_attention(
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
-          limit: int) -> jax.Array:
+          limit: int, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """`kernel` over q [B, KV, G, D] and `limit` cache positions -> [B, KV, G, D]: one program per (request, KV
-    head), and per chunk of `chunk` positions when that is given (None: unsplit)."""
+    head), and per chunk of `chunk` positions when that is given (None: unsplit). `num_warps` and `num_stages`
+    are Triton's (bench/studies/attention_tiles.py sweeps them with `block_t`)."""
     batch, kv, groups, d = q.shape
     flat = q.reshape(batch * kv * groups, d)
     n = flat.shape[0]
@@ -256,7 +257,7 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
         kernel,
         out_shape=out_shape,
         grid=grid,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_{name}_{kv}x{groups}x{d}",
     )(positions.astype(jnp.int32), where.astype(jnp.int32), flat, k, v)

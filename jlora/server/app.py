@@ -556,7 +556,8 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
         api.loads_in_progress += 1
         try:  # read and checked on a worker thread; it takes a device slot when a request first needs it
             prepared = await asyncio.to_thread(api.engine.pool.prepare, path)
-            api.engine.tiers.host.put(api.engine.registry.register(name, path).generation, prepared)
+            tiers = api.engine.tiers
+            tiers.keep(tiers.host, api.engine.registry.register(name, path), prepared)
         except AdapterError as err:  # its messages name the real path: the caller sees the path it gave
             raise ApiError(400, str(err).replace(path, body.lora_path), "lora_path") from None
         except ValueError as err:  # registered meanwhile

@@ -129,6 +129,31 @@ def test_the_device_cache_serves_prefill_logits_and_forgets_an_unregistered_adap
     assert not np.array_equal(got, first[0])
 
 
+@pytest.mark.parametrize("when", ["read", "copy"])
+def test_a_load_that_ends_after_its_adapter_was_unloaded_keeps_no_copy(lib, monkeypatch, when):
+    """The adapter is unloaded while a loader thread reads its files or copies it to the device: the load ends,
+    and neither tier keeps a copy that nothing could find again; the name's next registration loads its own."""
+    engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
+                                    device_cache_memory=1.0, progress=False)
+    engine.register_adapter("a0", str(lib / "a0"))
+    entry = engine.registry.get("a0")
+    step = {"read": "prepare", "copy": "_copied"}[when]
+    real = getattr(engine.pool, step)
+
+    def unloaded_meanwhile(arg):
+        engine.unload_adapter("a0")
+        return real(arg)
+
+    monkeypatch.setattr(engine.pool, step, unloaded_meanwhile)
+    assert engine.tiers.staged(engine.pool, entry, None).staged
+    assert len(engine.tiers.host) == len(engine.tiers.device) == 0
+    assert engine.tiers.host.nbytes == engine.tiers.device.nbytes == 0
+    monkeypatch.setattr(engine.pool, step, real)
+    engine.register_adapter("a0", str(lib / "a1"))
+    engine.generate([[1, 2]], ["a0"], max_new_tokens=1)
+    assert len(engine.tiers.host) == len(engine.tiers.device) == 1
+
+
 def test_a_device_cache_smaller_than_an_adapter_keeps_none(lib):
     engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
                                     device_cache_memory=1e-9, progress=False)
