@@ -452,6 +452,9 @@ class Engine:
                     if idle_polls == 2:
                         raise PoolFullError(f"no slot for adapter(s) {sorted({e.name for _, e in admission.pending})}:"
                                             f" every slot holds an adapter in use or eviction is off")
+        except RuntimeError as err:
+            self.tiers.relieve(err)  # out of device memory: the device cache lets go, for the calls after
+            raise
         finally:
             for r in requests:  # after an error: the requests still here give back their adapters
                 if r.finish is None and not admission.cancel(r):

@@ -137,8 +137,13 @@ class OnlineEngine:
         self.metrics.prompt_tokens.inc(len(request.prompt))
         self.admission.submit(request, adapter)
 
-    def _fail_all(self, message: str) -> None:
-        """Ends every waiting and running request with finish "failed" and starts over on a fresh cache."""
+    def _fail_all(self, what: str, err: Exception) -> None:
+        """Ends every waiting and running request with finish "failed" ("{what}: {err}") and starts over on a fresh
+        cache. When `err` ran the device out of memory, the device cache lets go of its adapters first, so that
+        the fresh cache and the steps after have that memory (`AdapterTiers.relieve`)."""
+        message = f"{what}: {type(err).__name__}: {err}"
+        if self.engine.tiers.relieve(err):
+            logger.warning("the device ran out of memory: the device cache let go of its adapters")
         old = self.batcher
         self.batcher = self.engine.new_batcher(old.num_rows, old.max_seq)
         self._preemptions_seen = 0
@@ -154,7 +159,7 @@ class OnlineEngine:
                 last_start = self._turn(last_start)
             except Exception as err:  # the loop must outlive any failure: every later request would hang
                 logger.exception("the engine loop failed")
-                self._fail_all(f"the engine loop failed: {type(err).__name__}: {err}")
+                self._fail_all("the engine loop failed", err)
                 last_start = None
 
     def _turn(self, last_start: float | None) -> float | None:
@@ -182,7 +187,7 @@ class OnlineEngine:
                 self.batcher.step(lambda: self.admission.poll(self.batcher.add))
             except Exception as err:  # a failed step must not hang its requests, nor stop the server
                 logger.exception("the engine step failed")
-                self._fail_all(f"the engine step failed: {type(err).__name__}: {err}")
+                self._fail_all("the engine step failed", err)
             self.metrics.step_seconds.observe(time.monotonic() - start)
         self._set_gauges()
         return last_start

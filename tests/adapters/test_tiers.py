@@ -192,6 +192,24 @@ def test_the_device_cache_gives_way_when_the_device_runs_out_of_memory(lib, monk
     assert engine.tiers.device.get(engine.registry.get("a0").generation) is None  # let go
 
 
+def test_a_generate_step_out_of_device_memory_empties_the_device_cache(lib, monkeypatch):
+    """The call whose step ran the device out of memory raises it; the device cache lets go of its adapters, so
+    the next call (the same shapes, needing the same memory) has it back."""
+    engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_lora_rank=8,
+                                    device_cache_memory=1.0, progress=False)
+    for n in ["a0", "a1"]:
+        engine.register_adapter(n, str(lib / n))
+    want = [list(engine.generate([[1, 2, 3]], [n], max_new_tokens=3)[0]) for n in ["a0", "a1"]]
+    step = engine.runner.step
+    monkeypatch.setattr(engine.runner, "step", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")))
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        engine.generate([[1, 2, 3]], ["a0"], max_new_tokens=3)
+    assert len(engine.tiers.device) == 0 and engine.tiers.device.nbytes == 0
+    monkeypatch.setattr(engine.runner, "step", step)
+    assert [list(engine.generate([[1, 2, 3]], [n], max_new_tokens=3)[0]) for n in ["a0", "a1"]] == want
+
+
 def test_a_device_cache_larger_than_the_free_device_memory_is_refused(lib, monkeypatch):
     """Where the backend tells its free memory (a GPU; the CPU does not), a budget above it is refused at start,
     naming both."""

@@ -22,7 +22,7 @@ def engine(tmp_path_factory):
     testing.write_adapter(str(root / "a"), cfg, r=4, alpha=8, seed=4)
     eng = Engine.from_pretrained(str(root / "m"), dtype="float32", max_batch=2, max_seq_len=32, progress=False)
     eng.load_adapter("a", str(root / "a"))
-    eng.root_a = str(root / "a")
+    eng.root_a, eng.root_m = str(root / "a"), str(root / "m")
     return eng
 
 
@@ -48,6 +48,32 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypa
         assert run(online, [1, 2, 3], "a", 5).out == want[0]
         assert run(online, [1], "gone", 5).finish == "error"  # an adapter not loaded: refused at intake
         online.call(lambda: engine.unload_adapter("a")).result(timeout=10)  # no hold leaked by the failed request
+    finally:
+        online.stop()
+
+
+def test_a_step_out_of_device_memory_empties_the_device_cache_and_the_loop_goes_on(engine, tmp_path, monkeypatch):
+    """A step that runs the device out of memory while the device cache holds adapters fails its batch; the cache
+    lets go of them, so the steps after (the same shapes, needing the same memory) have it back, and they give
+    the tokens they would have."""
+    cached = Engine.from_pretrained(engine.root_m, dtype="float32", max_batch=2, max_seq_len=32, max_loras=1,
+                                    device_cache_memory=1.0, progress=False)
+    testing.write_adapter(str(tmp_path / "b"), testing.tiny_config("llama"), r=2, alpha=4, seed=6)
+    for name, path in [("a", engine.root_a), ("b", str(tmp_path / "b"))]:
+        cached.register_adapter(name, path)
+    want = [list(cached.generate([[1, 2, 3]], [n], max_new_tokens=5)[0]) for n in ["a", "b"]]
+    assert len(cached.tiers.device) == 2
+    online = OnlineEngine(cached)
+    online.start()
+    try:
+        step = cached.runner.step
+        oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")
+        monkeypatch.setattr(cached.runner, "step", lambda *a, **k: (_ for _ in ()).throw(oom))
+        failed = run(online, [1, 2, 3], "a", 5)
+        assert failed.finish == "failed" and "RESOURCE_EXHAUSTED" in failed.error
+        assert len(cached.tiers.device) == 0 and cached.tiers.device.nbytes == 0
+        monkeypatch.setattr(cached.runner, "step", step)
+        assert [run(online, [1, 2, 3], n, 5).out for n in ["a", "b"]] == want
     finally:
         online.stop()
 
