@@ -45,7 +45,7 @@ from jlora.server.chat import ChatTemplate, ChatTemplateError
 from jlora.server.config import ServerConfig
 from jlora.server.errors import ApiError
 from jlora.server.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
-from jlora.server.online import OnlineEngine, QueueFull
+from jlora.server.online import EngineStopped, OnlineEngine, QueueFull
 from jlora.server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
                                   UnloadLoraRequest, parse)
 from jlora.server.text import StreamText
@@ -514,6 +514,8 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
                 return await fn(request)
             except ApiError as err:
                 return err.response()
+            except EngineStopped as err:  # a retry cannot help: the server must be restarted (/health says so)
+                return ApiError(503, str(err), kind="server_error").response()
             except Exception as err:  # a bug, not the client's input: a JSON 500, the traceback to the log
                 return _internal_error(err).response()
         return wrapped
@@ -588,6 +590,8 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
         return JSONResponse(api.tokenizer_info())
 
     async def health(request: HTTPRequest) -> Response:
+        if not online.healthy:
+            return PlainTextResponse(online.stopped_by or "the engine loop is not running", status_code=503)
         return PlainTextResponse("ok")
 
     async def metrics(request: HTTPRequest) -> Response:

@@ -23,13 +23,17 @@ from jlora.runner import bucket
 from jlora.scheduler import Request
 from jlora.server.metrics import Metrics
 
-__all__ = ["OnlineEngine", "QueueFull"]
+__all__ = ["EngineStopped", "OnlineEngine", "QueueFull"]
 
 logger = logging.getLogger("jlora.server")
 
 
 class QueueFull(RuntimeError):
     """More requests are waiting than the engine accepts (`max_waiting`)."""
+
+
+class EngineStopped(Exception):
+    """The engine loop stopped for good: it failed, and starting over on a fresh cache failed too."""
 
 
 class OnlineEngine:
@@ -49,6 +53,7 @@ class OnlineEngine:
         self._preemptions_seen = 0  # the batcher's count already added to the metric
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.stopped_by: str | None = None  # why the loop stopped for good (`EngineStopped`)
         self._thread = threading.Thread(target=self._loop, name="jlora-engine", daemon=True)
 
     def start(self) -> None:
@@ -58,6 +63,11 @@ class OnlineEngine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the loop runs and takes requests (False once it stopped for good)."""
+        return self._thread.is_alive() and self.stopped_by is None
 
     @property
     def num_waiting(self) -> int:
@@ -70,24 +80,36 @@ class OnlineEngine:
 
         Raises:
           QueueFull: they would make more than `max_waiting` requests wait.
+          EngineStopped: the loop stopped for good.
         """
         requests = [requests] if isinstance(requests, Request) else list(requests)
         with self._lock:
             if self.num_waiting + len(requests) > self.max_waiting:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (max {self.max_waiting})")
             self._queued += len(requests)
-        for request in requests:
-            self._inbox.put(("submit", request, adapter))
+            for request in requests:
+                self._put(("submit", request, adapter))
 
     def cancel(self, request: Request) -> None:
         """Ends `request` ("cancelled") if it is still waiting or running; its row frees at once."""
-        self._inbox.put(("cancel", request))
+        with self._lock:
+            if self.stopped_by is None:
+                self._inbox.put(("cancel", request))
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Runs `fn()` on the loop thread between two steps; the future holds its result or exception."""
+        """Runs `fn()` on the loop thread between two steps; the future holds its result or exception
+        (`EngineStopped` once the loop stopped for good)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, future))
+        with self._lock:
+            self._put(("call", fn, future))
         return future
+
+    def _put(self, item: tuple) -> None:
+        """Queues `item` for the loop, holding `_lock` (so that none arrives after `_stop_for_good` emptied the
+        inbox). Raises EngineStopped once the loop stopped for good."""
+        if self.stopped_by is not None:
+            raise EngineStopped(self.stopped_by)
+        self._inbox.put(item)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future:
         """Unloads an adapter on the loop thread (`Engine.unload_adapter`); the future raises KeyError when it is
@@ -140,12 +162,18 @@ class OnlineEngine:
     def _fail_all(self, what: str, err: Exception) -> None:
         """Ends every waiting and running request with finish "failed" ("{what}: {err}") and starts over on a fresh
         cache. When `err` ran the device out of memory, the device cache lets go of its adapters first, so that
-        the fresh cache and the steps after have that memory (`AdapterTiers.relieve`)."""
+        the fresh cache and the steps after have that memory (`AdapterTiers.relieve`). When no fresh cache can
+        be made, the loop stops for good (`_stop_for_good`)."""
         message = f"{what}: {type(err).__name__}: {err}"
         if self.engine.tiers.relieve(err):
             logger.warning("the device ran out of memory: the device cache let go of its adapters")
         old = self.batcher
-        self.batcher = self.engine.new_batcher(old.num_rows, old.max_seq)
+        try:
+            self.batcher = self.engine.new_batcher(old.num_rows, old.max_seq)
+        except Exception as again:  # no fresh cache either: end what waits, refuse what comes
+            logger.exception("the engine cannot start over; it takes no more requests")
+            return self._stop_for_good(f"{message}; starting over on a fresh cache failed too "
+                                       f"({type(again).__name__}: {again}): the engine takes no more requests")
         self._preemptions_seen = 0
         pending = [r for r, _ in self.admission.pending]
         self.admission.pending.clear()
@@ -154,13 +182,32 @@ class OnlineEngine:
 
     def _loop(self) -> None:
         last_start = None  # the last step's start while requests have run since
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.stopped_by is None:
             try:
                 last_start = self._turn(last_start)
             except Exception as err:  # the loop must outlive any failure: every later request would hang
                 logger.exception("the engine loop failed")
                 self._fail_all("the engine loop failed", err)
                 last_start = None
+
+    def _stop_for_good(self, message: str) -> None:
+        """Ends every request taken in or queued ("failed", `message`) and every queued call (`EngineStopped`);
+        later submits and calls raise EngineStopped, and `healthy` turns False."""
+        with self._lock:
+            self.stopped_by = message
+            items = []
+            while not self._inbox.empty():
+                items.append(self._inbox.get_nowait())
+            self._queued = 0
+        ended = [r for r, _ in self.admission.pending]
+        ended += [*self.batcher.waiting, *(r for r in self.batcher.running if r is not None)]
+        ended += [item[1] for item in items if item[0] == "submit"]
+        for r in ended:
+            if r.finish is None:
+                r.end("failed", message)
+        for item in items:
+            if item[0] == "call":
+                item[2].set_exception(EngineStopped(message))
 
     def _turn(self, last_start: float | None) -> float | None:
         """One turn of the loop: admits, takes in what arrived, runs a step if any request runs. Returns the

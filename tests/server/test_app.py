@@ -107,3 +107,34 @@ def test_an_exception_mid_stream_ends_the_stream_with_an_error_event(served, mon
     assert online.batcher.num_running == 0
     ok = run(app, lambda c: c.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2}))
     assert ok.status_code == 200
+
+
+def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(served, monkeypatch):
+    """A step fails and the fresh cache to start over on cannot be made either (the device out of memory): the
+    request in flight fails, /health answers 503 with the reason, and every later request and unload answers
+    503 at once instead of waiting on a loop that is gone. Before: the loop thread died and they hung."""
+    engine, _, _ = served
+    online = OnlineEngine(engine)
+    app = build_app(online, ServerConfig(served_model_name="m", allow_runtime_lora=True, lora_roots=("/",)), chat=None)
+    online.start()
+    try:
+        lost = RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        monkeypatch.setattr(engine.runner, "step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+        monkeypatch.setattr(engine, "new_batcher", lambda *a, **k: (_ for _ in ()).throw(lost))
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 2}
+
+        async def scenario(c):
+            failed = await c.post("/v1/completions", json=body)
+            return failed, await c.get("/health"), await c.post("/v1/completions", json=body), await c.post(
+                "/v1/unload_lora_adapter", json={"lora_name": "a"})
+
+        failed, health, after, unload = run(app, scenario)
+        why = ("the engine step failed: RuntimeError: device lost; starting over on a fresh cache failed too "
+               "(RuntimeError: RESOURCE_EXHAUSTED: out of memory): the engine takes no more requests")
+        assert failed.status_code == 500 and why in failed.json()["error"]["message"]
+        assert health.status_code == 503 and health.text == why
+        for response in (after, unload):
+            assert response.status_code == 503 and response.json()["error"]["message"] == why
+        assert not online.healthy and not online._thread.is_alive()
+    finally:
+        online.stop()
