@@ -4,7 +4,9 @@
 the one it replaced (B sliced before the slot gather, the mask on the products); "gather_add" the mask on the
 summed delta's rows at the add instead; "gather_unmasked" no row mask at all (slot -1 rows would read slot 0's
 B, NaN there included), to show what the mask costs; "gather_one" one reduction over all of a fused group's
-columns (each column reading its slice's columns of s) instead of one per slice: fewer kernels per layer.
+columns (each column reading its slice's columns of s) instead of one per slice: fewer kernels per layer;
+"gather_inline" each delta as R products added one after another, no reduction op, so that XLA may fuse the
+expand into the elementwise kernel after it (the residual add, SiLU·mul, RoPE) instead of a kernel of its own.
 Device µs per call of bench/kernels.py's 32-call functions on the decode rows where they differ, then decode
 steps of bench/model.py (batch 32 with 32 and with 1 r=16 adapter, batch 1 with one) under each form in
 alternating rounds.
@@ -70,9 +72,28 @@ def expand_one(s, b, info, base, *, slice_sizes, scale=None, shift=None):
     return reference.add_deltas(base, [delta], info, scale, shift)
 
 
+def expand_inline(s, b, info, base, *, slice_sizes, scale=None, shift=None):
+    """expand_gather with each slice's delta an unrolled sum of R elementwise products, s[:, j] · B[slot, n, j]:
+    a loop fusion, which XLA may merge into the delta's consumer, where a reduction is a kernel of its own."""
+    rank = b.shape[2]
+    keep = reference.column_scale(info, rank, len(slice_sizes), scaled=False) != 0
+    s = jnp.where(keep, s.astype(_F32), 0.0)
+    slot, used = jnp.maximum(info.token_slot, 0), (info.token_slot >= 0)[:, None]
+    deltas, start = [], 0
+    for i, n in enumerate(slice_sizes):
+        rows = b[slot, start:start + n, :]  # [T, n, R]
+        delta = 0.0
+        for j in range(rank):  # B's columns past a slot's rank selected out (NaN there stays out)
+            delta = delta + s[:, i * rank + j, None] * jnp.where(keep[:, j, None], rows[:, :, j].astype(_F32), 0.0)
+        deltas.append(jnp.where(used, delta, 0.0).astype(base.dtype))
+        start += n
+    return reference.add_deltas(base, deltas, info, scale, shift)
+
+
 FORMS = {"gather": reference.expand_gather, "gather_before": expand_form(False, "products"),
          "gather_add": expand_form(True, "add"),
-         "gather_unmasked": expand_form(True, None), "gather_one": expand_one}
+         "gather_unmasked": expand_form(True, None), "gather_one": expand_one,
+         "gather_inline": expand_inline}
 # Each form runs as a backend of its own name (a static argument of the jitted ops and model, so no trace of
 # one form is reused for another), with the gather shrink and, in the model, the gather backend's attention.
 for _name, _impl in list(FORMS.items())[1:]:
