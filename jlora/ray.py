@@ -13,6 +13,8 @@
 
 A replica that dies fails the requests it held: one not yet answered gets a 503 to retry; a stream already
 under way ends with an error event. Ray Serve replaces the replica and does not retry a request once it runs.
+A replica whose engine stopped for good (a failure it could not start over from) fails its health check, and
+Ray Serve replaces it too.
 
     jlora serve --model DIR --lora-dir ADAPTERS --replicas 2      # a local Ray cluster, or RAY_ADDRESS's
     serve run jlora.ray:app model=DIR lora_dir=ADAPTERS replicas=2
@@ -107,6 +109,12 @@ class Replica:
                 item["headers"].append(("x-jlora-replica", self.id))
                 item["headers"].append(("x-jlora-replica-loads", str(self.loads)))
             yield item
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine loop stopped for good (`OnlineEngine.healthy`) is
+        reported unhealthy, and Ray Serve replaces it."""
+        if not self.online.healthy:
+            raise RuntimeError(self.online.stopped_by or "the engine loop is not running")
 
     def __del__(self):
         self.online.stop()

@@ -181,3 +181,17 @@ def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(url):
         raise AssertionError("no replica answered after the kill")
     status = serve.status().applications["jlora"].deployments["Replica"]
     assert sum(status.replica_states.values()) >= 2 or status.status == "HEALTHY"
+
+
+def test_a_replica_whose_engine_stopped_for_good_fails_its_health_check():
+    """Ray Serve replaces a replica whose `check_health` raises: one whose engine loop stopped for good (a failure
+    it could not start over from) says why; a running one passes."""
+    from types import SimpleNamespace
+
+    from jlora.ray import Replica
+
+    check = Replica.func_or_class.check_health
+    check(SimpleNamespace(online=SimpleNamespace(healthy=True, stopped_by=None)))
+    stopped = SimpleNamespace(online=SimpleNamespace(healthy=False, stopped_by="the engine step failed: ..."))
+    with pytest.raises(RuntimeError, match="the engine step failed"):
+        check(stopped)
