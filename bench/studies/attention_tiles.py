@@ -8,6 +8,9 @@ before's output (as in the model), and the visible KV bytes over that time; ever
 against the shipped setting's (‖out − ref‖ / ‖ref‖ < 1e-2) first. A setting that does not compile (shared
 memory) is recorded as such. JSON: attention_tiles.json, written after each case.
 
+A setting adopted must be one for every batch of an engine: the key block sets the online softmax's order of
+operations, so a request's bits alone and in a batch stay equal only when every batch size runs the same one.
+
   python bench/studies/attention_tiles.py [--cases rows,paged,split] [--out DIR]   # GPU
   python bench/studies/attention_tiles.py --smoke                                  # CPU, interpret mode
 """
