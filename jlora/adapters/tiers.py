@@ -4,7 +4,8 @@
 the device cache without a host -> device copy either: only the slot write, which moves device memory.
 
 Both are keyed by registration generation (`Registration`): a name registered again never finds the old
-adapter's copies, and a load that ends after its adapter was unregistered keeps no copy. Thread-safe: the server's request threads, the engine's loop and its loader threads use them.
+adapter's copies, and a load that ends after its adapter was unregistered keeps no copy. Thread-safe: the
+server's request threads, the engine's loop and its loader threads use them.
 """
 
 from __future__ import annotations

@@ -83,12 +83,14 @@ class OnlineEngine:
           EngineStopped: the loop stopped for good.
         """
         requests = [requests] if isinstance(requests, Request) else list(requests)
-        with self._lock:
+        with self._lock:  # held while queueing, so that nothing arrives after `_stop_for_good` emptied the inbox
+            if self.stopped_by is not None:
+                raise EngineStopped(self.stopped_by)
             if self.num_waiting + len(requests) > self.max_waiting:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (max {self.max_waiting})")
             self._queued += len(requests)
             for request in requests:
-                self._put(("submit", request, adapter))
+                self._inbox.put(("submit", request, adapter))
 
     def cancel(self, request: Request) -> None:
         """Ends `request` ("cancelled") if it is still waiting or running; its row frees at once."""
@@ -97,19 +99,14 @@ class OnlineEngine:
                 self._inbox.put(("cancel", request))
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Runs `fn()` on the loop thread between two steps; the future holds its result or exception
-        (`EngineStopped` once the loop stopped for good)."""
+        """Runs `fn()` on the loop thread between two steps; the future holds its result or exception. Raises
+        EngineStopped once the loop stopped for good."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._put(("call", fn, future))
+            if self.stopped_by is not None:
+                raise EngineStopped(self.stopped_by)
+            self._inbox.put(("call", fn, future))
         return future
-
-    def _put(self, item: tuple) -> None:
-        """Queues `item` for the loop, holding `_lock` (so that none arrives after `_stop_for_good` emptied the
-        inbox). Raises EngineStopped once the loop stopped for good."""
-        if self.stopped_by is not None:
-            raise EngineStopped(self.stopped_by)
-        self._inbox.put(item)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future:
         """Unloads an adapter on the loop thread (`Engine.unload_adapter`); the future raises KeyError when it is
