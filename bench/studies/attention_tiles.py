@@ -133,7 +133,8 @@ def main() -> None:
             if timed:
                 best, shipped = min(timed, key=lambda r: r["us_per_layer"]), next(r for r in timed if r["shipped"])
                 print(f"{layout:5s} B={batch:2d} {pos}/{max_seq} ({layers} layers, {time.monotonic() - start:.0f} s): "
-                      f"shipped {shipped['us_per_layer']:6.1f} µs ({shipped['TBps']:.2f} TB/s), best {best['us_per_layer']:6.1f} µs ({best['TBps']:.2f} TB/s) "
+                      f"shipped {shipped['us_per_layer']:6.1f} µs ({shipped['TBps']:.2f} TB/s), "
+                      f"best {best['us_per_layer']:6.1f} µs ({best['TBps']:.2f} TB/s) "
                       f"at block_t={best['block_t']} warps={best['num_warps']} stages={best['num_stages']}; "
                       + " ".join(f"{r['block_t']}/{r['num_warps']}/{r['num_stages']}:"
                                  f"{r['us_per_layer']:.1f}" for r in timed), flush=True)
