@@ -337,12 +337,14 @@ def test_an_adapter_of_new_modules_written_while_a_step_is_in_flight(root, resid
 
 def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, resident, monkeypatch):
     """An adapter unloaded and registered again under its name serves the new weights; a request cancelled
-    while its adapter loads leaves no load behind."""
+    while its adapter loads leaves no load behind; and when the adapter is unloaded and its name registered again
+    while that load still reads the files, the load ends keeping no copy in any tier, and the name serves its
+    new files."""
     pytest.importorskip("prometheus_client")
     from jlora.server.online import OnlineEngine
 
     engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=1, max_cpu_loras=0, max_lora_rank=8,
-                                    progress=False)
+                                    device_cache_memory=1.0, progress=False)
     engine.load_adapter("x", str(root / "lib" / "a03"))
     assert list(engine.generate([[4, 5]], ["x"], max_new_tokens=4)[0]) == list(resident.generate([[4, 5]], ["a03"], 4)[0])
     engine.unload_adapter("x")
@@ -363,11 +365,19 @@ def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, res
         assert done.wait(10) and request.finish == "cancelled"
         loads = list(online.admission._loads.values())
         assert len(loads) == 1  # started though cancelled: the files are being read
+        old = engine.registry.get("slow")
+        online.unload_adapter("slow").result(10)
+        engine.register_adapter("slow", str(root / "lib" / "a06"))
         gate.set()
         concurrent.futures.wait(loads, timeout=30)
         online.call(lambda: None).result(10)  # a loop turn (its poll follows) after the load ended
         online.call(lambda: None).result(10)
         assert not online.admission._loads and "slow" not in engine.resident_adapters
+        assert engine.tiers.find(old.generation) == ("disk", None)  # the old load kept nothing
+        done.clear()
+        again = Request([1, 2], -1, 3, on_update=lambda r: r.finish and done.set())
+        online.submit(again, "slow")
+        assert done.wait(30) and again.out == list(resident.generate([[1, 2]], ["a06"], 3)[0])
     finally:
         online.stop()
 
