@@ -11,7 +11,10 @@
 #   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
 #   bash bench/run_gpu.sh serve   # jlora serve under Poisson arrivals (bench/serve.py; needs the serving packages)
 #   bash bench/run_gpu.sh limits  # what bounds the prefill expand and the decode down shrink (bench/studies/*_limits.py)
-#   bash bench/run_gpu.sh gather  # forms of the gather backend's expand (bench/studies/gather_forms.py)
+#   bash bench/run_gpu.sh gather [ARGS]  # forms of the gather backend's expand (bench/studies/gather_forms.py ARGS,
+#                                 # e.g. --model-only --forms gather,gather_inline)
+#   bash bench/run_gpu.sh attention [ARGS]  # the decode attention kernel's key block, warps and stages
+#                                 # (bench/studies/attention_tiles.py ARGS, e.g. --cases rows, then --cases paged,split)
 #   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graphs (bench/studies/scheduling.py)
 #   bash bench/run_gpu.sh chunk   # prompt throughput and decode stalls per prefill_chunk (bench/studies/prefill_chunk.py)
 #   bash bench/run_gpu.sh tp      # bench/model.py --tp 1,2 (two GPUs) under XLA's default scheduling, then jlora's
@@ -49,7 +52,8 @@ case "${1:-}" in
   limits)
     python3 bench/studies/expand_limits.py 2>&1 | grep -E "^#|µs"
     python3 bench/studies/shrink_limits.py 2>&1 | grep -E "^#|^[a-z]" ;;
-  gather) python3 bench/studies/gather_forms.py 2>&1 | grep -E "µs|ms" ;;
+  gather) python3 bench/studies/gather_forms.py "${@:2}" 2>&1 | grep -E "µs|ms|Error" ;;
+  attention) python3 bench/studies/attention_tiles.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|µs|Error" ;;
   scheduling) python3 bench/studies/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
   chunk) python3 bench/studies/prefill_chunk.py --out "$out" 2>&1 | grep -E "^#|^chunk" ;;
   tp)
@@ -69,5 +73,5 @@ case "${1:-}" in
       (cd bench/studies && python3 copy_forms.py $staging 2>&1 | grep -vE "^W1|bfc_alloc")
     done ;;
   epilogue) python3 bench/studies/epilogue_expand.py --out "$out" 2>&1 | grep -E "^#|µs|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|attention|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue" >&2; exit 2 ;;
 esac
