@@ -186,15 +186,16 @@ class Admission:
         return future is not None and future.done() and future.exception() is None
 
     def _load(self, entry: Registration) -> None:
-        """Starts entry's load: from the device cache, a load done at once; else disk -> host unless the host tier
-        has it, then host -> device, on a loader thread."""
+        """Starts entry's load: from the device cache, a load done at once (on a loader thread when its slot write
+        must be compiled again, for stacks that grew since); else disk -> host unless the host tier has it, then
+        host -> device, on a loader thread."""
         tier, found = self.tiers.find(entry.generation)
         self.stats.device_cache_hits += tier == "device"
         self.stats.device_cache_misses += tier != "device"
         self.stats.host_hits += tier == "host"
         self.stats.host_misses += tier == "disk"
         submitted = time.monotonic()
-        if tier == "device":  # nothing to copy: the slot write is all there is
+        if tier == "device" and self.pool.write_compiled(found):  # nothing to copy or compile: only the write
             future = concurrent.futures.Future()
             future.set_result(found)
             self._loads[entry.generation] = future

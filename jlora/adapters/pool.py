@@ -290,15 +290,19 @@ class AdapterPool:
 
     def stage(self, prepared: PreparedAdapter) -> PreparedAdapter:
         """`prepared` with its A and B copied to the device(s), placed as a slot holds them, once the copy is
-        done, and its slot write compiled for the pool's stacks as they are. It reads only the pool's fixed
-        layout and its stacks' shapes, so a loader thread may run it while steps run; `install` then only writes
-        device memory (the copy is the bulk of an install: tens of megabytes per adapter), without compiling on
-        the engine loop's thread. The host tier keeps the host copy; a staged copy lives until it is installed."""
-        if prepared.staged:
-            return prepared
-        staged = self._copied(prepared)
+        done (as it is when staged already), and its slot write compiled for the pool's stacks as they are. It
+        reads only the pool's fixed layout and its stacks' shapes, so a loader thread may run it while steps run;
+        `install` then only writes device memory (the copy is the bulk of an install: tens of megabytes per
+        adapter), without compiling on the engine loop's thread. The host tier keeps the host copy; a staged copy
+        lives until it is installed (or in the device cache)."""
+        staged = prepared if prepared.staged else self._copied(prepared)
         self._compiled_write(*self._write_args(staged))
         return staged
+
+    def write_compiled(self, prepared: PreparedAdapter) -> bool:
+        """Whether `prepared`'s slot write is compiled for the pool's stacks as they are (`stage` compiles it;
+        new stacks for a part no adapter needed before drop every compiled write)."""
+        return self._write_key(*self._write_args(prepared)) in self._writes
 
     def _copied(self, prepared: PreparedAdapter) -> PreparedAdapter:
         """`prepared` with its A and B on the device(s) (`stage`)."""
@@ -358,7 +362,7 @@ class AdapterPool:
           PoolFullError: no free slot and nothing evictable.
         """
         self._check_new_name(name)
-        prepared = self.stage(prepared)
+        prepared = prepared if prepared.staged else self._copied(prepared)  # its write compiled below if need be
         host, scale, shift = prepared.host, prepared.scale, prepared.shift
         features = frozenset(f for f, on in [("scale", scale), ("shift", shift),
                                              ("rows", host.embed_rows or host.lm_head_rows),
@@ -385,8 +389,7 @@ class AdapterPool:
     def _compiled_write(self, stacks: list, values: list) -> jax.stages.Compiled:
         """`_write_slot` compiled for these stacks and values (their shapes, dtypes, shardings and which parts
         are None), once: by `stage` on a loader thread, or by `install` when the stacks changed in between."""
-        placed = self.tp is not None
-        key = (_avals(stacks, placed), _avals(values, placed), self.rank)
+        key = self._write_key(stacks, values)
         write = self._writes.get(key)
         if write is None:
             abstract = lambda avals: [None if a is None else jax.ShapeDtypeStruct(*a[:2], sharding=a[2])  # noqa: E731
@@ -394,6 +397,10 @@ class AdapterPool:
             write = self._writes[key] = _write_slot.lower(
                 abstract(key[0]), jax.ShapeDtypeStruct((), jnp.int32), abstract(key[1]), rank=self.rank).compile()
         return write
+
+    def _write_key(self, stacks: list, values: list) -> tuple:
+        placed = self.tp is not None
+        return _avals(stacks, placed), _avals(values, placed), self.rank
 
     def generation(self, name: str) -> int | None:
         """The registration generation of the adapter installed under `name`, or None when none is."""

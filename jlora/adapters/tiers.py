@@ -99,15 +99,16 @@ class AdapterTiers:
 
     def staged(self, pool: AdapterPool, entry: Registration, found: PreparedAdapter | None,
                timed: Callable[[str, float], None] = lambda stage, seconds: None) -> PreparedAdapter:
-        """`entry`'s adapter on the device, ready for `pool.install`: `found` (`find`'s) as it is when staged, else
-        copied there (`pool.stage`), its files read first when `found` is None (`pool.prepare`). Each tier it
-        passes through keeps it; `timed` is told the read's and the copy's seconds ("disk_to_host", "host_to_device").
+        """`entry`'s adapter on the device, ready for `pool.install` (`pool.stage`: its slot write compiled): `found`
+        (`find`'s) when staged, else copied there, its files read first when `found` is None (`pool.prepare`). Each
+        tier it passes through keeps it; `timed` is told the read's and the copy's seconds ("disk_to_host",
+        "host_to_device").
 
         Raises:
           AdapterError: the adapter is invalid.
         """
-        if found is not None and found.staged:
-            return found
+        if found is not None and found.staged:  # from the device cache: only its write to compile, if that
+            return self.retried(pool.stage, found)
         if found is None:
             start = time.monotonic()
             found = pool.prepare(entry.adapter_dir)

@@ -3,6 +3,8 @@ the bytes held counted as adapters come, go and come again; an adapter evicted f
 device cache without a read or a copy, with the tokens of an engine that never evicted it; the device cache gives
 way when the device runs out of memory."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -152,6 +154,36 @@ def test_a_load_that_ends_after_its_adapter_was_unloaded_keeps_no_copy(lib, monk
     engine.register_adapter("a0", str(lib / "a1"))
     engine.generate([[1, 2]], ["a0"], max_new_tokens=1)
     assert len(engine.tiers.host) == len(engine.tiers.device) == 1
+
+
+def test_a_cached_adapter_back_after_the_stacks_grew_compiles_its_write_off_the_loop(lib, monkeypatch):
+    """An adapter of new modules makes new slot stacks, so every compiled slot write is dropped; an adapter that
+    comes back from the device cache afterwards has its write compiled again on a loader thread, not on the
+    thread that runs the steps, and gives the tokens of an engine that never evicted it."""
+    from jlora.adapters import pool as pool_module
+
+    truth = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=2, max_lora_rank=8, progress=False)
+    for n in ["a0", "a2"]:
+        truth.load_adapter(n, str(lib / n))
+    want = list(truth.generate([[1, 2, 3]], ["a0"], max_new_tokens=3)[0])
+    engine = Engine.from_pretrained(str(lib / "m"), dtype="float32", max_loras=1, max_cpu_loras=0, max_lora_rank=8,
+                                    device_cache_memory=1.0, progress=False)
+    for n in ["a0", "a2"]:
+        engine.register_adapter(n, str(lib / n))
+    engine.generate([[1, 2, 3]], ["a0"], max_new_tokens=1)  # a0 (q|k|v) in the slot and the device cache
+    engine.generate([[1, 2, 3]], ["a2"], max_new_tokens=1)  # a2 (o, down): new stacks, a0's write dropped
+    compiled_on, lower = [], pool_module._write_slot.lower
+
+    class Spy:
+        def lower(self, *args, **kwargs):
+            compiled_on.append(threading.current_thread().name)
+            return lower(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "_write_slot", Spy())
+    seen = _counting(engine, monkeypatch)
+    assert list(engine.generate([[1, 2, 3]], ["a0"], max_new_tokens=3)[0]) == want
+    assert seen == {"reads": [], "copies": []}  # from the device cache
+    assert compiled_on and all(name.startswith("jlora-adapter-load") for name in compiled_on), compiled_on
 
 
 def test_a_device_cache_smaller_than_an_adapter_keeps_none(lib):
