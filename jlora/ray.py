@@ -111,10 +111,10 @@ class Replica:
             yield item
 
     def check_health(self) -> None:
-        """Ray Serve's health check: a replica whose engine loop stopped for good (`OnlineEngine.healthy`) is
+        """Ray Serve's health check: a replica whose engine loop stopped for good (`OnlineEngine.down`) is
         reported unhealthy, and Ray Serve replaces it."""
-        if not self.online.healthy:
-            raise RuntimeError(self.online.stopped_by or "the engine loop is not running")
+        if self.online.down:
+            raise RuntimeError(self.online.down)
 
     def __del__(self):
         self.online.stop()

@@ -590,8 +590,8 @@ def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
         return JSONResponse(api.tokenizer_info())
 
     async def health(request: HTTPRequest) -> Response:
-        if not online.healthy:
-            return PlainTextResponse(online.stopped_by or "the engine loop is not running", status_code=503)
+        if online.down:
+            return PlainTextResponse(online.down, status_code=503)
         return PlainTextResponse("ok")
 
     async def metrics(request: HTTPRequest) -> Response:

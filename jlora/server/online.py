@@ -65,9 +65,11 @@ class OnlineEngine:
         self._thread.join(timeout=10)
 
     @property
-    def healthy(self) -> bool:
-        """Whether the loop runs and takes requests (False once it stopped for good)."""
-        return self._thread.is_alive() and self.stopped_by is None
+    def down(self) -> str | None:
+        """Why the loop takes no requests (it stopped for good, or it is not running), or None while it does."""
+        if self.stopped_by is not None:
+            return self.stopped_by
+        return None if self._thread.is_alive() else "the engine loop is not running"
 
     @property
     def num_waiting(self) -> int:
@@ -172,10 +174,15 @@ class OnlineEngine:
             return self._stop_for_good(f"{message}; starting over on a fresh cache failed too "
                                        f"({type(again).__name__}: {again}): the engine takes no more requests")
         self._preemptions_seen = 0
-        pending = [r for r, _ in self.admission.pending]
+        taken = self._taken_in(old)
         self.admission.pending.clear()
-        for r in [*pending, *old.waiting, *(r for r in old.running if r is not None)]:
+        for r in taken:
             r.end("failed", message)
+
+    def _taken_in(self, batcher) -> list[Request]:
+        """The requests taken in: waiting in admission, then waiting and running in `batcher`."""
+        return [*(r for r, _ in self.admission.pending), *batcher.waiting,
+                *(r for r in batcher.running if r is not None)]
 
     def _loop(self) -> None:
         last_start = None  # the last step's start while requests have run since
@@ -189,17 +196,14 @@ class OnlineEngine:
 
     def _stop_for_good(self, message: str) -> None:
         """Ends every request taken in or queued ("failed", `message`) and every queued call (`EngineStopped`);
-        later submits and calls raise EngineStopped, and `healthy` turns False."""
+        later submits and calls raise EngineStopped, and `down` says why."""
         with self._lock:
             self.stopped_by = message
             items = []
             while not self._inbox.empty():
                 items.append(self._inbox.get_nowait())
             self._queued = 0
-        ended = [r for r, _ in self.admission.pending]
-        ended += [*self.batcher.waiting, *(r for r in self.batcher.running if r is not None)]
-        ended += [item[1] for item in items if item[0] == "submit"]
-        for r in ended:
+        for r in [*self._taken_in(self.batcher), *(item[1] for item in items if item[0] == "submit")]:
             if r.finish is None:
                 r.end("failed", message)
         for item in items:

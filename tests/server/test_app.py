@@ -136,6 +136,6 @@ def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(serv
         for response in (after, unload):
             assert response.status_code == 503 and response.json()["error"]["message"] == why
         online._thread.join(10)  # the loop ends its last turn and returns
-        assert not online.healthy and not online._thread.is_alive()
+        assert online.down == why and not online._thread.is_alive()
     finally:
         online.stop()

@@ -191,7 +191,7 @@ def test_a_replica_whose_engine_stopped_for_good_fails_its_health_check():
     from jlora.ray import Replica
 
     check = Replica.func_or_class.check_health
-    check(SimpleNamespace(online=SimpleNamespace(healthy=True, stopped_by=None)))
-    stopped = SimpleNamespace(online=SimpleNamespace(healthy=False, stopped_by="the engine step failed: ..."))
+    check(SimpleNamespace(online=SimpleNamespace(down=None)))
+    stopped = SimpleNamespace(online=SimpleNamespace(down="the engine step failed: ..."))
     with pytest.raises(RuntimeError, match="the engine step failed"):
         check(stopped)
