@@ -6,25 +6,35 @@ blocks in a random order), unsplit and split as the engine splits (`split_chunk`
 Each case: device µs per layer over layers with distinct caches, each layer's query the layer before's output
 (as in the model), as many layers as make their caches 4x the 50 MB L2 (at least 8), so no run finds a layer's
 keys still in L2 from the run before; and the visible KV bytes over that time; every setting's output is checked
-against the shipped setting's (‖out − ref‖ / ‖ref‖ < 1e-2) first. A setting that does not compile (shared
-memory) is recorded as such. JSON: attention_tiles.json, written after each case.
+against the shipped setting's (‖out − ref‖ / ‖ref‖ < 1e-2) first, and whether its bits equal them is recorded
+(≠ in the printed line where not). A setting that does not compile (shared memory) is recorded as such. JSON:
+attention_tiles.json, written after each case.
 
-A setting adopted must be one for every batch of an engine: the key block sets the online softmax's order of
-operations, so a request's bits alone and in a batch stay equal only when every batch size runs the same one.
+A key block adopted must be one for every batch of an engine: it sets the online softmax's order of operations,
+so a request's bits alone and in a batch stay equal only when every batch size runs the same one. The warps and
+stages may follow the grid where their bits are equal (the shipped stages do: `decode_attention._stages`).
 
-  python bench/studies/attention_tiles.py [--cases rows,paged,split] [--out DIR]   # GPU
+Model (`--model-batches`): the 8B-shaped base decode step (`bench/model.py`'s model, context 1024, query at 512)
+with the shipped stages against three stages at every grid, in alternating rounds, over rows and over the paged
+cache split as the engine splits it.
+
+  python bench/studies/attention_tiles.py [--cases rows,paged,split] [--model-batches 32,64,128] [--out DIR]  # GPU
   python bench/studies/attention_tiles.py --smoke                                  # CPU, interpret mode
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
+import importlib
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +42,25 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import trace_kernels  # noqa: E402
+from model import llama3_8b, random_model, time_alternating  # noqa: E402
 
+from jlora.models.llama import Batch, KVCache  # noqa: E402
 from jlora.pallas.decode_attention import _call, _kernel, _paged_kernel, split_chunk  # noqa: E402
+from jlora.runner import forward  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
 
 KV, GROUPS, HEAD_DIM, PAGE = 8, 4, 128, 16
 MIN_LAYERS, CACHES_BYTES = 8, 200 << 20  # the layers' caches together: 4x the H100 / H200's 50 MB L2
-SHIPPED = dict(block_t=64, num_warps=4, num_stages=3)
+SHIPPED = dict(block_t=64, num_warps=4, num_stages=None)  # stages: decode_attention._stages of the grid
 SETTINGS = [dict(block_t=b, num_warps=w, num_stages=s)
             for b, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+ATTENTION = importlib.import_module("jlora.pallas.decode_attention")  # the module: jlora.pallas names the function
 CASES = {  # layout -> (batch, cache positions, query position)
-    "rows": [(1, 1024, 512), (8, 1024, 512), (32, 1024, 512), (64, 1024, 512), (32, 4096, 4000)],
-    "paged": [(32, 1024, 512), (64, 1024, 512), (32, 4096, 4000)],
-    "split": [(1, 1024, 512), (8, 1024, 512), (1, 4096, 4000)],  # paged, split as the engine splits
+    "rows": [(1, 1024, 512), (8, 1024, 512), (16, 1024, 512), (32, 1024, 512), (64, 1024, 512), (128, 1024, 512),
+             (32, 4096, 4000)],
+    "paged": [(16, 1024, 512), (32, 1024, 512), (64, 1024, 512), (128, 1024, 512), (32, 4096, 4000)],
+    "split": [(1, 1024, 512), (8, 1024, 512), (16, 1024, 512), (32, 1024, 512), (64, 1024, 512),
+              (1, 4096, 4000)],  # paged, split as the engine splits
 }
 
 
@@ -86,6 +103,7 @@ def case_rows(layout: str, batch: int, max_seq: int, pos: int, layers: int, sett
             rows.append(row)
             continue
         row["rel_error"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        row["bit_equal"] = bool(jnp.array_equal(out, ref))
         if row["rel_error"] >= 1e-2:
             raise AssertionError(f"{row}: relative error {row['rel_error']:.3g} against the shipped setting")
 
@@ -104,24 +122,62 @@ def case_rows(layout: str, batch: int, max_seq: int, pos: int, layers: int, sett
     return rows
 
 
+def model_rows(model_def, params, batch: int, paged: bool, max_seq: int = 1024, pos: int = 512) -> dict:
+    """The base decode step at `batch` with the shipped stages and with three at every grid, alternating rounds.
+    The second variant traces its own step: a copy of the model's definition is a new jit cache key (it hashes by
+    identity), and `_stages` is patched while it traces."""
+    config = llama3_8b(32)
+    tables, chunk = None, None
+    if paged:
+        cache = KVCache.zeros(config, batch * max_seq // PAGE, PAGE, jnp.bfloat16)
+        tables = jnp.asarray(np.random.default_rng(0).permutation(batch * max_seq // PAGE).reshape(batch, -1),
+                             jnp.int32)
+        chunk = split_chunk(max_seq, PAGE)
+    else:
+        cache = KVCache.zeros(config, batch, max_seq, jnp.bfloat16)
+    call = Call(Batch.of(jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), pos, jnp.int32), tables=tables),
+                jnp.full(batch, -1, jnp.int32), jnp.zeros(1, jnp.int32))
+    options = StepOptions(16, "auto", attention_chunk=chunk)
+    three, traced = copy.copy(model_def), []
+
+    def three_stages(c):
+        with mock.patch.object(ATTENTION, "_stages", lambda programs: traced.append(programs) or 3):
+            return forward(three, params, call, c, None, options)
+
+    runs = {"shipped": lambda c: forward(model_def, params, call, c, None, options), "three stages": three_stages}
+    times, _ = time_alternating(runs, cache)
+    assert traced or jax.default_backend() != "gpu", "the three-stage step did not trace the Pallas attention"
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    row = dict(batch=batch, max_seq=max_seq, position=pos, paged=paged, split=chunk, shipped_ms=ms["shipped"],
+               three_stages_ms=ms["three stages"], ratio=ms["shipped"] / ms["three stages"])
+    print(f"model B={batch:3d} {'paged, split' if paged else 'rows'}: shipped {ms['shipped']:.3f} ms, three stages "
+          f"{ms['three stages']:.3f} ms ({row['ratio']:.3f}x)", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one small case per layout (interpret mode on CPU)")
     parser.add_argument("--cases", default="rows,paged,split", help="the layouts to sweep")
     parser.add_argument("--batches", default=None, help="only these batch sizes (e.g. 1,32); default all")
+    parser.add_argument("--settings", default=None,
+                        help="only these settings, block_t/warps/stages (e.g. 64/4/2,64/4/3); default all")
+    parser.add_argument("--model-batches", default="", help="the base step's batch sizes (e.g. 32,64,128)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
     print(f"# {device}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "attention_tiles_smoke.json" if args.smoke else "attention_tiles.json")
-    result = {"device": device, "shipped": SHIPPED, "rows": []}
+    result = {"device": device, "shipped": SHIPPED, "rows": [], "model": []}
     for layout in args.cases.split(","):
         cases = [(2, 256, 200)] if args.smoke else CASES[layout]
         if args.batches:
             cases = [c for c in cases if c[0] in {int(b) for b in args.batches.split(",")}]
         for batch, max_seq, pos in cases:
-            settings = [SHIPPED, dict(block_t=32, num_warps=4, num_stages=2)] if args.smoke else SETTINGS
+            settings = [SHIPPED] + ([dict(block_t=32, num_warps=4, num_stages=2)] if args.smoke else [
+                s for s in SETTINGS if not args.settings
+                or f"{s['block_t']}/{s['num_warps']}/{s['num_stages']}" in args.settings.split(",")])
             per_layer = 2 * batch * KV * max_seq * HEAD_DIM * 2  # K and V, bf16
             layers = 1 if args.smoke else max(MIN_LAYERS, -(-CACHES_BYTES // per_layer))
             start = time.monotonic()
@@ -136,8 +192,17 @@ def main() -> None:
                       f"shipped {shipped['us_per_layer']:6.1f} µs ({shipped['TBps']:.2f} TB/s), "
                       f"best {best['us_per_layer']:6.1f} µs ({best['TBps']:.2f} TB/s) "
                       f"at block_t={best['block_t']} warps={best['num_warps']} stages={best['num_stages']}; "
-                      + " ".join(f"{r['block_t']}/{r['num_warps']}/{r['num_stages']}:"
-                                 f"{r['us_per_layer']:.1f}" for r in timed), flush=True)
+                      + " ".join(f"{r['block_t']}/{r['num_warps']}/{r['num_stages'] or 'shipped'}:"
+                                 f"{r['us_per_layer']:.1f}{'' if r['bit_equal'] else '≠'}" for r in timed),
+                      flush=True)
+
+    if args.model_batches and not args.smoke:
+        model_def, params = random_model(llama3_8b(32))
+        for batch in map(int, args.model_batches.split(",")):
+            for paged in (False, True):
+                result["model"].append(model_rows(model_def, params, batch, paged))
+                with open(path, "w") as f:
+                    json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,15 @@ def _block_t(max_seq: int) -> int:
     return pow2_divisor(max_seq, 64)
 
 
+def _stages(programs: int) -> int:
+    """Triton's pipeline stages for a grid of `programs`: three (K and V tiles of 64 positions in flight, 96 KB of
+    shared memory) while the grid fits the GPU at once, two programs on each of an H100 / H200's 132 SMs; two
+    past that, so three programs share an SM (bench/results/attention_tiles.json: at batch 64, 8 KV heads, 40
+    against 44 µs over rows and 41 against 52 over pages; at 1-32 requests three stages are 3-55 % faster). The
+    stages only pipeline the loads: every setting computes the same operations in the same order."""
+    return 3 if programs <= 2 * 132 else 2
+
+
 def split_chunk(max_seq: int, block_size: int = 0) -> int:
     """Positions per chunk of a split for contexts of up to `max_seq` positions over a cache of `block_size`
     blocks (0: contiguous, whose key blocks are at most 64): at least 256 (shorter chunks cost more in partial
@@ -233,10 +242,10 @@ def paged_decode_attention(
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
-          limit: int, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+          limit: int, num_warps: int = 4, num_stages: int | None = None) -> jax.Array:
     """`kernel` over q [B, KV, G, D] and `limit` cache positions -> [B, KV, G, D]: one program per (request, KV
     head), and per chunk of `chunk` positions when that is given (None: unsplit). `num_warps` and `num_stages`
-    are Triton's (bench/studies/attention_tiles.py sweeps them with `block_t`)."""
+    are Triton's (bench/studies/attention_tiles.py sweeps them with `block_t`; None: `_stages` of the grid)."""
     batch, kv, groups, d = q.shape
     flat = q.reshape(batch * kv * groups, d)
     n = flat.shape[0]
@@ -257,7 +266,7 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
         kernel,
         out_shape=out_shape,
         grid=grid,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages or _stages(math.prod(grid))),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_{name}_{kv}x{groups}x{d}",
     )(positions.astype(jnp.int32), where.astype(jnp.int32), flat, k, v)

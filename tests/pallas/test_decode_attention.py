@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.pallas.decode_attention import (decode_attention, decode_attention_supported, paged_decode_attention,
-                                           split_chunk)
+from jlora.pallas.decode_attention import (_stages, decode_attention, decode_attention_supported,
+                                           paged_decode_attention, split_chunk)
 from tests import oracle
 
 
@@ -222,3 +222,26 @@ def test_paged_with_a_window_and_a_table_of_no_whole_key_blocks(window, chunk):
                                  jnp.asarray(tables), window=window, chunk=chunk)
     err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_request_has_its_bits_alone_and_in_a_batch_past_one_wave(paged):
+    """Batch invariance across the pipeline stages (`_stages`, which only a GPU compiles): alone, a request's grid
+    of 8 programs takes three stages; in a batch of 40 requests of 8 KV heads (320 programs), two."""
+    rng = np.random.default_rng(4)
+    batch, kv, groups, d, max_seq = 40, 8, 2, 64, 256
+    assert _stages(kv) != _stages(batch * kv)
+    q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, max_seq, batch), jnp.int32)
+    if paged:
+        k, v = (jnp.asarray(rng.standard_normal((batch * max_seq // 16, kv, 16, d)), jnp.bfloat16) for _ in range(2))
+        where = jnp.asarray(rng.permutation(batch * max_seq // 16).reshape(batch, -1), jnp.int32)
+        attend = paged_decode_attention
+    else:
+        k, v = (jnp.asarray(rng.standard_normal((batch, kv, max_seq, d)), jnp.bfloat16) for _ in range(2))
+        where = jnp.asarray(rng.permutation(batch), jnp.int32)
+        attend = decode_attention
+    together = np.asarray(attend(q, k, v, positions, where))
+    for b in (0, 17, 39):
+        alone = attend(q[b:b + 1], k, v, positions[b:b + 1], where[b:b + 1])
+        np.testing.assert_array_equal(np.asarray(alone)[0], together[b])
