@@ -224,13 +224,16 @@ def test_paged_with_a_window_and_a_table_of_no_whole_key_blocks(window, chunk):
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("paged", [False, True])
-def test_a_request_has_its_bits_alone_and_in_a_batch_past_one_wave(paged):
+def test_a_request_has_its_bits_alone_and_in_a_batch_past_one_wave(paged, chunk):
     """Batch invariance across the pipeline stages (`_stages`, which only a GPU compiles): alone, a request's grid
-    of 8 programs takes three stages; in a batch of 40 requests of 8 KV heads (320 programs), two."""
+    of 8 programs (32 split) takes three stages; in a batch of 40 requests of 8 KV heads (320 programs, 1280
+    split), two."""
     rng = np.random.default_rng(4)
     batch, kv, groups, d, max_seq = 40, 8, 2, 64, 256
-    assert _stages(kv) != _stages(batch * kv)
+    chunks = 1 if chunk is None else max_seq // chunk
+    assert _stages(kv * chunks) != _stages(batch * kv * chunks)
     q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), jnp.bfloat16)
     positions = jnp.asarray(rng.integers(0, max_seq, batch), jnp.int32)
     if paged:
@@ -241,7 +244,7 @@ def test_a_request_has_its_bits_alone_and_in_a_batch_past_one_wave(paged):
         k, v = (jnp.asarray(rng.standard_normal((batch, kv, max_seq, d)), jnp.bfloat16) for _ in range(2))
         where = jnp.asarray(rng.permutation(batch), jnp.int32)
         attend = decode_attention
-    together = np.asarray(attend(q, k, v, positions, where))
+    together = np.asarray(attend(q, k, v, positions, where, chunk=chunk))
     for b in (0, 17, 39):
-        alone = attend(q[b:b + 1], k, v, positions[b:b + 1], where[b:b + 1])
+        alone = attend(q[b:b + 1], k, v, positions[b:b + 1], where[b:b + 1], chunk=chunk)
         np.testing.assert_array_equal(np.asarray(alone)[0], together[b])
