@@ -48,8 +48,8 @@ def _stages(programs: int) -> int:
     """Triton's pipeline stages for a grid of `programs`: three (K and V tiles of 64 positions in flight, 96 KB of
     shared memory) while the grid fits the GPU at once, two programs on each of an H100 / H200's 132 SMs; two
     past that, so three programs share an SM (bench/results/attention_tiles.json: at batch 64, 8 KV heads, 40
-    against 44 µs over rows and 41 against 52 over pages; at 1-32 requests three stages are 3-55 % faster). The
-    stages only pipeline the loads: every setting computes the same operations in the same order."""
+    against 44 µs over rows and 41 against 52 over pages; at 1-32 requests two stages are up to 1.56x slower).
+    The stages only pipeline the loads: every setting computes the same operations in the same order."""
     return 3 if programs <= 2 * 132 else 2
 
 
@@ -266,7 +266,8 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
         kernel,
         out_shape=out_shape,
         grid=grid,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages or _stages(math.prod(grid))),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps,
+                                                num_stages=num_stages or _stages(math.prod(grid))),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_{name}_{kv}x{groups}x{d}",
     )(positions.astype(jnp.int32), where.astype(jnp.int32), flat, k, v)
