@@ -43,13 +43,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import trace_kernels  # noqa: E402
 from model import llama3_8b, random_model, time_alternating  # noqa: E402
+from split_attention import GROUPS, HEAD_DIM, KV, PAGE, base_decode  # noqa: E402
 
-from jlora.models.llama import Batch, KVCache  # noqa: E402
 from jlora.pallas.decode_attention import _call, _kernel, _paged_kernel, split_chunk  # noqa: E402
 from jlora.runner import forward  # noqa: E402
-from jlora.step import Call, StepOptions  # noqa: E402
+from jlora.step import StepOptions  # noqa: E402
 
-KV, GROUPS, HEAD_DIM, PAGE = 8, 4, 128, 16
 MIN_LAYERS, CACHES_BYTES = 8, 200 << 20  # the layers' caches together: 4x the H100 / H200's 50 MB L2
 SHIPPED = dict(block_t=64, num_warps=4, num_stages=None)  # stages: decode_attention._stages of the grid
 SETTINGS = [dict(block_t=b, num_warps=w, num_stages=s)
@@ -126,17 +125,8 @@ def model_rows(model_def, params, batch: int, paged: bool, max_seq: int = 1024, 
     """The base decode step at `batch` with the shipped stages and with three at every grid, alternating rounds.
     The second variant traces its own step: a copy of the model's definition is a new jit cache key (it hashes by
     identity), and `_stages` is patched while it traces."""
-    config = llama3_8b(32)
-    tables, chunk = None, None
-    if paged:
-        cache = KVCache.zeros(config, batch * max_seq // PAGE, PAGE, jnp.bfloat16)
-        tables = jnp.asarray(np.random.default_rng(0).permutation(batch * max_seq // PAGE).reshape(batch, -1),
-                             jnp.int32)
-        chunk = split_chunk(max_seq, PAGE)
-    else:
-        cache = KVCache.zeros(config, batch, max_seq, jnp.bfloat16)
-    call = Call(Batch.of(jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), pos, jnp.int32), tables=tables),
-                jnp.full(batch, -1, jnp.int32), jnp.zeros(1, jnp.int32))
+    cache, call = base_decode(llama3_8b(32), batch, max_seq, pos, paged)
+    chunk = split_chunk(max_seq, PAGE) if paged else None
     options = StepOptions(16, "auto", attention_chunk=chunk)
     three, traced = copy.copy(model_def), []
 

@@ -80,20 +80,27 @@ def kernel_rows(batch: int, max_seq: int, pos: int, paged: bool, layers: int) ->
     return out
 
 
+def base_decode(config, batch: int, max_seq: int, pos: int, paged: bool) -> tuple[KVCache, Call]:
+    """(cache, call) of a base decode step: `batch` requests at position `pos` over a zero cache of `max_seq`
+    positions a request, contiguous rows or `PAGE`-position blocks in a random order."""
+    tables = None
+    if paged:
+        cache = KVCache.zeros(config, batch * max_seq // PAGE, PAGE, jnp.bfloat16)
+        tables = jnp.asarray(np.random.default_rng(0).permutation(batch * max_seq // PAGE).reshape(batch, -1),
+                             jnp.int32)
+    else:
+        cache = KVCache.zeros(config, batch, max_seq, jnp.bfloat16)
+    call = Call(Batch.of(jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), pos, jnp.int32), tables=tables),
+                jnp.full(batch, -1, jnp.int32), jnp.zeros(1, jnp.int32))
+    return cache, call
+
+
 def model_rows(model_def, params, batches: list[int], max_seq: int, pos: int, paged: bool) -> list[dict]:
     """The 8B base decode step at each batch, split and unsplit, in alternating rounds."""
     config = llama3_8b(LAYERS)
     rows, chunk = [], split_chunk(max_seq, PAGE if paged else 0)
     for batch in batches:
-        tables = None
-        if paged:
-            cache = KVCache.zeros(config, batch * max_seq // PAGE, PAGE, jnp.bfloat16)
-            tables = jnp.asarray(np.random.default_rng(0).permutation(batch * max_seq // PAGE).reshape(batch, -1),
-                                 jnp.int32)
-        else:
-            cache = KVCache.zeros(config, batch, max_seq, jnp.bfloat16)
-        call = Call(Batch.of(jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), pos, jnp.int32), tables=tables),
-                    jnp.full(batch, -1, jnp.int32), jnp.zeros(1, jnp.int32))
+        cache, call = base_decode(config, batch, max_seq, pos, paged)
         runs = {split: (lambda c, split=split: forward(
             model_def, params, call, c, None, StepOptions(16, "auto", attention_chunk=chunk if split else None)))
                 for split in (False, True)}
