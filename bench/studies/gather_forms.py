@@ -100,8 +100,8 @@ for _name, _impl in list(FORMS.items())[1:]:
     ops._JNP_EXPAND[_name] = _impl
     ops._JNP_SHRINK[_name] = reference.shrink_gather
     ops.BACKENDS = (*ops.BACKENDS, _name)
-_kernel_attention = llama._kernel_attention
-llama._kernel_attention = lambda backend: _kernel_attention("gather" if backend.startswith("gather") else backend)
+_pallas_kernels = llama._pallas_kernels
+llama._pallas_kernels = lambda backend: _pallas_kernels("gather" if backend.startswith("gather") else backend)
 
 
 # (op, T, adapters, rank): the decode rows where the forms differ, and the model's decode projections.

@@ -32,6 +32,7 @@ from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
+from jlora.pallas.rms_norm import rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
 
 __all__ = ["Batch", "CallOptions", "Group", "KVCache", "LoRAInput", "Transformer", "rope_frequencies"]
@@ -152,12 +153,13 @@ class _Part:
 @dataclasses.dataclass(frozen=True)
 class _Context:
     """What every layer of a call reads: its groups as `_Part`s, the RoPE frequencies, the adapters (None:
-    the base model alone) and the options."""
+    the base model alone), the options and whether the norms run in the Pallas kernel."""
 
     parts: tuple[_Part, ...]
     inv_freq: jax.Array
     lora: LoRAInput | None
     options: CallOptions
+    norm_kernel: bool
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -248,10 +250,10 @@ def _override_logits(logits: jax.Array, x: jax.Array, rows: RowOverrides, info: 
     return logits.at[jnp.arange(t)[:, None], column].set(values, mode="drop")
 
 
-def _kernel_attention(backend: str) -> bool:
-    """Whether decode attention runs in the Pallas kernel: on GPU under the GPU backends ("auto", "gather",
-    "pallas"), and under an explicit "pallas" anywhere (interpret mode on CPU); reference and ragged keep
-    XLA's contractions."""
+def _pallas_kernels(backend: str) -> bool:
+    """Whether the model's own Pallas kernels run (decode attention, RMSNorm): on GPU under the GPU backends
+    ("auto", "gather", "pallas"), and under an explicit "pallas" anywhere (interpret mode on CPU); reference
+    and ragged keep XLA's operations."""
     resolve_backend(backend)  # rejects unknown names
     return backend == "pallas" or (backend in ("auto", "gather") and jax.default_backend() == "gpu")
 
@@ -277,7 +279,10 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kernel: bool = False) -> jax.Array:
+        """x [T, H] normalized per row, in the Pallas kernel with `kernel` (the same rounding)."""
+        if kernel:
+            return rms_norm(x, self.weight[...], self.eps)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * y.astype(x.dtype)
@@ -373,9 +378,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
-        h, k_cache, v_cache = self.attn(self.input_norm(x), ctx, k_cache, v_cache, group)
+        h, k_cache, v_cache = self.attn(self.input_norm(x, ctx.norm_kernel), ctx, k_cache, v_cache, group)
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x), ctx, group), k_cache, v_cache
+        return x + self.mlp(self.post_attn_norm(x, ctx.norm_kernel), ctx, group), k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -425,8 +430,9 @@ class Transformer(nnx.Module):
             if weights.rope_factor is not None:  # LongLoRA: linear RoPE scaling by each token's adapter's factor
                 slot = lora.info.token_slot
                 factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
+        norm_kernel = _pallas_kernels(options.backend) and rms_norm_supported(self.config.hidden_size)
         ctx = _Context(self._parts(batch, factor, cache, options), rope_frequencies(self.config), lora,
-                       options)
+                       options, norm_kernel)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, ctx, cache.k[i], cache.v[i], None if lora is None else weights.layers[i])
@@ -435,7 +441,7 @@ class Transformer(nnx.Module):
         info = None if lora is None else lora.info
         if batch.logits_at is not None:
             x, info = x[batch.logits_at], None if lora is None else lora.head_info
-        logits = self._head(self.norm(x), weights, info, options.backend)
+        logits = self._head(self.norm(x, norm_kernel), weights, info, options.backend)
         cache = KVCache(tuple(ks), tuple(vs))
         return (logits if batch.logits_at is not None else logits.reshape(*batch.groups[0].tokens.shape, -1)), cache
 
@@ -446,7 +452,7 @@ class Transformer(nnx.Module):
         for g in batch.groups:
             b, s = g.tokens.shape
             rope_positions = g.positions if factor is None else g.positions / factor[start:start + b * s].reshape(b, s)
-            kernel = (s == 1 and _kernel_attention(options.backend)
+            kernel = (s == 1 and _pallas_kernels(options.backend)
                       and decode_attention_supported(self.config.head_dim, cache.k[0].shape[2]))
             writes = jnp.ones((b, s), bool) if g.valid is None else g.valid
             # once for all layers: an iota per layer is a kernel

@@ -1,0 +1,108 @@
+"""The model's RMSNorm in a Pallas kernel (`jlora.pallas.rms_norm`) against XLA's fusions of it, for #39.
+
+A decode step runs 65 norms in series between its GEMMs. XLA runs each as one kernel at batch 32 but as two at
+batch 1 (the sum of squares, then the scaling: a reduction to one value takes no epilogue). The kernel is one
+program per token row.
+
+Model: the 8B-shaped step (`bench/model.py`'s model, random weights) compiled twice, the norms in the kernel (the
+shipped model) and in XLA (the decision patched while the second copy traces), timed in alternating rounds: base
+decode over contiguous rows (context 1024, query at 512) at each batch, batch 32 with one and with 32 r=16
+adapters, and a base prefill of 4 x 512 tokens. Both variants' logits are compared first. JSON: norm_kernel.json.
+
+  python bench/studies/norm_kernel.py [--batches 1,8,32,64] [--out DIR]  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from common import trace_kernels  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model, time_alternating  # noqa: E402
+from split_attention import base_decode  # noqa: E402
+
+from jlora.models import llama  # noqa: E402
+from jlora.models.llama import Batch, KVCache  # noqa: E402
+from jlora.runner import forward  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
+
+
+def prefill(config, requests: int, length: int) -> tuple[KVCache, Call]:
+    """(cache, call) of a base prefill: `requests` prompts of `length` tokens from position 0."""
+    cache = KVCache.zeros(config, requests, 2 * length, jnp.bfloat16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (requests, length)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (requests, length))
+    return cache, Call(Batch.of(tokens, positions), jnp.full(requests * length, -1, jnp.int32), jnp.zeros(1, jnp.int32))
+
+
+def case(model_def, params, name: str, cache, call: Call, lora=None) -> dict:
+    """The step with the kernel's norms and with XLA's, alternating rounds; their logits compared first."""
+    xla_def, traced = copy.copy(model_def), []  # a copy is a new jit key: it traces its own step
+    options = StepOptions(16, "auto")
+    with mock.patch.object(llama, "rms_norm_supported", lambda hidden: traced.append(hidden) or False):
+        xla_logits, cache = forward(xla_def, params, call, cache, lora, options)
+    assert traced, "the XLA variant did not trace the norms' decision"
+    logits, cache = forward(model_def, params, call, cache, lora, options)
+    diff = jnp.abs(logits - xla_logits)
+    runs = {"kernel": lambda c: forward(model_def, params, call, c, lora, options),
+            "xla": lambda c: forward(xla_def, params, call, c, lora, options)}
+    kernels = {}
+    for variant, run in runs.items():
+        holder = [cache]
+
+        def steps(run=run, holder=holder):
+            out, holder[0] = run(holder[0])
+            return out
+
+        kernels[variant] = sum(len(d) for d in trace_kernels(steps).values())
+        cache = holder[0]
+    times, cache = time_alternating(runs, cache)
+    ms = {variant: statistics.median(t) * 1e3 for variant, t in times.items()}
+    row = dict(case=name, kernel_ms=ms["kernel"], xla_ms=ms["xla"], ratio=ms["kernel"] / ms["xla"],
+               kernels=kernels, logits_max_abs_diff=float(diff.max()),
+               logits_equal_fraction=float(jnp.mean(logits == xla_logits)))
+    print(f"{name:28s} kernel norms {ms['kernel']:7.3f} ms ({kernels['kernel']} kernels), XLA norms "
+          f"{ms['xla']:7.3f} ms ({kernels['xla']}): {row['ratio']:.3f}x; logits max |diff| "
+          f"{row['logits_max_abs_diff']:.3g}, equal {row['logits_equal_fraction']:.3f}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,8,32,64", help="base decode batch sizes")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    device = jax.devices()[0].device_kind
+    print(f"# {device}", flush=True)
+    config = llama3_8b(32)
+    model_def, params = random_model(config)
+    result, path = {"device": device, "rows": []}, os.path.join(args.out, "norm_kernel.json")
+    os.makedirs(args.out, exist_ok=True)
+
+    def record(row):
+        result["rows"].append(row)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for batch in map(int, args.batches.split(",")):
+        record(case(model_def, params, f"decode B={batch}", *base_decode(config, batch, 1024, 512, False)))
+    lora = random_lora(config, 16)
+    for adapters in (1, SLOTS):
+        cache, call = base_decode(config, 32, 1024, 512, False)
+        call = Call(call.batch, jnp.arange(32, dtype=jnp.int32) % adapters, jnp.full(SLOTS, 16, jnp.int32))
+        record(case(model_def, params, f"decode B=32, {adapters} r=16", cache, call, lora))
+    record(case(model_def, params, "prefill 4 x 512", *prefill(config, 4, 512)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The Pallas RMSNorm (interpret mode on CPU) against a float64 oracle of HF's Llama norm, XLA's form of it in
+the model, and each row's bits alone."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora.models.llama import RMSNorm
+from jlora.pallas.rms_norm import rms_norm, rms_norm_supported
+from tests import oracle
+
+
+def _oracle(x, w, eps):
+    """float64 of HF's LlamaRMSNorm: the row scaled in high precision, rounded to x's dtype (the one rounding
+    the kernel must share), times the weight."""
+    x64 = np.asarray(x, np.float64)
+    y = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return np.asarray(w, np.float64) * np.asarray(jnp.asarray(y, x.dtype), np.float64)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("seed, tokens, hidden", [(0, 1, 64), (1, 7, 256), (2, 33, 128), (3, 2, 16)])
+def test_matches_the_float64_oracle(dtype, tol, seed, tokens, hidden):
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.uniform(-3, 3, (tokens, 1))  # rows of very different magnitudes
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * scale, dtype)
+    w = jnp.asarray(rng.standard_normal(hidden), dtype)
+    out = np.asarray(rms_norm(x, w, 1e-5), np.float64)
+    want = _oracle(x, w, 1e-5)
+    assert oracle.worst_row_err(out, want) < tol
+
+
+def test_equals_the_model_norm_in_xla_and_keeps_each_rows_bits_alone():
+    rng = np.random.default_rng(4)
+    norm = RMSNorm(256, 1e-6, dtype=jnp.bfloat16, rngs=None)
+    norm.weight[...] = jnp.asarray(rng.standard_normal(256), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((9, 256)) * 3, jnp.bfloat16)
+    out = np.asarray(norm(x, kernel=True).astype(jnp.float32))
+    np.testing.assert_allclose(out, np.asarray(norm(x).astype(jnp.float32)), rtol=1e-2, atol=0)
+    for t in (0, 4, 8):
+        np.testing.assert_array_equal(np.asarray(norm(x[t:t + 1], kernel=True).astype(jnp.float32))[0], out[t])
+
+
+def test_a_zero_row_stays_zero_and_sizes_it_cannot_tile_are_refused():
+    out = rms_norm(jnp.zeros((2, 32), jnp.float32), jnp.ones(32, jnp.float32), 1e-6)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+    assert rms_norm_supported(4096) and not rms_norm_supported(3584) and not rms_norm_supported(8)
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm(jnp.zeros((2, 48), jnp.float32), jnp.ones(48, jnp.float32), 1e-6)
