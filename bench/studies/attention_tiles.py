@@ -1,5 +1,5 @@
-"""The decode attention kernel's launch parameters (#39): cache positions per loop step (`block_t`), Triton's
-warps per program and pipeline stages, swept over the 8B shape (8 KV heads of 4 query heads, head_dim 128) at
+"""The decode attention kernel's launch parameters (#39): cache positions per key block (`block_t`), key blocks
+loaded per loop step (`step_blocks`), Triton's warps per program and pipeline stages, swept over the 8B shape (8 KV heads of 4 query heads, head_dim 128) at
 the batches and contexts the model step runs, over contiguous rows and over the paged cache (16-position
 blocks in a random order), unsplit and split as the engine splits (`split_chunk`).
 
@@ -11,14 +11,17 @@ against the shipped setting's (‖out − ref‖ / ‖ref‖ < 1e-2) first, and 
 attention_tiles.json, written after each case.
 
 A key block adopted must be one for every batch of an engine: it sets the online softmax's order of operations,
-so a request's bits alone and in a batch stay equal only when every batch size runs the same one. The warps and
-stages may follow the grid where their bits are equal (the shipped stages do: `decode_attention._stages`).
+so a request's bits alone and in a batch stay equal only when every batch size runs the same one. The blocks a
+step loads, the warps and the stages may follow the grid where their bits are equal (the shipped ones do:
+`decode_attention._stages` and `_step_blocks`).
 
-Model (`--model-batches`): the 8B-shaped base decode step (`bench/model.py`'s model, context 1024, query at 512)
-with the shipped stages against three stages at every grid, in alternating rounds, over rows and over the paged
-cache split as the engine splits it.
+Model (`--model-batches`): the 8B-shaped base decode step (`bench/model.py`'s model, context 1024 with the query
+at 512 unless `--model-context` says otherwise) as shipped against the step with one of the kernel's grid rules
+replaced (`--model-variant`: three stages at every grid, or one key block a loop step), in alternating rounds,
+over rows and over the paged cache split as the engine splits it.
 
-  python bench/studies/attention_tiles.py [--cases rows,paged,split] [--model-batches 32,64,128] [--out DIR]  # GPU
+  python bench/studies/attention_tiles.py [--cases rows,paged,split] [--model-batches 32,64,128]
+      [--model-variant stages|step_blocks] [--model-context 4096/4000] [--model-layouts paged] [--out DIR]  # GPU
   python bench/studies/attention_tiles.py --smoke                                  # CPU, interpret mode
 """
 
@@ -50,26 +53,33 @@ from jlora.runner import forward  # noqa: E402
 from jlora.step import StepOptions  # noqa: E402
 
 MIN_LAYERS, CACHES_BYTES = 8, 200 << 20  # the layers' caches together: 4x the H100 / H200's 50 MB L2
-SHIPPED = dict(block_t=64, num_warps=4, num_stages=None)  # stages: decode_attention._stages of the grid
-SETTINGS = [dict(block_t=b, num_warps=w, num_stages=s)
-            for b, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+# None: the kernel's rules of the grid (decode_attention._stages, and _step_blocks over pages; one over rows)
+SHIPPED = dict(block_t=64, num_warps=4, num_stages=None, step_blocks=None)
+SETTINGS = [dict(block_t=b, num_warps=w, num_stages=s, step_blocks=n)
+            for b, w, s, n in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4)) if b * n <= 256]
 ATTENTION = importlib.import_module("jlora.pallas.decode_attention")  # the module: jlora.pallas names the function
 CASES = {  # layout -> (batch, cache positions, query position)
     "rows": [(1, 1024, 512), (8, 1024, 512), (16, 1024, 512), (32, 1024, 512), (64, 1024, 512), (128, 1024, 512),
              (32, 4096, 4000)],
     "paged": [(16, 1024, 512), (32, 1024, 512), (64, 1024, 512), (128, 1024, 512), (32, 4096, 4000)],
     "split": [(1, 1024, 512), (8, 1024, 512), (16, 1024, 512), (32, 1024, 512), (64, 1024, 512),
-              (1, 4096, 4000)],  # paged, split as the engine splits
+              (1, 4096, 4000), (32, 4096, 4000)],  # paged, split as the engine splits
 }
+
+
+def label(setting: dict) -> str:
+    """block_t/warps/stages/step_blocks, as `--settings` names a setting."""
+    return "/".join(str(setting[k]) for k in ("block_t", "num_warps", "num_stages", "step_blocks"))
 
 
 def attention(layout: str, batch: int, max_seq: int, pos: int):
     """(fn(q, k, v, **setting), caches' shape, the call's extra arrays) for one case."""
     positions = jnp.full((batch,), pos, jnp.int32)
     if layout == "rows":
-        def fn(q, k, v, *, block_t, **launch):
+        def fn(q, k, v, *, block_t, step_blocks, **launch):  # step_blocks None: one, as decode_attention
             return _call(_kernel, "decode_attention", q, positions, jnp.arange(batch, dtype=jnp.int32), k, v,
-                            block_t=block_t, window=None, chunk=None, limit=max_seq, **launch)
+                         block_t=block_t, window=None, chunk=None, limit=max_seq, step_blocks=step_blocks or 1,
+                         **launch)
         return fn, (batch, KV, max_seq, HEAD_DIM)
     blocks = batch * max_seq // PAGE
     tables = jnp.asarray(np.random.default_rng(0).permutation(blocks).reshape(batch, -1), jnp.int32)
@@ -121,27 +131,34 @@ def case_rows(layout: str, batch: int, max_seq: int, pos: int, layers: int, sett
     return rows
 
 
-def model_rows(model_def, params, batch: int, paged: bool, max_seq: int = 1024, pos: int = 512) -> dict:
-    """The base decode step at `batch` with the shipped stages and with three at every grid, alternating rounds.
-    The second variant traces its own step: a copy of the model's definition is a new jit cache key (it hashes by
-    identity), and `_stages` is patched while it traces."""
+VARIANTS = {  # --model-variant -> (its name, the rule patched while it traces, what the patch returns)
+    "stages": ("three stages", "_stages", 3),
+    "step_blocks": ("one key block a step", "_step_blocks", 1),
+}
+
+
+def model_rows(model_def, params, batch: int, paged: bool, variant: str, max_seq: int = 1024,
+               pos: int = 512) -> dict:
+    """The base decode step at `batch` as shipped and with one of the kernel's grid rules replaced by a constant
+    (`VARIANTS`), alternating rounds. The variant traces its own step: a copy of the model's definition is a new
+    jit cache key (it hashes by identity), and the rule is patched while it traces."""
     cache, call = base_decode(llama3_8b(32), batch, max_seq, pos, paged)
     chunk = split_chunk(max_seq, PAGE) if paged else None
     options = StepOptions(16, "auto", attention_chunk=chunk)
-    three, traced = copy.copy(model_def), []
+    (name, rule, value), other, traced = VARIANTS[variant], copy.copy(model_def), []
 
-    def three_stages(c):
-        with mock.patch.object(ATTENTION, "_stages", lambda programs: traced.append(programs) or 3):
-            return forward(three, params, call, c, None, options)
+    def patched(c):
+        with mock.patch.object(ATTENTION, rule, lambda programs: traced.append(programs) or value):
+            return forward(other, params, call, c, None, options)
 
-    runs = {"shipped": lambda c: forward(model_def, params, call, c, None, options), "three stages": three_stages}
+    runs = {"shipped": lambda c: forward(model_def, params, call, c, None, options), name: patched}
     times, _ = time_alternating(runs, cache)
-    assert traced or jax.default_backend() != "gpu", "the three-stage step did not trace the Pallas attention"
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    row = dict(batch=batch, max_seq=max_seq, position=pos, paged=paged, split=chunk, shipped_ms=ms["shipped"],
-               three_stages_ms=ms["three stages"], ratio=ms["shipped"] / ms["three stages"])
-    print(f"model B={batch:3d} {'paged, split' if paged else 'rows'}: shipped {ms['shipped']:.3f} ms, three stages "
-          f"{ms['three stages']:.3f} ms ({row['ratio']:.3f}x)", flush=True)
+    assert traced or jax.default_backend() != "gpu", f"the {name} step did not trace the Pallas attention"
+    ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    row = dict(batch=batch, max_seq=max_seq, position=pos, paged=paged, split=chunk, variant=name,
+               shipped_ms=ms["shipped"], variant_ms=ms[name], ratio=ms["shipped"] / ms[name])
+    print(f"model B={batch:3d} {pos}/{max_seq} {'paged, split' if paged else 'rows'}: shipped {ms['shipped']:.3f} ms, "
+          f"{name} {ms[name]:.3f} ms ({row['ratio']:.3f}x)", flush=True)
     return row
 
 
@@ -151,8 +168,12 @@ def main() -> None:
     parser.add_argument("--cases", default="rows,paged,split", help="the layouts to sweep")
     parser.add_argument("--batches", default=None, help="only these batch sizes (e.g. 1,32); default all")
     parser.add_argument("--settings", default=None,
-                        help="only these settings, block_t/warps/stages (e.g. 64/4/2,64/4/3); default all")
+                        help="only these settings, block_t/warps/stages/step_blocks (e.g. 64/4/3/1,64/4/3/2); default all")
     parser.add_argument("--model-batches", default="", help="the base step's batch sizes (e.g. 32,64,128)")
+    parser.add_argument("--model-variant", default="stages", choices=sorted(VARIANTS),
+                        help="the rule the base step is compared without")
+    parser.add_argument("--model-context", default="1024/512", help="cache positions/query position of the base step")
+    parser.add_argument("--model-layouts", default="rows,paged", help="rows, paged (split as the engine splits)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
@@ -160,14 +181,13 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "attention_tiles_smoke.json" if args.smoke else "attention_tiles.json")
     result = {"device": device, "shipped": SHIPPED, "rows": [], "model": []}
-    for layout in args.cases.split(","):
+    for layout in filter(None, args.cases.split(",")):  # "" : the model rows alone
         cases = [(2, 256, 200)] if args.smoke else CASES[layout]
         if args.batches:
             cases = [c for c in cases if c[0] in {int(b) for b in args.batches.split(",")}]
         for batch, max_seq, pos in cases:
-            settings = [SHIPPED] + ([dict(block_t=32, num_warps=4, num_stages=2)] if args.smoke else [
-                s for s in SETTINGS if not args.settings
-                or f"{s['block_t']}/{s['num_warps']}/{s['num_stages']}" in args.settings.split(",")])
+            settings = [SHIPPED] + ([dict(block_t=32, num_warps=4, num_stages=2, step_blocks=2)] if args.smoke else [
+                s for s in SETTINGS if not args.settings or label(s) in args.settings.split(",")])
             per_layer = 2 * batch * KV * max_seq * HEAD_DIM * 2  # K and V, bf16
             layers = 1 if args.smoke else max(MIN_LAYERS, -(-CACHES_BYTES // per_layer))
             start = time.monotonic()
@@ -181,16 +201,18 @@ def main() -> None:
                 print(f"{layout:5s} B={batch:2d} {pos}/{max_seq} ({layers} layers, {time.monotonic() - start:.0f} s): "
                       f"shipped {shipped['us_per_layer']:6.1f} µs ({shipped['TBps']:.2f} TB/s), "
                       f"best {best['us_per_layer']:6.1f} µs ({best['TBps']:.2f} TB/s) "
-                      f"at block_t={best['block_t']} warps={best['num_warps']} stages={best['num_stages']}; "
-                      + " ".join(f"{r['block_t']}/{r['num_warps']}/{r['num_stages'] or 'shipped'}:"
-                                 f"{r['us_per_layer']:.1f}{'' if r['bit_equal'] else '≠'}" for r in timed),
+                      f"at {label(best)}; " + " ".join(
+                          f"{'shipped' if r['shipped'] else label(r)}:{r['us_per_layer']:.1f}{'' if r['bit_equal'] else '≠'}"
+                          for r in timed),
                       flush=True)
 
     if args.model_batches and not args.smoke:
         model_def, params = random_model(llama3_8b(32))
+        max_seq, pos = map(int, args.model_context.split("/"))
         for batch in map(int, args.model_batches.split(",")):
-            for paged in (False, True):
-                result["model"].append(model_rows(model_def, params, batch, paged))
+            for layout in args.model_layouts.split(","):
+                result["model"].append(model_rows(model_def, params, batch, layout == "paged", args.model_variant,
+                                                  max_seq, pos))
                 with open(path, "w") as f:
                     json.dump(result, f, indent=1)
 

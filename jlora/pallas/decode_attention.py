@@ -11,7 +11,8 @@ tile of a power of two >= 16 rows needs no padded copy of q or slice of the outp
 layer; duplicate rows compute and write identical values).
 
 Over a paged cache a loop step reads at least 64 positions, several blocks gathered through the block table:
-one small block per step waited on each load.
+one small block per step waited on each load. While the grid leaves SMs to spare, a step loads two such key
+blocks before folding them in one after the other, which keeps the bits of one a step.
 
 With `chunk`, each program also takes one chunk of that many positions (flash-decoding): at a small batch one
 program per (request, KV head) leaves most of the GPU idle while each walks a long context in series. The
@@ -53,6 +54,15 @@ def _stages(programs: int) -> int:
     return 3 if programs <= 2 * 132 else 2
 
 
+def _step_blocks(programs: int) -> int:
+    """Key blocks a loop step of the paged kernel loads: two while the grid leaves SMs to spare (at most one program
+    on each of an H100 / H200's 132 SMs), so more gathered loads are in flight, one past that
+    (bench/results/attention_tiles.json: split at batch 1, 32 programs, 8.6 against 9.7 µs; paged at batch 16, 128
+    programs, 19.2 against 19.6; over contiguous rows it gains nothing). The blocks are folded in one at a time
+    either way: the same operations in the same order."""
+    return 2 if programs <= 132 else 1
+
+
 def split_chunk(max_seq: int, block_size: int = 0) -> int:
     """Positions per chunk of a split for contexts of up to `max_seq` positions over a cache of `block_size`
     blocks (0: contiguous, whose key blocks are at most 64): at least 256 (shorter chunks cost more in partial
@@ -72,15 +82,16 @@ def _attend(q, load, pos, first, last, **options):
     return acc / l
 
 
-def online_softmax(q, load, pos, first, last, *, block_t: int, scale: float, window: int | None, precision):
+def online_softmax(q, load, pos, first, last, *, block_t: int, scale: float, window: int | None, precision,
+                   step_blocks: int = 1):
     """Online softmax of q [GP, D] over key blocks first..last-1, `load(j)` giving block j's keys and values
     ([BT, D] each, positions j·BT...), the keys after `pos` (or outside the window) masked: the running max
     [GP, 1], the sum of exponentials [GP, 1] and the exponential-weighted values [GP, D], all f32 (zero blocks:
-    max -1e30, sums 0)."""
+    max -1e30, sums 0). A loop step loads `step_blocks` key blocks before it folds them in one by one, so its
+    loads are larger while the operations and their order stay those of one block a step (the same bits)."""
 
-    def step(j, carry):
+    def fold(j, k, v, carry):
         m, l, acc = carry  # [GP, 1] running max, [GP, 1] running sum, [GP, D] weighted values
-        k, v = load(j)
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale  # [GP, BT] f32
         key = j * block_t + jnp.arange(block_t)[None, :]  # [1, BT] positions of this block
         visible = key <= pos
@@ -93,9 +104,19 @@ def online_softmax(q, load, pos, first, last, *, block_t: int, scale: float, win
         acc = acc * alpha + pltriton.dot(p.astype(v.dtype), v, precision=precision)
         return m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True), acc
 
+    def step(i, carry):  # blocks first + i·n ... first + i·n + n - 1
+        blocks = [first + i * step_blocks + u for u in range(step_blocks)]
+        for j, (k, v) in zip(blocks, [load(j) for j in blocks]):
+            carry = fold(j, k, v, carry)
+        return carry
+
     gp, d = q.shape
-    init = (jnp.full((gp, 1), _NEG, jnp.float32), jnp.zeros((gp, 1), jnp.float32), jnp.zeros((gp, d), jnp.float32))
-    return jax.lax.fori_loop(first, last, step, init)
+    carry = (jnp.full((gp, 1), _NEG, jnp.float32), jnp.zeros((gp, 1), jnp.float32), jnp.zeros((gp, d), jnp.float32))
+    if step_blocks > 1:  # whole steps, then the blocks left one at a time
+        steps = (last - first) // step_blocks
+        carry = jax.lax.fori_loop(0, steps, step, carry)
+        first = first + steps * step_blocks
+    return jax.lax.fori_loop(first, last, lambda j, c: fold(j, *load(j), c), carry)
 
 
 def _heads(b, h, groups: int, tile: int):
@@ -238,22 +259,20 @@ def paged_decode_attention(
     kernel = functools.partial(_paged_kernel, page=size)
     return _call(kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables,
                  k_pages.reshape(num_blocks * kv * size, d), v_pages.reshape(num_blocks * kv * size, d),
-                 block_t=max(size, 64), window=window, chunk=chunk, limit=limit)
+                 block_t=max(size, 64), window=window, chunk=chunk, limit=limit, step_blocks=None)
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
-          limit: int, num_warps: int = 4, num_stages: int | None = None) -> jax.Array:
+          limit: int, num_warps: int = 4, num_stages: int | None = None, step_blocks: int | None = 1) -> jax.Array:
     """`kernel` over q [B, KV, G, D] and `limit` cache positions -> [B, KV, G, D]: one program per (request, KV
     head), and per chunk of `chunk` positions when that is given (None: unsplit). `num_warps` and `num_stages`
-    are Triton's (bench/studies/attention_tiles.py sweeps them with `block_t`; None: `_stages` of the grid)."""
+    are Triton's (None: `_stages` of the grid), `step_blocks` the key blocks a loop step loads (None: `_step_blocks`
+    of the grid, the paged kernel's rule); bench/studies/attention_tiles.py sweeps them with `block_t`."""
     batch, kv, groups, d = q.shape
     flat = q.reshape(batch * kv * groups, d)
     n = flat.shape[0]
     if chunk is not None and (chunk % block_t or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be a power of two and a multiple of the key block {block_t}, got {chunk}")
-    kernel = functools.partial(kernel, groups=groups, tile=dot_dim(groups), block_t=block_t, window=window,
-                               chunk_blocks=None if chunk is None else chunk // block_t, scale=1 / math.sqrt(d),
-                               precision=dot_precision(q.dtype))
     if chunk is None:
         grid, out_shape = (batch, kv), jax.ShapeDtypeStruct(flat.shape, q.dtype)
     else:
@@ -262,12 +281,16 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
         out_shape = (jax.ShapeDtypeStruct((chunks, n, d), jnp.float32), jax.ShapeDtypeStruct((chunks, n), jnp.float32),
                      jax.ShapeDtypeStruct((chunks, n), jnp.float32))
         name = f"{name}_split{chunks}"
+    programs = math.prod(grid)
+    kernel = functools.partial(kernel, groups=groups, tile=dot_dim(groups), block_t=block_t, window=window,
+                               chunk_blocks=None if chunk is None else chunk // block_t, scale=1 / math.sqrt(d),
+                               precision=dot_precision(q.dtype), step_blocks=step_blocks or _step_blocks(programs))
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps,
-                                                num_stages=num_stages or _stages(math.prod(grid))),
+                                                num_stages=num_stages or _stages(programs)),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_{name}_{kv}x{groups}x{d}",
     )(positions.astype(jnp.int32), where.astype(jnp.int32), flat, k, v)

@@ -2,6 +2,9 @@
 the paged one against a float64 oracle that gathers each position from its block; split over chunks of
 positions, the same, and each request's result bit for bit what it is alone."""
 
+import functools
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +13,8 @@ import pytest
 from jlora.pallas.decode_attention import (_stages, decode_attention, decode_attention_supported,
                                            paged_decode_attention, split_chunk)
 from tests import oracle
+
+attention = importlib.import_module("jlora.pallas.decode_attention")  # the module: jlora.pallas names the function
 
 
 def _reference(q, k, v, positions, rows, window):
@@ -227,13 +232,14 @@ def test_paged_with_a_window_and_a_table_of_no_whole_key_blocks(window, chunk):
 @pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("paged", [False, True])
 def test_a_request_has_its_bits_alone_and_in_a_batch_past_one_wave(paged, chunk):
-    """Batch invariance across the pipeline stages (`_stages`, which only a GPU compiles): alone, a request's grid
-    of 8 programs (32 split) takes three stages; in a batch of 40 requests of 8 KV heads (320 programs, 1280
-    split), two."""
+    """Batch invariance across the grid's rules (`_stages` and, over pages, `_step_blocks`; only a GPU compiles the
+    stages): alone, a request's grid of 8 programs (32 split) takes three stages and two key blocks a step; in a
+    batch of 40 requests of 8 KV heads (320 programs, 1280 split), two stages and one block."""
     rng = np.random.default_rng(4)
     batch, kv, groups, d, max_seq = 40, 8, 2, 64, 256
     chunks = 1 if chunk is None else max_seq // chunk
     assert _stages(kv * chunks) != _stages(batch * kv * chunks)
+    assert attention._step_blocks(kv * chunks) != attention._step_blocks(batch * kv * chunks)
     q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), jnp.bfloat16)
     positions = jnp.asarray(rng.integers(0, max_seq, batch), jnp.int32)
     if paged:
@@ -248,3 +254,26 @@ def test_a_request_has_its_bits_alone_and_in_a_batch_past_one_wave(paged, chunk)
     for b in (0, 17, 39):
         alone = attend(q[b:b + 1], k, v, positions[b:b + 1], where[b:b + 1], chunk=chunk)
         np.testing.assert_array_equal(np.asarray(alone)[0], together[b])
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("chunk", [None, 256])
+@pytest.mark.parametrize("paged", [False, True])
+def test_loading_several_key_blocks_a_step_keeps_the_bits(paged, chunk, window):
+    """A loop step that loads 2 or 3 key blocks before it folds them in (`step_blocks`) computes what one block a
+    step computes, bit for bit: whole steps and the blocks left over, from a window's first block or a chunk's."""
+    rng = np.random.default_rng(5)
+    batch, kv, groups, d, max_seq = 4, 2, 4, 64, 1024
+    q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), jnp.bfloat16)
+    positions = jnp.array([1023, 5, 700, 191], jnp.int32)
+    if paged:
+        k, v = (jnp.asarray(rng.standard_normal((batch * max_seq // 16, kv, 16, d)), jnp.bfloat16) for _ in range(2))
+        where = jnp.asarray(rng.permutation(batch * max_seq // 16).reshape(batch, -1), jnp.int32)
+        kernel, k, v = functools.partial(attention._paged_kernel, page=16), k.reshape(-1, d), v.reshape(-1, d)
+    else:
+        k, v = (jnp.asarray(rng.standard_normal((batch, kv, max_seq, d)), jnp.bfloat16) for _ in range(2))
+        where, kernel = jnp.asarray(rng.permutation(batch), jnp.int32), attention._kernel
+    outs = [np.asarray(attention._call(kernel, "attention", q, positions, where, k, v, block_t=64, window=window,
+                                       chunk=chunk, limit=max_seq, step_blocks=n)) for n in (1, 2, 3)]
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
