@@ -6,10 +6,11 @@ program per token row.
 
 Model: the 8B-shaped step (`bench/model.py`'s model, random weights) compiled twice, the norms in the kernel (the
 shipped model) and in XLA (the decision patched while the second copy traces), timed in alternating rounds: base
-decode over contiguous rows (context 1024, query at 512) at each batch, batch 32 with one and with 32 r=16
-adapters, and a base prefill of 4 x 512 tokens. Both variants' logits are compared first. JSON: norm_kernel.json.
+decode over contiguous rows (context 1024, query at 512) at each batch, batch 32 (`--lora-batches`) with one and
+with 32 r=16 adapters (`--rank`), and a base prefill of 4 x 512 tokens. Both variants' logits are compared first. JSON: norm_kernel.json.
 
-  python bench/studies/norm_kernel.py [--batches 1,8,32,64] [--out DIR]  # GPU
+  python bench/studies/norm_kernel.py [--batches 1,8,32,64] [--lora-batches 32] [--rank 16] [--no-prefill]
+      [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def case(model_def, params, name: str, cache, call: Call, lora=None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32,64", help="base decode batch sizes")
+    parser.add_argument("--lora-batches", default="32", help="decode batch sizes with one and with 32 adapters")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
@@ -94,14 +98,17 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    for batch in map(int, args.batches.split(",")):
+    for batch in map(int, filter(None, args.batches.split(","))):
         record(case(model_def, params, f"decode B={batch}", *base_decode(config, batch, 1024, 512, False)))
-    lora = random_lora(config, 16)
-    for adapters in (1, SLOTS):
-        cache, call = base_decode(config, 32, 1024, 512, False)
-        call = Call(call.batch, jnp.arange(32, dtype=jnp.int32) % adapters, jnp.full(SLOTS, 16, jnp.int32))
-        record(case(model_def, params, f"decode B=32, {adapters} r=16", cache, call, lora))
-    record(case(model_def, params, "prefill 4 x 512", *prefill(config, 4, 512)))
+    lora = random_lora(config, args.rank)
+    for batch in map(int, filter(None, args.lora_batches.split(","))):
+        for adapters in (1, SLOTS):
+            cache, call = base_decode(config, batch, 1024, 512, False)
+            slots = jnp.arange(batch, dtype=jnp.int32) % adapters
+            call = Call(call.batch, slots, jnp.full(SLOTS, args.rank, jnp.int32))
+            record(case(model_def, params, f"decode B={batch}, {adapters} r={args.rank}", cache, call, lora))
+    if not args.no_prefill:
+        record(case(model_def, params, "prefill 4 x 512", *prefill(config, 4, 512)))
 
 
 if __name__ == "__main__":
