@@ -15,7 +15,7 @@ then prompt pieces into other rows) whose tokens go through the projections toge
 on GPU (or under an explicit "pallas" backend) run attention in a Pallas kernel
 (`jlora.pallas.decode_attention`, through the block tables when a request has several), which reads each
 request's positions only up to its own; everything else uses XLA's masked contractions over the blocks a
-group's tables name.
+group's tables name. Where that kernel runs, the norms run in a Pallas kernel too (`jlora.pallas.rms_norm`).
 """
 
 from __future__ import annotations

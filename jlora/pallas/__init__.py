@@ -1,9 +1,10 @@
-"""Pallas (Triton-lowered) kernels for the multi-LoRA ops and the model's decode attention; on CPU they run
-with `interpret=True`."""
+"""Pallas (Triton-lowered) kernels for the multi-LoRA ops and the model's decode attention and RMSNorm; on CPU
+they run with `interpret=True`."""
 
 from jlora.pallas.config import ExpandConfig, ShrinkConfig, expand_config, shrink_config
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
 from jlora.pallas.dispatch import expand, kernel_rank, linear, shrink, supported
+from jlora.pallas.rms_norm import rms_norm, rms_norm_supported
 from jlora.pallas.shrink import shrink_partials
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "kernel_rank",
     "linear",
     "paged_decode_attention",
+    "rms_norm",
+    "rms_norm_supported",
     "shrink",
     "shrink_config",
     "shrink_partials",
