@@ -41,9 +41,24 @@ def test_equals_the_model_norm_in_xla_and_keeps_each_rows_bits_alone():
         np.testing.assert_array_equal(np.asarray(norm(x[t:t + 1], kernel=True).astype(jnp.float32))[0], out[t])
 
 
-def test_a_zero_row_stays_zero_and_sizes_it_cannot_tile_are_refused():
+def test_a_zero_row_stays_zero_no_rows_are_no_rows_and_sizes_it_cannot_tile_are_refused():
     out = rms_norm(jnp.zeros((2, 32), jnp.float32), jnp.ones(32, jnp.float32), 1e-6)
     np.testing.assert_array_equal(np.asarray(out), 0.0)
+    assert rms_norm(jnp.zeros((0, 32), jnp.bfloat16), jnp.ones(32, jnp.bfloat16), 1e-6).shape == (0, 32)
     assert rms_norm_supported(4096) and not rms_norm_supported(3584) and not rms_norm_supported(8)
     with pytest.raises(ValueError, match="power of two"):
         rms_norm(jnp.zeros((2, 48), jnp.float32), jnp.ones(48, jnp.float32), 1e-6)
+
+
+def test_rounds_where_hf_rounds():
+    """bf16: the scaled row is rounded before the weight multiplies it (HF's `weight * hidden.to(dtype)`); a kernel
+    that multiplied the f32 row would differ in the last bit of many elements, past what the order of the mean's
+    sum can change (a rare element at a rounding boundary)."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((16, 512)) * 5, jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.5, 2.0, 512), jnp.bfloat16)
+    x32 = np.asarray(x, np.float32)
+    y = jnp.asarray(x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(1e-5)), jnp.bfloat16)
+    want = np.asarray((np.asarray(w, np.float32) * np.asarray(y, np.float32)).astype(jnp.bfloat16), np.float32)
+    out = np.asarray(rms_norm(x, w, 1e-5), np.float32)
+    assert np.mean(out == want) > 0.999
