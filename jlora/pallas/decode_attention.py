@@ -10,8 +10,8 @@ products, gathered from q and scattered to the output with their row index clamp
 tile of a power of two >= 16 rows needs no padded copy of q or slice of the output (two fewer kernels per
 layer; duplicate rows compute and write identical values).
 
-Over a paged cache a loop step reads at least 64 positions, several blocks gathered through the block table:
-one small block per step waited on each load. While the grid leaves SMs to spare, a step loads two such key
+Over a paged cache a key block is 64 positions gathered through the block table, from several pages or a part
+of one: one small page per step waited on each load. While the grid leaves SMs to spare, a step loads two key
 blocks before folding them in one after the other, which keeps the bits of one a step.
 
 With `chunk`, each program also takes one chunk of that many positions (flash-decoding): at a small batch one
@@ -54,13 +54,15 @@ def _stages(programs: int) -> int:
     return 3 if programs <= 2 * 132 else 2
 
 
-def _step_blocks(programs: int) -> int:
+def _step_blocks(programs: int, tile_bytes: int) -> int:
     """Key blocks a loop step of the paged kernel loads: two while the grid leaves SMs to spare (at most one program
     on each of an H100 / H200's 132 SMs), so more gathered loads are in flight, one past that
     (bench/results/attention_tiles.json: split at batch 1, 32 programs, 8.6 against 9.7 µs; paged at batch 16, 128
-    programs, 19.2 against 19.6; over contiguous rows it gains nothing). The blocks are folded in one at a time
-    either way: the same operations in the same order."""
-    return 2 if programs <= 132 else 1
+    programs, 19.2 against 19.6; over contiguous rows it gains nothing). Two only where a block's keys take at most
+    `tile_bytes` 16 KB (64 positions of 128 bf16 values, the shape measured), so a step's tiles take no more shared
+    memory than a measured one. The blocks are folded in one at a time either way: the same operations in the
+    same order."""
+    return 2 if programs <= 132 and tile_bytes <= 16 << 10 else 1
 
 
 def split_chunk(max_seq: int, block_size: int = 0) -> int:
@@ -180,7 +182,7 @@ def _paged_kernel(
     v_ref,  # [P·KV·S, D]
     *outs,  # `_program`'s
     page: int,  # S, the cache's block size
-    block_t: int,  # the key block: `block_t // page` consecutive table entries
+    block_t: int,  # positions per key block: several table entries, or a part of one
     **options,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
@@ -190,9 +192,10 @@ def _paged_kernel(
     def load(j):
         # Key block j's positions, through their blocks; table entries past the row's end are clamped, and the
         # values at positions past the query zeroed (their keys are masked), whatever those entries name.
-        pages = table_ref[b, jnp.minimum(j * (block_t // page) + t // page, max_blocks - 1)]
-        rows = (pages * kv + h) * page + t % page
-        seen = j * block_t + t <= pos_ref[b]
+        positions = j * block_t + t
+        pages = table_ref[b, jnp.minimum(positions // page, max_blocks - 1)]
+        rows = (pages * kv + h) * page + positions % page
+        seen = positions <= pos_ref[b]
         return k_ref[rows, :], jnp.where(seen[:, None], v_ref[rows, :], 0)
 
     _program(q_ref, load, pos_ref[b], outs, block_t=block_t, **options)
@@ -247,7 +250,7 @@ def paged_decode_attention(
       tables: [B, max_blocks] int, each request's blocks in position order (blocks may be shared between
         requests and appear in any order; entries past its position are valid block ids, masked if read).
       window: sliding window: keys at positions > position - window only.
-      chunk: split into chunks of this many positions too (a power of two, a multiple of max(S, 64)), combined
+      chunk: split into chunks of this many positions too (a power of two >= 64), combined
         after.
 
     Returns:
@@ -255,11 +258,12 @@ def paged_decode_attention(
     """
     num_blocks, kv, size, d = k_pages.shape
     limit = tables.shape[1] * size
-    # Keys in steps of at least 64 positions, as over rows: with one 16-position block a step, each waited on its load.
+    # Keys in blocks of 64 positions, as over rows, whatever the page: with one 16-position page a step, each waited
+    # on its load, and pages of 128 or more as one key block would take more shared memory than a program has.
     kernel = functools.partial(_paged_kernel, page=size)
     return _call(kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables,
                  k_pages.reshape(num_blocks * kv * size, d), v_pages.reshape(num_blocks * kv * size, d),
-                 block_t=max(size, 64), window=window, chunk=chunk, limit=limit, step_blocks=None)
+                 block_t=64, window=window, chunk=chunk, limit=limit, step_blocks=None)
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
@@ -284,7 +288,8 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
     programs = math.prod(grid)
     kernel = functools.partial(kernel, groups=groups, tile=dot_dim(groups), block_t=block_t, window=window,
                                chunk_blocks=None if chunk is None else chunk // block_t, scale=1 / math.sqrt(d),
-                               precision=dot_precision(q.dtype), step_blocks=step_blocks or _step_blocks(programs))
+                               precision=dot_precision(q.dtype),
+                               step_blocks=step_blocks or _step_blocks(programs, block_t * d * k.dtype.itemsize))
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -73,7 +73,8 @@ def test_supported_shapes():
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize("seed, block_size, groups, window", [
-    (0, 16, 4, None), (1, 32, 1, None), (2, 16, 7, 20), (3, 16, 8, 50), (4, 64, 4, None)])
+    (0, 16, 4, None), (1, 32, 1, None), (2, 16, 7, 20), (3, 16, 8, 50), (4, 64, 4, None), (5, 128, 4, None),
+    (6, 256, 2, 300)])
 def test_paged_matches_the_float64_oracle_on_random_tables(dtype, tol, seed, block_size, groups, window):
     """Random block tables out of order, blocks shared by several requests (a common prefix), positions at a
     block's first and last offsets; every block no request may read is NaN."""
@@ -239,7 +240,8 @@ def test_a_request_has_its_bits_alone_and_in_a_batch_past_one_wave(paged, chunk)
     batch, kv, groups, d, max_seq = 40, 8, 2, 64, 256
     chunks = 1 if chunk is None else max_seq // chunk
     assert _stages(kv * chunks) != _stages(batch * kv * chunks)
-    assert attention._step_blocks(kv * chunks) != attention._step_blocks(batch * kv * chunks)
+    tile = 64 * d * 2  # a key block of bf16 keys
+    assert attention._step_blocks(kv * chunks, tile) != attention._step_blocks(batch * kv * chunks, tile)
     q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), jnp.bfloat16)
     positions = jnp.asarray(rng.integers(0, max_seq, batch), jnp.int32)
     if paged:
@@ -277,3 +279,10 @@ def test_loading_several_key_blocks_a_step_keeps_the_bits(paged, chunk, window):
                                        chunk=chunk, limit=max_seq, step_blocks=n)) for n in (1, 2, 3)]
     np.testing.assert_array_equal(outs[1], outs[0])
     np.testing.assert_array_equal(outs[2], outs[0])
+
+
+def test_two_key_blocks_a_step_only_on_small_grids_of_the_measured_tile():
+    bf16_keys = 64 * 128 * 2  # a key block of the 8B shape: the tile the rule was measured on
+    assert attention._step_blocks(132, bf16_keys) == 2 and attention._step_blocks(133, bf16_keys) == 1
+    assert attention._step_blocks(8, 64 * 128 * 4) == 1  # float32 keys: twice the shared memory a step
+    assert attention._step_blocks(8, 64 * 256 * 2) == 1  # head_dim 256
