@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
 import gzip
 import json
 import os
 import statistics
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +64,20 @@ def kernel_durations(events) -> dict[str, list[float]]:
 def trace_kernels(run) -> dict[str, list[float]]:
     """Durations in µs, by kernel name, of the GPU kernels that `run()` launches."""
     return kernel_durations(trace_events(run))
+
+
+def patched_model(model_def, target, attribute: str, value):
+    """(a copy of `model_def`, a context manager, calls): the copy is a jit cache key of its own (a `ModelDef`
+    hashes by identity), so a step of it traced inside the context sees `target.attribute` answer `value`
+    whatever its arguments; `calls` records each call of the patched rule, to check that the trace saw it."""
+    calls = []
+
+    @contextlib.contextmanager
+    def patched():
+        with mock.patch.object(target, attribute, lambda *args: calls.append(args) or value):
+            yield
+
+    return copy.copy(model_def), patched, calls
 
 
 def pyplot():

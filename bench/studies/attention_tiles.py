@@ -28,7 +28,6 @@ over rows and over the paged cache split as the engine splits it.
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import importlib
 import itertools
@@ -37,14 +36,13 @@ import os
 import statistics
 import sys
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import trace_kernels  # noqa: E402
+from common import patched_model, trace_kernels  # noqa: E402
 from model import llama3_8b, random_model, time_alternating  # noqa: E402
 from split_attention import GROUPS, HEAD_DIM, KV, PAGE, base_decode  # noqa: E402
 
@@ -141,17 +139,18 @@ def model_rows(model_def, params, batch: int, paged: bool, variant: str, max_seq
                pos: int = 512) -> dict:
     """The base decode step at `batch` as shipped and with one of the kernel's grid rules replaced by a constant
     (`VARIANTS`), alternating rounds. The variant traces its own step: a copy of the model's definition is a new
-    jit cache key (it hashes by identity), and the rule is patched while it traces."""
+    jit cache key, and the rule is patched while it traces (`patched_model`)."""
     cache, call = base_decode(llama3_8b(32), batch, max_seq, pos, paged)
     chunk = split_chunk(max_seq, PAGE) if paged else None
     options = StepOptions(16, "auto", attention_chunk=chunk)
-    (name, rule, value), other, traced = VARIANTS[variant], copy.copy(model_def), []
+    name, rule, value = VARIANTS[variant]
+    other, patched, traced = patched_model(model_def, ATTENTION, rule, value)
 
-    def patched(c):
-        with mock.patch.object(ATTENTION, rule, lambda programs: traced.append(programs) or value):
+    def variant_step(c):
+        with patched():
             return forward(other, params, call, c, None, options)
 
-    runs = {"shipped": lambda c: forward(model_def, params, call, c, None, options), name: patched}
+    runs = {"shipped": lambda c: forward(model_def, params, call, c, None, options), name: variant_step}
     times, _ = time_alternating(runs, cache)
     assert traced or jax.default_backend() != "gpu", f"the {name} step did not trace the Pallas attention"
     ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}

@@ -16,19 +16,17 @@ with 32 r=16 adapters (`--rank`), and a base prefill of 4 x 512 tokens. Both var
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
 import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import trace_kernels  # noqa: E402
+from common import patched_model, trace_kernels  # noqa: E402
 from model import SLOTS, llama3_8b, random_lora, random_model, time_alternating  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
@@ -48,9 +46,9 @@ def prefill(config, requests: int, length: int) -> tuple[KVCache, Call]:
 
 def case(model_def, params, name: str, cache, call: Call, lora=None) -> dict:
     """The step with the kernel's norms and with XLA's, alternating rounds; their logits compared first."""
-    xla_def, traced = copy.copy(model_def), []  # a copy is a new jit key: it traces its own step
+    xla_def, patched, traced = patched_model(model_def, llama, "rms_norm_supported", False)
     options = StepOptions(16, "auto")
-    with mock.patch.object(llama, "rms_norm_supported", lambda hidden: traced.append(hidden) or False):
+    with patched():  # the copy's step traces here, with XLA's norms
         xla_logits, cache = forward(xla_def, params, call, cache, lora, options)
     assert traced, "the XLA variant did not trace the norms' decision"
     logits, cache = forward(model_def, params, call, cache, lora, options)
