@@ -11,8 +11,11 @@ slice >= block_n.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-__all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "pow2_divisor"]
+import jax
+
+__all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "pow2_divisor", "num_sms"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +60,15 @@ def pow2_divisor(n: int, cap: int) -> int:
 
 
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program, under Hopper's 227 KB per block
-_NUM_SMS = 132  # H100 / H200
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device, which the grid rules scale with: 132 where the device
+    does not say (the H100 / H200 the rules were measured on; interpret mode on the CPU)."""
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
+
 
 
 def shrink_config(
@@ -82,7 +93,7 @@ def shrink_config(
     # At prefill sizes the f32 partial sums (k_splits x T x S·R x 4 bytes, written and read back) must stay
     # small next to x (T x K x 2 bytes): at most a tenth of it.
     max_split = min(32, k // (4 * block_k)) if decode else max(1, k // (20 * width))
-    target = 4 * _NUM_SMS if decode else _NUM_SMS
+    target = 4 * num_sms() if decode else num_sms()
     split = 1
     for cand in range(2, max_split + 1):
         if segments * split >= target:

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.pallas.common import dot_dim, dot_precision
-from jlora.pallas.config import pow2_divisor
+from jlora.pallas.config import num_sms, pow2_divisor
 
 __all__ = ["decode_attention", "decode_attention_supported", "paged_decode_attention", "split_chunk"]
 
@@ -47,22 +47,22 @@ def _block_t(max_seq: int) -> int:
 
 def _stages(programs: int) -> int:
     """Triton's pipeline stages for a grid of `programs`: three (K and V tiles of 64 positions in flight, 96 KB of
-    shared memory) while the grid fits the GPU at once, two programs on each of an H100 / H200's 132 SMs; two
+    shared memory) while the grid fits the GPU at once, two programs on each SM (132 on an H100 / H200); two
     past that, so three programs share an SM (bench/results/attention_tiles.json: at batch 64, 8 KV heads, 40
     against 44 µs over rows and 41 against 52 over pages; at 1-32 requests two stages are up to 1.56x slower).
     The stages only pipeline the loads: every setting computes the same operations in the same order."""
-    return 3 if programs <= 2 * 132 else 2
+    return 3 if programs <= 2 * num_sms() else 2
 
 
 def _step_blocks(programs: int, tile_bytes: int) -> int:
     """Key blocks a loop step of the paged kernel loads: two while the grid leaves SMs to spare (at most one program
-    on each of an H100 / H200's 132 SMs), so more gathered loads are in flight, one past that
+    on each SM), so more gathered loads are in flight, one past that
     (bench/results/attention_tiles.json: split at batch 1, 32 programs, 8.6 against 9.7 µs; paged at batch 16, 128
     programs, 19.2 against 19.6; over contiguous rows it gains nothing). Two only where a block's keys take at most
     `tile_bytes` 16 KB (64 positions of 128 bf16 values, the shape measured), so a step's tiles take no more shared
     memory than a measured one. The blocks are folded in one at a time either way: the same operations in the
     same order."""
-    return 2 if programs <= 132 and tile_bytes <= 16 << 10 else 1
+    return 2 if programs <= num_sms() and tile_bytes <= 16 << 10 else 1
 
 
 def split_chunk(max_seq: int, block_size: int = 0) -> int:

@@ -12,6 +12,7 @@ import pytest
 
 from jlora.pallas.decode_attention import (_stages, decode_attention, decode_attention_supported,
                                            paged_decode_attention, split_chunk)
+from jlora.pallas.config import num_sms
 from tests import oracle
 
 attention = importlib.import_module("jlora.pallas.decode_attention")  # the module: jlora.pallas names the function
@@ -281,8 +282,10 @@ def test_loading_several_key_blocks_a_step_keeps_the_bits(paged, chunk, window):
     np.testing.assert_array_equal(outs[2], outs[0])
 
 
-def test_two_key_blocks_a_step_only_on_small_grids_of_the_measured_tile():
+def test_the_grid_rules_follow_the_sms_and_two_key_blocks_a_step_only_the_measured_tile():
     bf16_keys = 64 * 128 * 2  # a key block of the 8B shape: the tile the rule was measured on
-    assert attention._step_blocks(132, bf16_keys) == 2 and attention._step_blocks(133, bf16_keys) == 1
+    sms = num_sms()  # 132 here and on an H100 / H200
+    assert attention._step_blocks(sms, bf16_keys) == 2 and attention._step_blocks(sms + 1, bf16_keys) == 1
+    assert _stages(2 * sms) == 3 and _stages(2 * sms + 1) == 2
     assert attention._step_blocks(8, 64 * 128 * 4) == 1  # float32 keys: twice the shared memory a step
     assert attention._step_blocks(8, 64 * 256 * 2) == 1  # head_dim 256
