@@ -7,12 +7,10 @@ program per token row.
 Model: the 8B-shaped step (`bench/model.py`'s model, random weights) compiled twice, the norms in the kernel (the
 shipped model) and in XLA (the decision patched while the second copy traces), timed in alternating rounds: base
 decode over contiguous rows (context 1024, query at 512) at each batch, batch 32 (`--lora-batches`) with one and
-with 32 r=16 adapters (`--rank`), and a base prefill of 4 x 512 tokens. Both variants' logits are compared first.
-`--model` takes other shapes whose hidden size is not a power of two, where the kernel walks a row in chunks:
-Llama-3.2-3B (3072 = 3 x 1024) and Qwen2.5-7B (3584 = 7 x 512). JSON: norm_kernel.json (norm_kernel_MODEL.json).
+with 32 r=16 adapters (`--rank`), and a base prefill of 4 x 512 tokens. Both variants' logits are compared first. JSON: norm_kernel.json.
 
-  python bench/studies/norm_kernel.py [--model llama3-8b] [--batches 1,8,32,64] [--lora-batches 32] [--rank 16]
-      [--no-prefill] [--out DIR]  # GPU
+  python bench/studies/norm_kernel.py [--batches 1,8,32,64] [--lora-batches 32] [--rank 16] [--no-prefill]
+      [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -29,25 +27,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import patched_model, trace_kernels  # noqa: E402
-from model import SLOTS, llama3_8b_hf, random_lora, random_model, time_alternating  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model, time_alternating  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
-from jlora.models.config import ModelConfig  # noqa: E402
 from jlora.models.llama import Batch, KVCache  # noqa: E402
 from jlora.runner import forward  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
-from jlora.testing import tiny_config  # noqa: E402
-
-MODELS = {  # name: the HF config.json of a model of that shape (random weights)
-    "llama3-8b": llama3_8b_hf(32),
-    "llama3.2-3b": tiny_config("llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
-                               num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                               rope_theta=500000.0, tie_word_embeddings=True),
-    "qwen2.5-7b": tiny_config("qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                              num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                              rope_theta=1000000.0, rms_norm_eps=1e-6),
-}
 
 
 def prefill(config, requests: int, length: int) -> tuple[KVCache, Call]:
@@ -92,7 +78,6 @@ def case(model_def, params, name: str, cache, call: Call, lora=None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     parser.add_argument("--batches", default="1,8,32,64", help="base decode batch sizes")
     parser.add_argument("--lora-batches", default="32", help="decode batch sizes with one and with 32 adapters")
     parser.add_argument("--rank", type=int, default=16)
@@ -100,11 +85,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
-    print(f"# {device}, {args.model}", flush=True)
-    config = ModelConfig.from_hf_config(MODELS[args.model])
+    print(f"# {device}", flush=True)
+    config = llama3_8b(32)
     model_def, params = random_model(config)
-    name = "norm_kernel.json" if args.model == "llama3-8b" else f"norm_kernel_{args.model}.json"
-    result, path = {"device": device, "model": args.model, "rows": []}, os.path.join(args.out, name)
+    result, path = {"device": device, "rows": []}, os.path.join(args.out, "norm_kernel.json")
     os.makedirs(args.out, exist_ok=True)
 
     def record(row):

@@ -19,8 +19,7 @@ def _oracle(x, w, eps):
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("seed, tokens, hidden", [(0, 1, 64), (1, 7, 256), (2, 33, 128), (3, 2, 16),
-                                                  (5, 3, 96), (7, 2, 3584), (8, 5, 2304)])  # 3, 7, 9 chunks
+@pytest.mark.parametrize("seed, tokens, hidden", [(0, 1, 64), (1, 7, 256), (2, 33, 128), (3, 2, 16)])
 def test_matches_the_float64_oracle(dtype, tol, seed, tokens, hidden):
     rng = np.random.default_rng(seed)
     scale = 10.0 ** rng.uniform(-3, 3, (tokens, 1))  # rows of very different magnitudes
@@ -31,12 +30,11 @@ def test_matches_the_float64_oracle(dtype, tol, seed, tokens, hidden):
     assert oracle.worst_row_err(out, want) < tol
 
 
-@pytest.mark.parametrize("hidden", [256, 384])  # one chunk, three
-def test_equals_the_model_norm_in_xla_and_keeps_each_rows_bits_alone(hidden):
+def test_equals_the_model_norm_in_xla_and_keeps_each_rows_bits_alone():
     rng = np.random.default_rng(4)
-    norm = RMSNorm(hidden, 1e-6, dtype=jnp.bfloat16, rngs=None)
-    norm.weight[...] = jnp.asarray(rng.standard_normal(hidden), jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((9, hidden)) * 3, jnp.bfloat16)
+    norm = RMSNorm(256, 1e-6, dtype=jnp.bfloat16, rngs=None)
+    norm.weight[...] = jnp.asarray(rng.standard_normal(256), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((9, 256)) * 3, jnp.bfloat16)
     out = np.asarray(norm(x, kernel=True).astype(jnp.float32))
     np.testing.assert_allclose(out, np.asarray(norm(x).astype(jnp.float32)), rtol=1e-2, atol=0)
     for t in (0, 4, 8):
@@ -47,10 +45,9 @@ def test_a_zero_row_stays_zero_no_rows_are_no_rows_and_sizes_it_cannot_tile_are_
     out = rms_norm(jnp.zeros((2, 32), jnp.float32), jnp.ones(32, jnp.float32), 1e-6)
     np.testing.assert_array_equal(np.asarray(out), 0.0)
     assert rms_norm(jnp.zeros((0, 32), jnp.bfloat16), jnp.ones(32, jnp.bfloat16), 1e-6).shape == (0, 32)
-    assert all(map(rms_norm_supported, (16, 4096, 48, 896, 3072, 3584, 16 * 16)))
-    assert not any(map(rms_norm_supported, (0, 8, 40, 17 * 16, 4100)))  # chunks under 16 columns, or over 16
-    with pytest.raises(ValueError, match="chunks of a power of two"):
-        rms_norm(jnp.zeros((2, 40), jnp.float32), jnp.ones(40, jnp.float32), 1e-6)
+    assert rms_norm_supported(4096) and not rms_norm_supported(3584) and not rms_norm_supported(8)
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm(jnp.zeros((2, 48), jnp.float32), jnp.ones(48, jnp.float32), 1e-6)
 
 
 def test_rounds_where_hf_rounds():
