@@ -1,19 +1,16 @@
-"""The model's RMSNorm in a Pallas kernel (`jlora.pallas.rms_norm`) against XLA's fusions of it, for #39; with
-`--variant residual`, the residual add taken into it (`residual_rms_norm`, from the o and down GEMMs' split-K
-partial sums) against XLA's GEMMs summing their splits into the add.
+"""The model's RMSNorm in a Pallas kernel (`jlora.pallas.rms_norm`) against XLA's fusions of it, for #39.
 
 A decode step runs 65 norms in series between its GEMMs. XLA runs each as one kernel at batch 32 but as two at
 batch 1 (the sum of squares, then the scaling: a reduction to one value takes no epilogue). The kernel is one
 program per token row.
 
-Model: the 8B-shaped step (`bench/model.py`'s model, random weights) compiled twice, the shipped model and the one
-with the variant's rule patched while the second copy traces (the norms in XLA; the GEMMs summing their splits),
-timed in alternating rounds: base
+Model: the 8B-shaped step (`bench/model.py`'s model, random weights) compiled twice, the norms in the kernel (the
+shipped model) and in XLA (the decision patched while the second copy traces), timed in alternating rounds: base
 decode over contiguous rows (context 1024, query at 512) at each batch, batch 32 (`--lora-batches`) with one and
 with 32 r=16 adapters (`--rank`), and a base prefill of 4 x 512 tokens. Both variants' logits are compared first. JSON: norm_kernel.json.
 
-  python bench/studies/norm_kernel.py [--variant norms|residual] [--batches 1,8,32,64] [--lora-batches 32]
-      [--rank 16] [--no-prefill] [--out DIR]  # GPU
+  python bench/studies/norm_kernel.py [--batches 1,8,32,64] [--lora-batches 32] [--rank 16] [--no-prefill]
+      [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -47,20 +44,13 @@ def prefill(config, requests: int, length: int) -> tuple[KVCache, Call]:
     return cache, Call(Batch.of(tokens, positions), jnp.full(requests * length, -1, jnp.int32), jnp.zeros(1, jnp.int32))
 
 
-VARIANTS = {  # variant: (the rule of jlora.models.llama patched, what it answers), JSON file
-    "norms": (("rms_norm_supported", False), "norm_kernel.json"),
-    "residual": (("_residual_splits", None), "residual_norm.json"),
-}
-
-
-def case(model_def, params, name: str, cache, call: Call, lora=None, rule=VARIANTS["norms"][0]) -> dict:
-    """The shipped step ("kernel") and the step with `rule` patched ("xla"), alternating rounds; their logits
-    compared first."""
-    xla_def, patched, traced = patched_model(model_def, llama, *rule)
+def case(model_def, params, name: str, cache, call: Call, lora=None) -> dict:
+    """The step with the kernel's norms and with XLA's, alternating rounds; their logits compared first."""
+    xla_def, patched, traced = patched_model(model_def, llama, "rms_norm_supported", False)
     options = StepOptions(16, "auto")
     with patched():  # the copy's step traces here, with XLA's norms
         xla_logits, cache = forward(xla_def, params, call, cache, lora, options)
-    assert traced, f"the patched variant did not trace {rule[0]}"
+    assert traced, "the XLA variant did not trace the norms' decision"
     logits, cache = forward(model_def, params, call, cache, lora, options)
     diff = jnp.abs(logits - xla_logits)
     runs = {"kernel": lambda c: forward(model_def, params, call, c, lora, options),
@@ -88,7 +78,6 @@ def case(model_def, params, name: str, cache, call: Call, lora=None, rule=VARIAN
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", default="norms", choices=sorted(VARIANTS))
     parser.add_argument("--batches", default="1,8,32,64", help="base decode batch sizes")
     parser.add_argument("--lora-batches", default="32", help="decode batch sizes with one and with 32 adapters")
     parser.add_argument("--rank", type=int, default=16)
@@ -99,8 +88,7 @@ def main() -> None:
     print(f"# {device}", flush=True)
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    rule, name = VARIANTS[args.variant]
-    result, path = {"device": device, "variant": args.variant, "rows": []}, os.path.join(args.out, name)
+    result, path = {"device": device, "rows": []}, os.path.join(args.out, "norm_kernel.json")
     os.makedirs(args.out, exist_ok=True)
 
     def record(row):
@@ -109,16 +97,16 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     for batch in map(int, filter(None, args.batches.split(","))):
-        record(case(model_def, params, f"decode B={batch}", *base_decode(config, batch, 1024, 512, False), rule=rule))
+        record(case(model_def, params, f"decode B={batch}", *base_decode(config, batch, 1024, 512, False)))
     lora = random_lora(config, args.rank)
     for batch in map(int, filter(None, args.lora_batches.split(","))):
         for adapters in (1, SLOTS):
             cache, call = base_decode(config, batch, 1024, 512, False)
             slots = jnp.arange(batch, dtype=jnp.int32) % adapters
             call = Call(call.batch, slots, jnp.full(SLOTS, args.rank, jnp.int32))
-            record(case(model_def, params, f"decode B={batch}, {adapters} r={args.rank}", cache, call, lora, rule))
+            record(case(model_def, params, f"decode B={batch}, {adapters} r={args.rank}", cache, call, lora))
     if not args.no_prefill:
-        record(case(model_def, params, "prefill 4 x 512", *prefill(config, 4, 512), rule=rule))
+        record(case(model_def, params, "prefill 4 x 512", *prefill(config, 4, 512)))
 
 
 if __name__ == "__main__":

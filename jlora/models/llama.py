@@ -32,7 +32,7 @@ from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
-from jlora.pallas.rms_norm import residual_rms_norm, rms_norm, rms_norm_supported
+from jlora.pallas.rms_norm import rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
 
 __all__ = ["Batch", "CallOptions", "Group", "KVCache", "LoRAInput", "Transformer", "rope_frequencies"]
@@ -153,28 +153,13 @@ class _Part:
 @dataclasses.dataclass(frozen=True)
 class _Context:
     """What every layer of a call reads: its groups as `_Part`s, the RoPE frequencies, the adapters (None:
-    the base model alone), the options, whether the norms run in the Pallas kernel, and the K splits of the o
-    and down GEMMs whose partial sums the residual norm's kernel adds (None: the GEMMs sum them)."""
+    the base model alone), the options and whether the norms run in the Pallas kernel."""
 
     parts: tuple[_Part, ...]
     inv_freq: jax.Array
     lora: LoRAInput | None
     options: CallOptions
     norm_kernel: bool
-    residual_splits: int | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _SplitSum:
-    """A projection's output left as its split-K partial sums [S, T, N] f32, for the residual norm to add."""
-
-    partials: jax.Array
-
-
-def _residual_splits(tokens: int) -> int | None:
-    """K splits of the o and down GEMMs at `tokens` tokens when the residual norm's kernel adds their partial
-    sums: the split XLA's own GEMMs take at decode sizes on the 8B shape (eight), None above them."""
-    return 8 if tokens <= 64 else None
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -216,29 +201,10 @@ class Linear(nnx.Module):
             y = y + self.bias[...]
         return y.astype(x.dtype)
 
-    def split_sum(self, x: jax.Array, splits: int) -> _SplitSum:
-        """The product's partial sums over `splits` equal parts of K (no bias): x [T, K] -> [S, T, N] f32."""
-        (t, k), w = x.shape, self.weight[...]
-        partials = jnp.einsum("TSK,SKN->STN", x.reshape(t, splits, k // splits),
-                              w.reshape(splits, k // splits, w.shape[1]), preferred_element_type=jnp.float32,
-                              precision=dot_precision(x.dtype))
-        return _SplitSum(partials)
-
-
-def _add_norm(x: jax.Array, h: jax.Array | _SplitSum, norm: "RMSNorm", ctx: _Context) -> tuple[jax.Array, jax.Array]:
-    """(x + h, norm(x + h)): the residual stream [T, H] past a projection's output, and the next norm of it, in
-    one kernel where h is left as split-K partial sums."""
-    if isinstance(h, _SplitSum):
-        return residual_rms_norm(h.partials, x, norm.weight[...], norm.eps)
-    x = x + h
-    return x, norm(x, ctx.norm_kernel)
-
 
 def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | None, name: str,
-               slice_sizes: tuple[int, ...], row_parallel: bool = False,
-               ordered: bool = False) -> jax.Array | _SplitSum:
-    """The projection's output [T, N], plus its adapters' deltas when LoRA is on. A row-parallel projection on
-    one device without adapters leaves its output as split-K partial sums where the context says so.
+               slice_sizes: tuple[int, ...], row_parallel: bool = False, ordered: bool = False) -> jax.Array:
+    """The projection's output [T, N], plus its adapters' deltas when LoRA is on.
 
     `row_parallel` (o and down): under tensor parallelism (the options' `reduce_axis`) x, the weight's input
     rows and A's input columns are this device's shard. The expand is linear in the shrink, so each device expands its
@@ -248,13 +214,8 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
     """
     lora, options = ctx.lora, ctx.options
     reduce_axis = options.reduce_axis if row_parallel else None
-    adapted = lora is not None and name in group.a  # a group no loaded adapter targets is left out of the weights
-    splits = ctx.residual_splits
-    if row_parallel and splits and reduce_axis is None and not adapted and proj.bias is None \
-            and x.shape[1] % splits == 0:
-        return proj.split_sum(x, splits)
     out = proj(x)
-    if adapted:  # a group no loaded adapter targets is left out of the weights
+    if lora is not None and name in group.a:  # a group no loaded adapter targets is left out of the weights
         if ordered and options.base_first:
             out, x = jax.lax.optimization_barrier((out, x))
         scale = None if group.scale is None else group.scale[name]
@@ -416,13 +377,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, normed, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None, next_norm: RMSNorm):
-        """x [T, H] the residual stream, normed its `input_norm`: (the stream past this layer, that normed by
-        `next_norm` (the next layer's input norm, or the final one), the caches)."""
-        h, k_cache, v_cache = self.attn(normed, ctx, k_cache, v_cache, group)
-        x, normed = _add_norm(x, h, self.post_attn_norm, ctx)
-        x, normed = _add_norm(x, self.mlp(normed, ctx, group), next_norm, ctx)
-        return x, normed, k_cache, v_cache
+    def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
+        h, k_cache, v_cache = self.attn(self.input_norm(x, ctx.norm_kernel), ctx, k_cache, v_cache, group)
+        x = x + h
+        return x + self.mlp(self.post_attn_norm(x, ctx.norm_kernel), ctx, group), k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -474,18 +432,16 @@ class Transformer(nnx.Module):
                 factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
         norm_kernel = _pallas_kernels(options.backend) and rms_norm_supported(self.config.hidden_size)
         ctx = _Context(self._parts(batch, factor, cache, options), rope_frequencies(self.config), lora,
-                       options, norm_kernel, _residual_splits(x.shape[0]) if norm_kernel else None)
-        norms = [layer.input_norm for layer in self.layers] + [self.norm]
-        normed, ks, vs = norms[0](x, norm_kernel), [], []
+                       options, norm_kernel)
+        ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            x, normed, k, v = layer(x, normed, ctx, cache.k[i], cache.v[i],
-                                    None if lora is None else weights.layers[i], norms[i + 1])
+            x, k, v = layer(x, ctx, cache.k[i], cache.v[i], None if lora is None else weights.layers[i])
             ks.append(k)
             vs.append(v)
         info = None if lora is None else lora.info
-        if batch.logits_at is not None:  # the final norm is row by row: its rows at logits_at are theirs alone
-            normed, info = normed[batch.logits_at], None if lora is None else lora.head_info
-        logits = self._head(normed, weights, info, options.backend)
+        if batch.logits_at is not None:
+            x, info = x[batch.logits_at], None if lora is None else lora.head_info
+        logits = self._head(self.norm(x, norm_kernel), weights, info, options.backend)
         cache = KVCache(tuple(ks), tuple(vs))
         return (logits if batch.logits_at is not None else logits.reshape(*batch.groups[0].tokens.shape, -1)), cache
 

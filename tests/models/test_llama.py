@@ -14,9 +14,7 @@ from jlora.engine import Engine
 from jlora.runner import forward, pack_prompts
 from jlora.step import Call, StepOptions
 from jlora.batch_info import LoRABatchInfo
-from jlora.models import llama
 from jlora.models.llama import Batch, CallOptions, Group, KVCache, LoRAInput
-from jlora.pallas.rms_norm import residual_rms_norm
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
 
@@ -130,32 +128,6 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, kind, backend):
     decoded = np.concatenate(steps, axis=1)
     for i in range(2):
         np.testing.assert_allclose(decoded[i], full[i], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("adapter, fused_per_layer", [(None, 2), ("small", 2), ("all_rslora", 0)])
-def test_the_residual_norm_kernel_takes_the_split_sums_where_no_adapter_adds_to_them(
-        tmp_path, monkeypatch, adapter, fused_per_layer):
-    """Under pallas, a call of up to 64 tokens leaves the o and down GEMMs' outputs as split-K partial sums that
-    the residual norm's kernel adds, where no loaded adapter targets them: the logits equal the model's with the
-    GEMMs summing them (the rule patched off, in an engine of its own, so its own trace), and the kernel ran
-    as often as that says."""
-    model_dir = _model(tmp_path, "llama")
-    calls = []
-    monkeypatch.setattr(llama, "residual_rms_norm", lambda *a: calls.append(a) or residual_rms_norm(*a))
-    out = {}
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(llama, "_residual_splits", lambda tokens: None)
-        engine = Engine.from_pretrained(model_dir, max_loras=2, max_lora_rank=16, dtype="float32",
-                                        backend="pallas", progress=False)
-        if adapter is not None:
-            testing.write_adapter(str(tmp_path / adapter), MODELS["llama"], seed=3, **ADAPTERS[adapter])
-            engine.load_adapter(adapter, str(tmp_path / adapter))
-        calls.clear()
-        out[fused] = engine.prefill_logits(PROMPTS[:2], [adapter, None])
-        assert len(calls) == (fused_per_layer * MODELS["llama"]["num_hidden_layers"] if fused else 0)
-    for a, b in zip(out[True], out[False]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
