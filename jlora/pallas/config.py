@@ -70,7 +70,6 @@ def num_sms() -> int:
     return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
 
 
-
 def shrink_config(
     num_tokens: int, k: int, width: int, block_m: int, itemsize: int = 2, num_slices: int = 1
 ) -> ShrinkConfig:

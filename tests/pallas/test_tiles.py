@@ -95,3 +95,25 @@ def test_expand_config_groups_blocks_only_with_programs_to_spare():
     assert expand_config(2048, (4096,), 64).group == 2  # 64 x 32 blocks: 4 each would leave < 1024 programs
     assert expand_config(8192, (2 * 14336,), 64).group == 8  # capped at 8
     assert expand_config(300, (1024,), 16).block_rows == 16  # never more rows than the segment's tile
+
+
+def test_the_grid_rules_count_the_devices_sms(monkeypatch):
+    """`num_sms` is the GPU's `core_count` (132 where a device does not say, as on the CPU), and the decode
+    shrink's split-K target follows it: four programs an SM."""
+    from jlora.pallas import config
+
+    class Device:
+        def __init__(self, platform, core_count=None):
+            self.platform, self.core_count = platform, core_count
+
+    def sms(device):
+        monkeypatch.setattr(config.jax, "devices", lambda: [device])
+        config.num_sms.cache_clear()
+        return config.num_sms(), shrink_config(16, 16384, 16, 16).k_splits  # 1 segment, up to 32 splits
+
+    try:
+        assert sms(Device("cpu")) == (132, 32) and sms(Device("gpu")) == (132, 32)
+        assert sms(Device("gpu", core_count=4)) == (4, 16)  # 16 programs reach 4 x 4
+    finally:
+        monkeypatch.undo()
+        config.num_sms.cache_clear()
