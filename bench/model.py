@@ -158,7 +158,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", help="comma-separated tensor-parallel degrees to compare (e.g. 1,2)")
     parser.add_argument("--profile", action="store_true",
-                        help="where decode steps spend their time (batches 1, 8, 32 unless --batches)")
+                        help="where decode steps spend their time (batches 1, 8, 32 unless --batches; "
+                             "model_profile.json, or model_profile_b<batches>_r<rank>.json for other batches or ranks)")
+    parser.add_argument("--rank", type=int, default=16, help="the adapters' rank in --profile")
     parser.add_argument("--engine", action="store_true", help="Engine.generate end to end against the bare step")
     parser.add_argument("--features", action="store_true",
                         help="32 DoRA, LoRA-bias and added-token adapters against 32 plain ones")
@@ -176,8 +178,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if args.profile:
         batches = (1, 8, 32) if args.batches == parser.get_default("batches") else args.batches.split(",")
-        return profile(config, model_def, params, int(args.tp or 1), tuple(int(b) for b in batches), bandwidth,
-                       device, args.out)
+        batches = tuple(int(b) for b in batches)
+        name = ("model_profile" if (batches, args.rank) == ((1, 8, 32), 16)
+                else f"model_profile_b{'-'.join(map(str, batches))}_r{args.rank}")
+        return profile(config, model_def, params, int(args.tp or 1), batches, bandwidth, device,
+                       os.path.join(args.out, name + ".json"), args.rank)
     if args.features:
         return features(config, model_def, params, device, args.out)
     if args.engine:
@@ -350,12 +355,12 @@ def busy_union(events) -> float:
 
 
 def profile(config, model_def, params, degree: int, batches: tuple[int, ...], bandwidth: float, device: str,
-            out_dir: str, rank: int = 16) -> None:
-    """Decode steps at each batch size of `batches` with 0, 1 and 32 distinct r=16 adapters on every module, at
+            path: str, rank: int = 16) -> None:
+    """Decode steps at each batch size of `batches` with 0, 1 and 32 distinct adapters of `rank` on every module, at
     one TP degree: wall time per step; the GPU's time busy (any kernel running) and idle; kernel time by class
     (GEMMs, decode attention, the rest) with the GEMMs' bandwidth over the weight bytes and the attention's over
     the KV bytes; the floor (weights + KV at the copy bandwidth); the kernels that take the most time; a layer
-    timeline. Rows go to model_profile.json."""
+    timeline. Rows go to the JSON at `path`."""
     rows = []
     for batch in batches:
         g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank, batch)
@@ -408,8 +413,8 @@ def profile(config, model_def, params, degree: int, batches: tuple[int, ...], ba
                       f"{kernel_class(kname):9s} {kname[:80]}", flush=True)
             if batch == max(batches):
                 layer_timeline(events, config.num_layers)
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "model_profile.json"), "w") as f:  # after every case
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:  # after every case
                 json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "context": CONTEXT,
                            "weight_bytes": weight_bytes(config), "rows": rows}, f, indent=1)
         del cases, cache, st, lw

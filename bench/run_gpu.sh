@@ -7,6 +7,8 @@
 #   bash bench/run_gpu.sh full    # the full kernel table (bench/kernels.py --resume): run it again until it says
 #                                 # "done"; copy each call's kernels_full.json into bench/results in between
 #   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
+#   bash bench/run_gpu.sh profile [ARGS]  # where decode steps spend their time (bench/model.py --profile ARGS,
+#                                 # e.g. --batches 64, or --batches 8,32,64 --rank 64)
 #   bash bench/run_gpu.sh features  # 32 DoRA / bias / added-token adapters against 32 plain ones (bench/model.py)
 #   bash bench/run_gpu.sh engine  # Engine.generate on the 8B shape against the bare step (bench/model.py --engine)
 #   bash bench/run_gpu.sh serve   # jlora serve under Poisson arrivals (bench/serve.py; needs the serving packages)
@@ -47,6 +49,7 @@ case "${1:-}" in
     timeout 540 python3 bench/kernels.py --resume --out "$out" 2>&1 | grep -E "^#|µs wall|Error" \
       && [ -f "$out/kernels_full.md" ] && echo done ;;
   model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
+  profile) python3 bench/model.py --profile --out "$out" "${@:2}" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
   features) python3 bench/model.py --features --out "$out" 2>&1 | grep -E "^#|^decode|^prefill" ;;
   engine) python3 bench/model.py --engine --out "$out" 2>&1 | grep -E "^#|^engine" ;;
   serve) python3 bench/serve.py --out "$out" 2>&1 | grep -E "^#|^rate|^\|" ;;
