@@ -113,6 +113,7 @@ def test_the_grid_rules_count_the_devices_sms(monkeypatch):
 
     try:
         assert sms(Device("cpu")) == (132, 32) and sms(Device("gpu")) == (132, 32)
+        assert sms(Device("gpu", core_count=0)) == (132, 32)  # a device that reports no SMs
         assert sms(Device("gpu", core_count=4)) == (4, 16)  # 16 programs reach 4 x 4
     finally:
         monkeypatch.undo()
