@@ -66,18 +66,57 @@ def trace_kernels(run) -> dict[str, list[float]]:
     return kernel_durations(trace_events(run))
 
 
-def patched_model(model_def, target, attribute: str, value):
+def patched_model(model_def, target, attribute: str, value, inline: tuple = ()):
     """(a copy of `model_def`, a context manager, calls): the copy is a jit cache key of its own (a `ModelDef`
     hashes by identity), so a step of it traced inside the context sees `target.attribute` answer `value`
-    whatever its arguments; `calls` records each call of the patched rule, to check that the trace saw it."""
+    whatever its arguments; `calls` records each call of the patched rule, to check that the trace saw it.
+    `inline`: (module, name) pairs of jitted functions that the model calls and that read the rule; inside
+    the context they run unjitted, since a jit's trace cache is keyed by its arguments, not by the rule, and
+    would hand the copy the shipped trace (or the shipped step the copy's)."""
     calls = []
 
     @contextlib.contextmanager
     def patched():
-        with mock.patch.object(target, attribute, lambda *args: calls.append(args) or value):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(target, attribute, lambda *args: calls.append(args) or value))
+            for module, name in inline:
+                stack.enter_context(mock.patch.object(module, name, getattr(module, name).__wrapped__))
             yield
 
     return copy.copy(model_def), patched, calls
+
+
+def compare_patched(model_def, params, call, cache, lora, options, target, attribute: str, value,
+                    labels: tuple[str, str], inline: tuple = ()) -> tuple[dict, object]:
+    """A model step as shipped against the same step traced with `target.attribute` answering `value`
+    (`patched_model`, with `inline`), timed in alternating rounds: ({"ms": {label: median ms}, "kernels": {label: kernels a
+    step}, "logits_max_abs_diff", "logits_equal_fraction"}, cache). The logits are compared first."""
+    from model import time_alternating  # bench/model.py imports this module
+    from jlora.runner import forward
+
+    shipped, patched_label = labels
+    patched_def, patched, traced = patched_model(model_def, target, attribute, value, inline)
+    with patched():  # the copy's step traces here
+        patched_logits, cache = forward(patched_def, params, call, cache, lora, options)
+    assert traced, f"the patched variant did not trace {attribute}"
+    logits, cache = forward(model_def, params, call, cache, lora, options)
+    diff = jnp.abs(logits - patched_logits)
+    runs = {shipped: lambda c: forward(model_def, params, call, c, lora, options),
+            patched_label: lambda c: forward(patched_def, params, call, c, lora, options)}
+    kernels = {}
+    for variant, run in runs.items():
+        holder = [cache]
+
+        def steps(run=run, holder=holder):
+            out, holder[0] = run(holder[0])
+            return out
+
+        kernels[variant] = sum(len(d) for d in trace_kernels(steps).values())
+        cache = holder[0]
+    times, cache = time_alternating(runs, cache)
+    return dict(ms={variant: statistics.median(t) * 1e3 for variant, t in times.items()}, kernels=kernels,
+                logits_max_abs_diff=float(diff.max()),
+                logits_equal_fraction=float(jnp.mean(logits == patched_logits))), cache
 
 
 def pyplot():

@@ -17,6 +17,8 @@
 #                                 # e.g. --model-only --forms gather,gather_inline)
 #   bash bench/run_gpu.sh attention [ARGS]  # the decode attention kernel's key block, warps and stages
 #                                 # (bench/studies/attention_tiles.py ARGS, e.g. --cases rows, then --cases paged,split)
+#   bash bench/run_gpu.sh delta [ARGS]  # the decode expand's delta in a buffer of its own against in place
+#                                 # (bench/studies/expand_delta.py ARGS, e.g. --batches 32,64 --ranks 64)
 #   bash bench/run_gpu.sh norm [ARGS]  # the model's norms in the Pallas kernel against XLA's (bench/studies/norm_kernel.py ARGS)
 #   bash bench/run_gpu.sh scheduling  # decode under XLA's default and CONCURRENT graphs (bench/studies/scheduling.py)
 #   bash bench/run_gpu.sh chunk   # prompt throughput and decode stalls per prefill_chunk (bench/studies/prefill_chunk.py)
@@ -58,6 +60,7 @@ case "${1:-}" in
     python3 bench/studies/shrink_limits.py 2>&1 | grep -E "^#|^[a-z]" ;;
   gather) python3 bench/studies/gather_forms.py "${@:2}" 2>&1 | grep -E "µs|ms|Error" ;;
   attention) python3 bench/studies/attention_tiles.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|µs|^model|Error" ;;
+  delta) python3 bench/studies/expand_delta.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|^prefill|Error" ;;
   norm) python3 bench/studies/norm_kernel.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|^prefill|Error" ;;
   scheduling) python3 bench/studies/scheduling.py --out "$out" 2>&1 | grep -E "^#|^\|" ;;
   chunk) python3 bench/studies/prefill_chunk.py --out "$out" 2>&1 | grep -E "^#|^chunk" ;;

@@ -33,9 +33,9 @@ Backend = Literal["auto", "reference", "ragged", "gather", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "gather", "pallas")
 # "auto" runs a call through "gather" on GPU when T x R (tokens x the weight stack's max rank) is at most
 # this. Each token reads its own slot's weights, so gather's reads grow with T·R; the segmented kernels read
-# each used slot once but pay a chain of dependent loads per launch. On an H200 in bf16 gather wins up to
-# T=64 at R=16 (bench/kernels.py --crossover) and loses end to end at T=64, R=64 (bench/model.py).
-GATHER_MAX_TOKEN_RANK = 1024
+# each used slot once but pay a chain of dependent loads per launch. In the 8B decode step on an H200 (the
+# pallas expand's add deferred) gather wins at T·R = 128 and 512 and loses at 1024 (docs/kernels.md).
+GATHER_MAX_TOKEN_RANK = 512
 # The plain-jnp backends' implementations (pallas dispatches to jlora.pallas).
 _JNP_SHRINK = {"reference": reference.shrink_reference, "ragged": reference.shrink_ragged,
                "gather": reference.shrink_gather}
@@ -211,6 +211,7 @@ def lora_linear(
     backend: Backend = "auto",
     scale: jax.Array | None = None,
     shift: jax.Array | None = None,
+    defer_add: bool = False,
 ) -> jax.Array:
     """A (fused) linear layer's LoRA: `lora_expand(lora_shrink(x), ...)`, the one call layers make.
 
@@ -222,6 +223,11 @@ def lora_linear(
       slice_sizes: static output widths of the fused projections, e.g. (q, k, v) or (gate, up).
       backend: "auto", "reference", "ragged", "gather" or "pallas".
       scale, shift: optional [L, N] per-slot column affine (see the module docstring).
+      defer_add: the pallas backend at decode sizes (T <= 256) writes the delta to a buffer of its own,
+        rounded to base.dtype as PEFT rounds its LoRA output, and XLA adds it to `base`, instead of adding it
+        into base's buffer. The expand then need not wait for `base`: inside a jitted step it runs beside the
+        GEMM that makes `base`, and XLA fuses the add into the kernel that reads the sum. A call on its own
+        pays one more pass over [T, N]. The model passes True; other backends add so already or ignore it.
 
     Returns:
       [T, N] in base.dtype, base plus each token's adapter delta (then the affine).
@@ -235,13 +241,14 @@ def lora_linear(
         raise ValueError(f"A {a.shape} and B {b.shape} disagree on the max rank R")
     _check_affine(b, scale=scale, shift=shift)
     return _linear(x, base, a, b, info, scale, shift, slice_sizes=slice_sizes,
-                   backend=resolve_backend(backend, x.shape[0], b.shape[2]))
+                   backend=resolve_backend(backend, x.shape[0], b.shape[2]), defer_add=bool(defer_add))
 
 
-@functools.partial(jax.jit, static_argnames=("slice_sizes", "backend"))
-def _linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend):
+@functools.partial(jax.jit, static_argnames=("slice_sizes", "backend", "defer_add"))
+def _linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False):
     if backend == "pallas":
-        return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes, scale=scale, shift=shift)
+        return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes, scale=scale, shift=shift,
+                             defer_add=defer_add)
     s = _shrink(x, a, info, num_slices=len(slice_sizes), backend=backend)
     return _expand(s, b, info, base, scale, shift, slice_sizes=slice_sizes, backend=backend)
 

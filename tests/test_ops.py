@@ -191,8 +191,10 @@ def test_a_slot_reaches_only_its_own_tokens_whatever_the_others_hold(backend, in
     chunk = 16 if backend == "pallas" else 1
     b_bad = jnp.asarray(poison(bn, in_use, ranks, 2, 1, rng, chunk))
     y = shrink_np(xn, an, slots, ranks, scal, 2)
-    out = jlora.lora_linear(x, base, a_bad, b_bad, info, slice_sizes=slice_sizes, backend=backend)
-    check(out, expand_np(y, bn, slots, ranks, basen, slice_sizes), jnp.float32, info, basen)
+    for defer_add in (False, True):  # the pallas expand into base's buffer, and its delta added by XLA
+        out = jlora.lora_linear(x, base, a_bad, b_bad, info, slice_sizes=slice_sizes, backend=backend,
+                                defer_add=defer_add)
+        check(out, expand_np(y, bn, slots, ranks, basen, slice_sizes), jnp.float32, info, basen)
     check(jlora.lora_shrink(x, a_bad, info, num_slices=2, backend=backend), y, jnp.float32, info)
     s = rng.standard_normal(y.shape).astype(np.float32)  # non-zero past the rank too
     out = jlora.lora_expand(jnp.asarray(s), b_bad, info, base, slice_sizes=slice_sizes, backend=backend)
@@ -234,8 +236,10 @@ def test_column_affine(case, dtype, backend):
         ref = plain * (scale[sl] if with_scale else 1) + (shift[sl] if with_shift else 0)
         ref = np.where(own[:, None], ref, basen)
         kw = dict(scale=poisoned(scale) if with_scale else None, shift=poisoned(shift) if with_shift else None)
-        out = jlora.lora_linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=backend, **kw)
-        check(out, ref, dtype, info, basen)
+        for defer_add in (False, True):
+            out = jlora.lora_linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=backend,
+                                    defer_add=defer_add, **kw)
+            check(out, ref, dtype, info, basen)
         out = jlora.lora_expand(jnp.asarray(y, dtype), b, info, base, slice_sizes=slice_sizes, backend=backend, **kw)
         check(out, np.where(own[:, None], expand_np(np.asarray(jnp.asarray(y, dtype).astype(jnp.float32)), bn, slots,
                                                     RANKS, basen, slice_sizes)
@@ -270,8 +274,9 @@ def test_any_width(slice_sizes, k, backend):
     y = shrink_np(x, a, slots, RANKS, np.asarray(info.scalings), num_slices)
     ref = expand_np(y, b, slots, RANKS, base, slice_sizes)
     args = [jnp.asarray(v) for v in (x, base, a, b)]
-    out = jlora.lora_linear(*args, info, slice_sizes=slice_sizes, backend=backend)
-    check(out, ref, jnp.float32, info, base)
+    for defer_add in (False, True):
+        out = jlora.lora_linear(*args, info, slice_sizes=slice_sizes, backend=backend, defer_add=defer_add)
+        check(out, ref, jnp.float32, info, base)
     check(jlora.lora_shrink(args[0], args[2], info, num_slices=num_slices, backend=backend), y, jnp.float32, info)
 
 

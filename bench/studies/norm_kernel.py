@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import jax
@@ -26,13 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import patched_model, trace_kernels  # noqa: E402
-from model import SLOTS, llama3_8b, random_lora, random_model, time_alternating  # noqa: E402
+from common import compare_patched  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
 from jlora.models.llama import Batch, KVCache  # noqa: E402
-from jlora.runner import forward  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 
@@ -46,30 +44,12 @@ def prefill(config, requests: int, length: int) -> tuple[KVCache, Call]:
 
 def case(model_def, params, name: str, cache, call: Call, lora=None) -> dict:
     """The step with the kernel's norms and with XLA's, alternating rounds; their logits compared first."""
-    xla_def, patched, traced = patched_model(model_def, llama, "rms_norm_supported", False)
-    options = StepOptions(16, "auto")
-    with patched():  # the copy's step traces here, with XLA's norms
-        xla_logits, cache = forward(xla_def, params, call, cache, lora, options)
-    assert traced, "the XLA variant did not trace the norms' decision"
-    logits, cache = forward(model_def, params, call, cache, lora, options)
-    diff = jnp.abs(logits - xla_logits)
-    runs = {"kernel": lambda c: forward(model_def, params, call, c, lora, options),
-            "xla": lambda c: forward(xla_def, params, call, c, lora, options)}
-    kernels = {}
-    for variant, run in runs.items():
-        holder = [cache]
-
-        def steps(run=run, holder=holder):
-            out, holder[0] = run(holder[0])
-            return out
-
-        kernels[variant] = sum(len(d) for d in trace_kernels(steps).values())
-        cache = holder[0]
-    times, cache = time_alternating(runs, cache)
-    ms = {variant: statistics.median(t) * 1e3 for variant, t in times.items()}
+    got, _ = compare_patched(model_def, params, call, cache, lora, StepOptions(16, "auto"), llama,
+                             "rms_norm_supported", False, ("kernel", "xla"))
+    ms, kernels = got["ms"], got["kernels"]
     row = dict(case=name, kernel_ms=ms["kernel"], xla_ms=ms["xla"], ratio=ms["kernel"] / ms["xla"],
-               kernels=kernels, logits_max_abs_diff=float(diff.max()),
-               logits_equal_fraction=float(jnp.mean(logits == xla_logits)))
+               kernels=kernels, logits_max_abs_diff=got["logits_max_abs_diff"],
+               logits_equal_fraction=got["logits_equal_fraction"])
     print(f"{name:28s} kernel norms {ms['kernel']:7.3f} ms ({kernels['kernel']} kernels), XLA norms "
           f"{ms['xla']:7.3f} ms ({kernels['xla']}): {row['ratio']:.3f}x; logits max |diff| "
           f"{row['logits_max_abs_diff']:.3g}, equal {row['logits_equal_fraction']:.3f}", flush=True)

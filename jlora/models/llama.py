@@ -223,7 +223,7 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
         if shift is not None and reduce_axis is not None:  # the partial outputs are summed: add it on one device
             shift = jnp.where(jax.lax.axis_index(reduce_axis) == 0, shift, 0)
         out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
-                          backend=options.backend, scale=scale, shift=shift)
+                          backend=options.backend, scale=scale, shift=shift, defer_add=True)
     return out if reduce_axis is None else jax.lax.psum(out, reduce_axis)
 
 
@@ -473,7 +473,7 @@ class Transformer(nnx.Module):
         if weights is not None and weights.lm_head_a is not None:  # no barrier (base_first): see CallOptions
             logits = lora_linear(x, logits, weights.lm_head_a, weights.lm_head_b, info,
                                  slice_sizes=(self.config.vocab_size,), backend=backend, scale=weights.lm_head_scale,
-                                 shift=weights.lm_head_shift)
+                                 shift=weights.lm_head_shift, defer_add=True)
         logits = logits.astype(jnp.float32)
         if weights is not None and weights.rows is not None:
             logits = _override_logits(logits, x, weights.rows, info, backend)

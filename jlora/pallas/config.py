@@ -15,7 +15,8 @@ import functools
 
 import jax
 
-__all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "pow2_divisor", "num_sms"]
+__all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "delta_expand", "pow2_divisor",
+           "num_sms"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,7 @@ class ExpandConfig:
     block_rows: int | None = None  # rows per program: block_m (None) or a power-of-two part of it, >= 16
     full_rank_branch: bool = True  # slots at the full rank R take a fast path (see jlora.pallas.expand)
     segments_first: bool = False  # launch the grid as one axis, the used segments' programs first
+    delta: bool = False  # write the delta alone, added to the base by XLA, instead of into the base's buffer
     num_warps: int = 4
     num_stages: int = 2
 
@@ -103,7 +105,17 @@ def shrink_config(
     return ShrinkConfig(block_k=block_k, k_splits=split, split_slices=decode, num_warps=warps, num_stages=num_stages)
 
 
-def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int, rank: int = 16) -> ExpandConfig:
+def delta_expand(num_tokens: int, defer_add: bool) -> bool:
+    """Whether an expand of T tokens writes its delta to a buffer of its own, added to the base by XLA, rather
+    than adding it into the base's buffer: where the caller defers the add (a model step, whose next kernel
+    takes the add in) and at decode sizes (T <= 256). The expand then no longer waits for the base GEMM and runs
+    beside it: 4.6-8.4 % off the 8B decode steps with r=64 adapters at batch 32 and 64; the prefill steps were
+    level (docs/kernels.md, "The deferred add")."""
+    return defer_add and num_tokens <= 256
+
+
+def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int, rank: int = 16,
+                  defer_add: bool = False) -> ExpandConfig:
     """Expand tiles for T tokens in segments of block_m rows and B of (padded) rank R.
 
     An expand program reads [block_rows, R] of s, [block_n, R] of B and [block_rows, block_n] of base, and
@@ -112,15 +124,16 @@ def expand_config(num_tokens: int, slice_sizes: tuple[int, ...], block_m: int, r
     segment with 2 warps (4 at R >= 32). At prefill sizes, where the base's read-add-write bounds the kernel,
     a program takes 32 rows and loops over up to 8 column blocks through 3 stages while about 8 programs per
     SM remain, and the grid runs as one axis with the used segments' programs first (`segments_first`).
+    With `defer_add`, `delta_expand` decides whether the kernel writes the delta alone.
     Evidence: docs/kernels.md, "Tiles and why".
     """
-    block_n = min(_block(n, 128) for n in slice_sizes)
+    block_n, delta = min(_block(n, 128) for n in slice_sizes), delta_expand(num_tokens, defer_add)
     if num_tokens <= 256:
-        return ExpandConfig(block_n=block_n, num_warps=4 if rank >= 32 else 2, num_stages=2)
+        return ExpandConfig(block_n=block_n, num_warps=4 if rank >= 32 else 2, num_stages=2, delta=delta)
     block_rows = min(32, block_m)
     blocks = -(-num_tokens // block_rows) * (sum(slice_sizes) // block_n)  # programs at one block each
     group = 1
     while group < 8 and blocks // (2 * group) >= 1024:
         group *= 2
     return ExpandConfig(block_n=block_n, group=group, block_rows=block_rows, segments_first=True, num_warps=4,
-                        num_stages=3)
+                        num_stages=3, delta=delta)

@@ -136,6 +136,7 @@ def linear(
     expand_config: ExpandConfig | None = None,
     scale: jax.Array | None = None,
     shift: jax.Array | None = None,
+    defer_add: bool = False,
 ) -> jax.Array:
     """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly.
     The configs override the heuristic tiles of either kernel.
@@ -148,5 +149,6 @@ def linear(
     padded, b, base, scale, shift, keep = _pad_narrow_slices(slice_sizes, _pad_slices(b, 2, 1, rank), base, scale,
                                                              shift)
     partials = shrink_partials(x, a, info, num_slices=len(slice_sizes), config=shrink_config)
-    out = _expand(partials, b, info, base, slice_sizes=padded, config=expand_config, scale=scale, shift=shift)
+    out = _expand(partials, b, info, base, slice_sizes=padded, config=expand_config, scale=scale, shift=shift,
+                  defer_add=defer_add)
     return out if keep is None else out[:, keep]

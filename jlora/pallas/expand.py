@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 from jlora.batch_info import LoRABatchInfo
 from jlora.pallas.common import dot_precision, segment_meta
 from jlora.pallas.config import ExpandConfig, expand_config, pow2_divisor
+from jlora.reference import add_deltas
 
 __all__ = ["expand"]
 
@@ -36,8 +37,9 @@ def _expand_kernel(
     ranks_ref,  # [L] int32
     s_ref,  # [P, T, num_slices * R] shrink output as P partial sums (P = 1 for a finished s)
     b_ref,  # [L, N, R]
-    *refs,  # scale [L, N] with `has_scale`, shift [L, N] with `has_shift`; base [T, N] (the same buffer as
-    #         o_ref; with `tail` read only, and then a copy of base aliased to o_ref); o_ref [T, N]
+    *refs,  # scale [L, N] with `has_scale`, shift [L, N] with `has_shift`; base [T, N] with `has_base` (the
+    #         same buffer as o_ref; with `tail` read only, and then a copy of base aliased to o_ref); o_ref [T, N]
+    has_base: bool,
     has_scale: bool,
     has_shift: bool,
     slice_start: tuple[int, ...],  # first column of each slice
@@ -57,7 +59,8 @@ def _expand_kernel(
 ):
     scale_ref = refs[0] if has_scale else None
     shift_ref = refs[int(has_scale)] if has_shift else None
-    base_ref, o_ref = refs[int(has_scale) + int(has_shift)], refs[-1]
+    base_ref = refs[int(has_scale) + int(has_shift)] if has_base else None
+    o_ref = refs[-1]
     # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h)
     # and `group` consecutive column blocks of one slice: the rows, s and rank mask are loaded once, and the
     # loop over blocks lets the compiler pipeline loads.
@@ -100,7 +103,7 @@ def _expand_kernel(
         # multiply zeros of s and must be finite (the pool stores zeros); selecting them out cost 7 %.
         # Figures: docs/kernels.md, "The full-rank fast path".
         in_rank = col // 16 * 16 < slot_rank  # [1, R]
-        eye = (jnp.arange(block_rows)[:, None] == jnp.arange(block_rows)[None, :]).astype(base_ref.dtype)
+        eye = (jnp.arange(block_rows)[:, None] == jnp.arange(block_rows)[None, :]).astype(o_ref.dtype)
 
         def columns(full_rank: bool):
             def block(j, carry):
@@ -108,14 +111,15 @@ def _expand_kernel(
                     cols = pl.ds(jnp.minimum(first_col + j * block_n, end - block_n), block_n)
                 else:
                     cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
-                base = base_ref[rows, cols]  # [BR, BN]
+                base = base_ref[rows, cols] if has_base else None  # [BR, BN]
                 if full_rank:
                     b = b_ref[slot, cols, :]  # [BN, R]
-                    out = pltriton.dot(eye, base, precision=base_precision)  # = base, in f32
+                    out = pltriton.dot(eye, base, precision=base_precision) if has_base else None  # = base
                 else:
                     b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
-                    out = base.astype(jnp.float32)
-                out += pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
+                    out = base.astype(jnp.float32) if has_base else None
+                delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
+                out = delta if out is None else out + delta
                 if has_scale:  # the slot's column affine (DoRA's magnitude over the column norm)
                     out *= scale_ref[slot, cols].astype(jnp.float32)[None, :]
                 if has_shift:  # (a LoRA bias)
@@ -142,8 +146,10 @@ def expand(
     config: ExpandConfig | None = None,
     scale: jax.Array | None = None,
     shift: jax.Array | None = None,
+    defer_add: bool = False,
 ) -> jax.Array:
-    """[T, N] `base` plus the expand of `s`, computed in place in base's buffer.
+    """[T, N] `base` plus the expand of `s`, computed in place in base's buffer, or with `config.delta` as a
+    delta of its own that XLA adds.
 
     Args:
       s: [P, T, S·R] shrink output as P partial sums to add (P = 1 for a finished s).
@@ -154,9 +160,10 @@ def expand(
       config: tiles; default from `expand_config`.
       scale, shift: optional [L, N] per-slot column affine: a token's row becomes
         `scale[slot] * (base + delta) + shift[slot]`. Without them the kernel has no such operand.
+      defer_add: the caller lets the default config write the delta alone (`jlora.lora_linear`).
     """
     num_tokens, rank = base.shape[0], b.shape[2]
-    config = config or expand_config(num_tokens, slice_sizes, info.block_m, rank)
+    config = config or expand_config(num_tokens, slice_sizes, info.block_m, rank, defer_add)
     if min(slice_sizes) < config.block_n:
         raise ValueError(f"{config} does not tile slice_sizes={slice_sizes}")
     tail = any(n % config.block_n for n in slice_sizes)
@@ -167,11 +174,13 @@ def expand(
     group = pow2_divisor(math.gcd(*blocks), config.group)  # column blocks per program, within one slice
     bounds = tuple(itertools.accumulate(slice_sizes, initial=0))
     group_start = tuple(itertools.accumulate((n // group for n in blocks), initial=0))
-    affine = tuple(x for x in (scale, shift) if x is not None)
+    delta = config.delta
+    affine = () if delta else tuple(x for x in (scale, shift) if x is not None)
     kernel = functools.partial(
         _expand_kernel,
-        has_scale=scale is not None,
-        has_shift=shift is not None,
+        has_base=not delta,
+        has_scale=scale is not None and not delta,
+        has_shift=shift is not None and not delta,
         slice_start=bounds[:-1],
         slice_end=bounds[1:],
         tail=tail,
@@ -188,13 +197,18 @@ def expand(
         base_precision=dot_precision(base.dtype),
     )
     grid = (info.num_segments * (info.block_m // block_rows), group_start[-1])
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
         grid=(grid[0] * grid[1],) if config.segments_first else grid,
-        input_output_aliases={7 + len(affine) + int(tail): 0},
+        input_output_aliases={} if delta else {7 + len(affine) + int(tail): 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_expand_{len(slice_sizes)}x{rank}x{base.shape[1]}",  # shapes: readable profiles
-    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, *affine, base,
-      *((base,) if tail else ()))
+    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, *affine,
+      *(() if delta else (base,) * (1 + int(tail))))
+    if not delta:
+        return out
+    # The kernel wrote the tokens' deltas only (slot -1 rows are unwritten): selected, rounded to base's dtype
+    # as PEFT rounds its LoRA output, and added by XLA, which fuses the add into the kernel that reads the sum.
+    return add_deltas(base, [jnp.where((info.token_slot >= 0)[:, None], out, 0)], info, scale, shift)

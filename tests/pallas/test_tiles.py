@@ -28,7 +28,10 @@ def _case(seed, t=45, k=256, slice_sizes=(64, 32, 32), rank=16, num_slots=3):
                                     ExpandConfig(block_n=32, group=8, full_rank_branch=False),
                                     ExpandConfig(block_n=32, group=2),
                                     ExpandConfig(block_n=16, group=4, block_rows=16),
-                                    ExpandConfig(block_n=16, group=2, block_rows=16, segments_first=True)])
+                                    ExpandConfig(block_n=16, group=2, block_rows=16, segments_first=True),
+                                    ExpandConfig(block_n=16, group=2, full_rank_branch=False, delta=True),
+                                    ExpandConfig(block_n=32, group=2, delta=True),
+                                    ExpandConfig(block_n=16, group=2, block_rows=16, segments_first=True, delta=True)])
 def test_expand_column_groups(config, block_m):
     slots, _, scal, x, a, b, base = _case(1, t=100)  # 21-30 tokens per slot: segments past 16 rows
     ranks = np.array([16, 5, 12])  # the full rank and below: both sides of full_rank_branch
@@ -95,6 +98,9 @@ def test_expand_config_groups_blocks_only_with_programs_to_spare():
     assert expand_config(2048, (4096,), 64).group == 2  # 64 x 32 blocks: 4 each would leave < 1024 programs
     assert expand_config(8192, (2 * 14336,), 64).group == 8  # capped at 8
     assert expand_config(300, (1024,), 16).block_rows == 16  # never more rows than the segment's tile
+    # The delta alone where the caller defers the add, at decode sizes only.
+    assert [expand_config(t, (4096,), 16, defer_add=d).delta for t, d in [(64, True), (256, True), (257, True),
+                                                                          (64, False)]] == [True, True, False, False]
 
 
 def test_the_grid_rules_count_the_devices_sms(monkeypatch):
