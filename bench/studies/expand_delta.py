@@ -11,16 +11,19 @@ Model: the 8B-shaped step (`bench/model.py`'s model, random weights) compiled tw
 decode over contiguous rows (context 1024, query at 512) at each batch of `--batches`, with each count of
 `--adapters` of each rank of `--ranks`, under `--backend` (auto: the Pallas kernels where T·R > 512); and
 prefills of `--prefill` (REQUESTSxLENGTH, one r=16 adapter a request). Both variants' logits are compared first.
-JSON: expand_delta.json. With `--against-gather` the decode steps compare the pallas backend (as shipped) with
-the gather backend instead (expand_delta_vs_gather.json): where `auto` should switch.
+JSON: expand_delta.json. `--against` sets what the shipped step is compared with: `in_place` (the above),
+`gather` (the pallas backend against the gather backend, decode only: where `auto` should switch) or
+`no_base_first` (the engine's decode steps order each gate|up GEMM before its LoRA kernels, `base_first`: the
+step with that order lifted); JSON: expand_delta_vs_<against>.json for the last two.
 
   python bench/studies/expand_delta.py [--batches 32,64] [--ranks 64] [--adapters 1,8,32] [--prefill 4x512]
-      [--backend auto] [--against-gather] [--out DIR]  # GPU
+      [--backend auto] [--against in_place|gather|no_base_first] [--out DIR]  # GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,17 +44,19 @@ from jlora.runner import forward  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 
-def versus_gather(model_def, params, call, cache, lora, batch, rank, adapters) -> dict:
-    """The step under the pallas backend against the gather backend, alternating rounds."""
-    runs = {backend: (lambda c, backend=backend: forward(model_def, params, call, c, lora,
-                                                           StepOptions(16, backend)))
-            for backend in ("pallas", "gather")}
+def compare(model_def, params, call, cache, lora, options: StepOptions, against: str) -> tuple[dict, str]:
+    """({"ms": {label: median ms}, ...}, the other variant's label): the shipped step under `options` (label
+    "shipped") against the variant `against` names, in alternating rounds."""
+    if against == "in_place":
+        got, _ = compare_patched(model_def, params, call, cache, lora, options, pallas_config, "delta_expand", False,
+                                 ("shipped", against), inline=((ops, "_linear"), (ops, "_expand")))
+        return got, against
+    variants = {"gather": (dataclasses.replace(options, backend="pallas"), dataclasses.replace(options, backend="gather")),
+                "no_base_first": (options, dataclasses.replace(options, base_first=False))}[against]
+    runs = {label: (lambda c, o=o: forward(model_def, params, call, c, lora, o))
+            for label, o in zip(("shipped", against), variants)}
     times, _ = time_alternating(runs, cache)
-    ms = {backend: statistics.median(t) * 1e3 for backend, t in times.items()}
-    print(f"decode B={batch} {adapters} r={rank}: pallas {ms['pallas']:7.3f} ms, gather {ms['gather']:7.3f} ms: "
-          f"{ms['pallas'] / ms['gather']:.3f}x", flush=True)
-    return dict(batch=batch, rank=rank, adapters=adapters, pallas_ms=ms["pallas"], gather_ms=ms["gather"],
-                ratio=ms["pallas"] / ms["gather"])
+    return {"ms": {label: statistics.median(t) * 1e3 for label, t in times.items()}}, against
 
 
 def main() -> None:
@@ -60,32 +65,39 @@ def main() -> None:
     parser.add_argument("--ranks", default="64")
     parser.add_argument("--adapters", default=f"1,8,{SLOTS}")
     parser.add_argument("--backend", default="auto")
-    parser.add_argument("--against-gather", action="store_true",
-                        help="the pallas backend (its expand as shipped) against the gather backend instead")
+    parser.add_argument("--against", default="in_place", choices=("in_place", "gather", "no_base_first"))
     parser.add_argument("--prefill", default="", help="prefills as REQUESTSxLENGTH,..., one adapter a request")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
-    print(f"# {device}", flush=True)
+    print(f"# {device}: the shipped step against {args.against}", flush=True)
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    result, path = {"device": device, "backend": args.backend, "rows": []}, os.path.join(args.out, "expand_delta.json")
+    result = {"device": device, "backend": args.backend, "against": args.against, "rows": []}
+    path = os.path.join(args.out, "expand_delta.json" if args.against == "in_place"
+                        else f"expand_delta_vs_{args.against}.json")
     os.makedirs(args.out, exist_ok=True)
+
+    def record(name: str, row: dict, got: dict, other: str) -> None:
+        ms = got["ms"]
+        row |= dict(shipped_ms=ms["shipped"], other_ms=ms[other], ratio=ms["shipped"] / ms[other],
+                    **{k: got[k] for k in ("kernels", "logits_max_abs_diff") if k in got})
+        result["rows"].append(row)
+        extra = (f"; {got['kernels']['shipped']} / {got['kernels'][other]} kernels, logits max |diff| "
+                 f"{got['logits_max_abs_diff']:.3g}" if "kernels" in got else "")
+        print(f"{name}: shipped {ms['shipped']:7.3f} ms, {other} {ms[other]:7.3f} ms: {row['ratio']:.3f}x{extra}",
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
     for shape in filter(None, args.prefill.split(",")):
         requests, length = map(int, shape.split("x"))
         lora = random_lora(config, 16)
         cache, call = prefill(config, requests, length)
         call = Call(call.batch, jnp.repeat(jnp.arange(requests, dtype=jnp.int32), length),
                     jnp.full(SLOTS, 16, jnp.int32))
-        got, _ = compare_patched(model_def, params, call, cache, lora, StepOptions(64, args.backend),
-                                 pallas_config, "delta_expand", False, ("delta", "in_place"),
-                                 inline=((ops, "_linear"), (ops, "_expand")))
-        ms = got["ms"]
-        result["rows"].append(dict(prefill=shape, rank=16, adapters=requests, delta_ms=ms["delta"],
-                                   in_place_ms=ms["in_place"], ratio=ms["delta"] / ms["in_place"],
-                                   logits_max_abs_diff=got["logits_max_abs_diff"]))
-        print(f"prefill {requests} x {length} r=16: delta {ms['delta']:7.3f} ms, in place {ms['in_place']:7.3f} ms: "
-              f"{ms['delta'] / ms['in_place']:.3f}x; logits max |diff| {got['logits_max_abs_diff']:.3g}", flush=True)
+        got, other = compare(model_def, params, call, cache, lora, StepOptions(64, args.backend), args.against)
+        record(f"prefill {requests} x {length} r=16", dict(prefill=shape, rank=16, adapters=requests), got, other)
         del lora
     for rank in map(int, filter(None, args.ranks.split(","))):
         lora = random_lora(config, rank)
@@ -94,25 +106,10 @@ def main() -> None:
                 cache, call = base_decode(config, batch, 1024, 512, False)
                 call = Call(call.batch, jnp.arange(batch, dtype=jnp.int32) % adapters,
                             jnp.full(SLOTS, rank, jnp.int32))
-                if args.against_gather:
-                    result["rows"].append(versus_gather(model_def, params, call, cache, lora, batch, rank, adapters))
-                    with open(path.replace(".json", "_vs_gather.json"), "w") as f:
-                        json.dump(result, f, indent=1)
-                    continue
-                got, _ = compare_patched(model_def, params, call, cache, lora, StepOptions(16, args.backend),
-                                         pallas_config, "delta_expand", False, ("delta", "in_place"),
-                                         inline=((ops, "_linear"), (ops, "_expand")))
-                ms, kernels = got["ms"], got["kernels"]
-                row = dict(batch=batch, rank=rank, adapters=adapters, delta_ms=ms["delta"],
-                           in_place_ms=ms["in_place"], ratio=ms["delta"] / ms["in_place"], kernels=kernels,
-                           logits_max_abs_diff=got["logits_max_abs_diff"],
-                           logits_equal_fraction=got["logits_equal_fraction"])
-                result["rows"].append(row)
-                print(f"decode B={batch} {adapters} r={rank}: delta {ms['delta']:7.3f} ms ({kernels['delta']} "
-                      f"kernels), in place {ms['in_place']:7.3f} ms ({kernels['in_place']}): {row['ratio']:.3f}x; "
-                      f"logits max |diff| {row['logits_max_abs_diff']:.3g}", flush=True)
-                with open(path, "w") as f:
-                    json.dump(result, f, indent=1)
+                got, other = compare(model_def, params, call, cache, lora, StepOptions(16, args.backend),
+                                     args.against)
+                record(f"decode B={batch} {adapters} r={rank}", dict(batch=batch, rank=rank, adapters=adapters),
+                       got, other)
         del lora
 
 

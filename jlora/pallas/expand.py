@@ -7,7 +7,8 @@ rank, in 16-column chunks (masked loads fetch nothing). The sum is written into 
 A slice whose width is no multiple of the column block ends with a block that overlaps the one before; such
 calls read `base` and write a copy of it (one extra pass), so overlapping blocks write identical values.
 A program may take a part of its segment's rows (`block_rows`), for more and smaller programs than the
-shrink's row tile gives.
+shrink's row tile gives. With `ExpandConfig.delta` (decode steps that defer the add) the kernel reads no base
+and writes each token's delta alone; XLA then adds it, so the kernel need not wait for the base's GEMM.
 """
 
 from __future__ import annotations
