@@ -114,13 +114,14 @@ class CallOptions:
       reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
         row-parallel over (`jlora.parallel`); None on one device.
       base_first: put each layer's gate|up base GEMM before its LoRA kernels in XLA's schedule (an
-        optimization barrier on the GEMM's output and x). Under CONCURRENT CUDA graphs (which
-        `jlora.step_compiler_options` asks for decode steps; the engine sets this for them) the first node
-        after a fork keeps the graph's stream, and left to itself XLA scheduled the LoRA shrink first, so the
-        GEMM started late on a second stream. The barrier orders nothing at run time: the LoRA kernels still
-        run beside the GEMM. The other projections and the lm_head keep none (their split-K GEMMs end in
-        reductions XLA fuses into the consumers, which a barrier would split off). Off by default: under
-        XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
+        optimization barrier on the GEMM's output and x) where those run in XLA (gather). Under CONCURRENT
+        CUDA graphs (which `jlora.step_compiler_options` asks for decode steps; the engine sets this for them)
+        the first node after a fork keeps the graph's stream, and left to itself XLA scheduled the LoRA shrink
+        first, so the GEMM started late on a second stream. The barrier orders nothing at run time: the LoRA
+        kernels still run beside the GEMM. Calls on the Pallas kernels keep none: the barrier held their
+        deferred expand until the GEMM ended (1-3.6 % slower steps). The other projections and the lm_head
+        keep none (their split-K GEMMs end in reductions XLA fuses into the consumers, which a barrier would
+        split off). Off by default: under XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
       attention_chunk: split the Pallas decode attention over chunks of this many positions too
         (`jlora.pallas.decode_attention`; None: unsplit). It changes the rounding, so an engine fixes it once
         (`EngineConfig.attention_chunk`), never per call.
@@ -216,7 +217,8 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
     reduce_axis = options.reduce_axis if row_parallel else None
     out = proj(x)
     if lora is not None and name in group.a:  # a group no loaded adapter targets is left out of the weights
-        if ordered and options.base_first:
+        pallas = resolve_backend(options.backend, x.shape[0], group.b[name].shape[2]) == "pallas"
+        if ordered and options.base_first and not pallas:
             out, x = jax.lax.optimization_barrier((out, x))
         scale = None if group.scale is None else group.scale[name]
         shift = None if group.shift is None else group.shift[name]

@@ -132,6 +132,7 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, kind, backend):
 
 def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
     """`base_first` (the engine's decode steps) adds an optimization barrier per layer, at the gate|up projection,
+    where the LoRA runs in XLA (auto is reference on CPU, gather on GPU), none where it runs the Pallas kernels,
     and leaves the logits as they were."""
     kind = "llama"
     engine = Engine.from_pretrained(_model(tmp_path, kind), max_loras=2, max_lora_rank=16, dtype="float32",
@@ -153,6 +154,9 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
     assert texts[False].count("optimization_barrier") == 0
     assert texts[True].count("optimization_barrier") == config.num_layers
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
+    cache = KVCache.zeros(config, 3, 8, jnp.float32)
+    pallas = forward.with_options({}).lower(*args, cache, engine.pool.weights, StepOptions(16, "pallas", base_first=True))
+    assert "optimization_barrier" not in pallas.as_text()
 
 
 @pytest.mark.parametrize("backend", ["pallas"])  # decode group in the kernel; the engine's tests run the others
