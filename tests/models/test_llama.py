@@ -155,7 +155,8 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
     assert texts[True].count("optimization_barrier") == config.num_layers
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
     cache = KVCache.zeros(config, 3, 8, jnp.float32)
-    pallas = forward.with_options({}).lower(*args, cache, engine.pool.weights, StepOptions(16, "pallas", base_first=True))
+    options = StepOptions(16, "pallas", base_first=True)
+    pallas = forward.with_options({}).lower(*args, cache, engine.pool.weights, options)
     assert "optimization_barrier" not in pallas.as_text()
 
 
