@@ -5,8 +5,8 @@ another; with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT` it gets only t
 independent kernels overlap: the LoRA shrink, which reads the same x as the base projection's GEMM, runs
 beside that GEMM instead of after it. With the model's `base_first` (the gate|up base GEMM scheduled before
 its LoRA kernels where those run in XLA, so the GEMM keeps the graph's stream) decode gains at every batch size
-but one, where it is level, so decode steps compile CONCURRENT and prefill keeps XLA's default (no gain there and more temporary
-memory). The per-size table: docs/performance.md (bench/results/scheduling.json).
+but one, where it is level, so decode steps compile CONCURRENT and prefill keeps XLA's default (no gain there
+and more temporary memory). The per-size table: docs/performance.md (bench/results/scheduling.json).
 
 Steps that carry prompt tokens run without graphs (`xla_gpu_enable_command_buffer` empty): XLA records a graph
 once and records it again, every command, whenever a buffer it uses has moved since its last launch. A decode
