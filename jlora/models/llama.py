@@ -217,8 +217,8 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
     reduce_axis = options.reduce_axis if row_parallel else None
     out = proj(x)
     if lora is not None and name in group.a:  # a group no loaded adapter targets is left out of the weights
-        pallas = resolve_backend(options.backend, x.shape[0], group.b[name].shape[2]) == "pallas"
-        if ordered and options.base_first and not pallas:
+        if (ordered and options.base_first
+                and resolve_backend(options.backend, x.shape[0], group.b[name].shape[2]) != "pallas"):
             out, x = jax.lax.optimization_barrier((out, x))
         scale = None if group.scale is None else group.scale[name]
         shift = None if group.shift is None else group.shift[name]
