@@ -59,12 +59,9 @@ def scale_rows(y: jax.Array, info: LoRABatchInfo, rank: int, num_slices: int) ->
 
 def add_deltas(base: jax.Array, deltas: list[jax.Array], info: LoRABatchInfo, scale: jax.Array | None = None,
                shift: jax.Array | None = None) -> jax.Array:
-    """base [T, N] plus the slices' deltas, each first rounded to base.dtype as PEFT rounds its LoRA output,
-    added in f32, then each token's slot's column affine `scale[slot] * (base + delta) + shift[slot]` ([L, N]
-    each, None: 1 / 0); rows of slot -1 keep base. Every form of the expand rounds so (the Pallas kernel in
-    its epilogue), so a token's bits do not depend on which form its step's shape picks."""
-    delta = jnp.concatenate(deltas, axis=1).astype(base.dtype).astype(_F32)
-    out = base.astype(_F32) + delta
+    """base [T, N] plus the slices' deltas, in f32, then each token's slot's column affine
+    `scale[slot] * (base + delta) + shift[slot]` ([L, N] each, None: 1 / 0); rows of slot -1 keep base."""
+    out = base.astype(_F32) + jnp.concatenate(deltas, axis=1)
     if scale is None and shift is None:
         return out.astype(base.dtype)
     slot = jnp.maximum(info.token_slot, 0)

@@ -247,13 +247,15 @@ def test_column_affine(case, dtype, backend):
               dtype, info, basen)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="XLA on the GPU may keep a fusion's bf16 roundings "
+                    "in f32 (xla_allow_excess_precision, on by default)")
 @pytest.mark.parametrize("case", range(4))
-def test_every_form_rounds_the_delta_as_peft(case):
-    """bf16: each backend, into base's buffer or with its delta added by XLA, at decode and prefill sizes (the
-    Pallas expand's two forms), with and without the column affine, rounds each token's delta to bf16 before
-    the add, as PEFT rounds its LoRA output: on the CPU every form gives the same bits, so a token's output
-    does not depend on the form its step's shape picks. Forms that round once instead differ in about a fifth of
-    the elements."""
+def test_where_each_form_rounds_the_delta(case):
+    """bf16, on seeded cases at decode and prefill sizes, with and without the column affine: the forms that
+    round each token's delta to bf16 before the add, as PEFT rounds its LoRA output (gather, and the Pallas
+    expand writing its delta alone: `defer_add` at T <= 256), give the same bits; so do the forms that add the
+    f32 delta and round once (reference, ragged, the Pallas expand in place). The two groups differ in about a
+    fifth of the outputs; rounding in the in-place kernel too cost 3-10 % of its time (docs/kernels.md)."""
     rng = np.random.default_rng(200 + case)
     slice_sizes = [(48, 16), (17, 33, 16), (32,), (5, 40)][case]
     t = [29, 300, 257, 1][case]
@@ -265,12 +267,11 @@ def test_every_form_rounds_the_delta_as_peft(case):
     outs = {(backend, defer_add): np.asarray(jlora.lora_linear(
                 x, base, a, b, info, slice_sizes=slice_sizes, backend=backend, defer_add=defer_add, **affine
             ).astype(jnp.float32)) for backend in BACKENDS for defer_add in (False, True)}
+    rounds_first = {("gather", False), ("gather", True)} | ({("pallas", True)} if t <= 256 else set())
     for form, out in outs.items():
-        if jax.default_backend() == "gpu" and form[0] != "pallas":  # its f32 sums in another order: a sum near
-            # a bf16 rounding boundary may round the other way
-            assert (out != outs["pallas", False]).mean() < 0.02, form
-        else:
-            np.testing.assert_array_equal(out, outs["pallas", False], err_msg=str(form))
+        same = ("gather", False) if form in rounds_first else ("reference", False)
+        np.testing.assert_array_equal(out, outs[same], err_msg=f"{form} against {same}")
+    assert (outs["gather", False] != outs["reference", False]).mean() > 0.1
     np.testing.assert_array_equal(outs["pallas", False][slots < 0], basen[slots < 0])
 
 

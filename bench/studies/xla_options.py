@@ -59,6 +59,8 @@ SETS = {
     "no PDL": {"xla_gpu_enable_pdl": False},
     "Triton multi-output fusion": {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True},
     "fusion autotuner": {"xla_gpu_experimental_enable_fusion_autotuner": True},
+    # every bf16 rounding of the program kept (XLA otherwise may keep a fusion's values in f32)
+    "no excess precision": {"xla_allow_excess_precision": False},
 }
 ROUNDS, STEPS = 4, 16
 

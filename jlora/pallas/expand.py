@@ -120,9 +120,7 @@ def _expand_kernel(
                     b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
                     out = base.astype(jnp.float32) if has_base else None
                 delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
-                # Rounded to the output's dtype before the add, as PEFT rounds its LoRA output and as every
-                # other form of the expand rounds it (`add_deltas`): a token's bits do not follow the form.
-                out = delta if out is None else out + delta.astype(o_ref.dtype).astype(jnp.float32)
+                out = delta if out is None else out + delta
                 if has_scale:  # the slot's column affine (DoRA's magnitude over the column norm)
                     out *= scale_ref[slot, cols].astype(jnp.float32)[None, :]
                 if has_shift:  # (a LoRA bias)
