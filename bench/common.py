@@ -91,7 +91,6 @@ def compare_patched(model_def, params, call, cache, lora, options, target, attri
     """A model step as shipped against the same step traced with `target.attribute` answering `value`
     (`patched_model`, with `inline`), timed in alternating rounds: ({"ms": {label: median ms}, "kernels": {label: kernels a
     step}, "logits_max_abs_diff", "logits_equal_fraction"}, cache). The logits are compared first."""
-    from model import time_alternating  # bench/model.py imports this module
     from jlora.runner import forward
 
     shipped, patched_label = labels
@@ -103,6 +102,16 @@ def compare_patched(model_def, params, call, cache, lora, options, target, attri
     diff = jnp.abs(logits - patched_logits)
     runs = {shipped: lambda c: forward(model_def, params, call, c, lora, options),
             patched_label: lambda c: forward(patched_def, params, call, c, lora, options)}
+    got, cache = count_and_time(runs, cache)
+    return dict(got, logits_max_abs_diff=float(diff.max()),
+                logits_equal_fraction=float(jnp.mean(logits == patched_logits))), cache
+
+
+def count_and_time(runs: dict, cache) -> tuple[dict, object]:
+    """({"ms": {label: median ms}, "kernels": {label: kernels a step}}, cache) of `run(cache) -> (logits, cache)`
+    for each of `runs`: each traced once, then timed in alternating rounds (`model.time_alternating`)."""
+    from model import time_alternating  # bench/model.py imports this module
+
     kernels = {}
     for variant, run in runs.items():
         holder = [cache]
@@ -114,9 +123,7 @@ def compare_patched(model_def, params, call, cache, lora, options, target, attri
         kernels[variant] = sum(len(d) for d in trace_kernels(steps).values())
         cache = holder[0]
     times, cache = time_alternating(runs, cache)
-    return dict(ms={variant: statistics.median(t) * 1e3 for variant, t in times.items()}, kernels=kernels,
-                logits_max_abs_diff=float(diff.max()),
-                logits_equal_fraction=float(jnp.mean(logits == patched_logits))), cache
+    return dict(ms={variant: statistics.median(t) * 1e3 for variant, t in times.items()}, kernels=kernels), cache
 
 
 def pyplot():

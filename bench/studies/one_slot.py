@@ -10,7 +10,7 @@ Model: the 8B-shaped step (`bench/model.py`'s model, random weights) compiled tw
 alternating rounds: decode over contiguous rows (context 1024, query at 512), every token on slot 0, at each
 batch of `--batches` and rank of `--ranks`. Both variants' logits are compared first. JSON: one_slot.json.
 
-  python bench/studies/one_slot.py [--batches 1,8,32,64] [--ranks 16,64] [--out DIR]  # GPU
+  python bench/studies/one_slot.py [--batches 1,8,32,64] [--ranks 16] [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 from unittest import mock
 
@@ -27,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import trace_kernels  # noqa: E402
-from model import SLOTS, llama3_8b, random_lora, random_model, time_alternating  # noqa: E402
+from common import count_and_time  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora import ops, reference  # noqa: E402
@@ -58,7 +57,7 @@ def one_slot_linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32,64")
-    parser.add_argument("--ranks", default="16,64")
+    parser.add_argument("--ranks", default="16")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
@@ -79,18 +78,8 @@ def main() -> None:
             logits, cache = forward(model_def, params, call, cache, lora, options)
             runs = {"shipped": lambda c: forward(model_def, params, call, c, lora, options),
                     "one_slot": lambda c: forward(dense_def, params, call, c, lora, options)}
-            kernels = {}
-            for name, run in runs.items():
-                holder = [cache]
-
-                def steps(run=run, holder=holder):
-                    out, holder[0] = run(holder[0])
-                    return out
-
-                kernels[name] = sum(len(d) for d in trace_kernels(steps).values())
-                cache = holder[0]
-            times, cache = time_alternating(runs, cache)
-            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            got, cache = count_and_time(runs, cache)
+            ms, kernels = got["ms"], got["kernels"]
             row = dict(batch=batch, rank=rank, shipped_ms=ms["shipped"], one_slot_ms=ms["one_slot"],
                        ratio=ms["one_slot"] / ms["shipped"], kernels=kernels,
                        logits_max_abs_diff=float(jnp.abs(logits - dense_logits).max()))
