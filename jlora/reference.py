@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jlora.batch_info import LoRABatchInfo
 from jlora.precision import dot_precision
 
-__all__ = ["add_deltas", "column_scale", "scale_rows", "shrink_reference", "expand_reference", "shrink_ragged", "expand_ragged",
-           "shrink_gather", "expand_gather"]
+__all__ = ["add_deltas", "own_rows", "column_scale", "scale_rows", "shrink_reference", "expand_reference",
+           "shrink_ragged", "expand_ragged", "shrink_gather", "expand_gather"]
 
 _F32 = jnp.float32
 
@@ -55,6 +55,12 @@ def scale_rows(y: jax.Array, info: LoRABatchInfo, rank: int, num_slices: int) ->
     """y [T, S·R] f32 times each token's slot scaling, columns past its rank and slot -1 rows selected to 0."""
     scale = column_scale(info, rank, num_slices, scaled=True)
     return jnp.where(scale != 0, y * scale, 0.0)
+
+
+def own_rows(delta: jax.Array, info: LoRABatchInfo) -> jax.Array:
+    """delta [T, N] with the rows of slot -1 tokens -0.0: added, -0.0 leaves every base value as it is, -0.0
+    included, where +0.0 would turn a base -0.0 into +0.0. It also keeps out NaN those rows read (slot 0's)."""
+    return jnp.where((info.token_slot >= 0)[:, None], delta, -0.0)
 
 
 def add_deltas(base: jax.Array, deltas: list[jax.Array], info: LoRABatchInfo, scale: jax.Array | None = None,
@@ -105,8 +111,8 @@ def expand_reference(
     deltas = []
     for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):
         s_slot = jnp.where(own, s[:, None, i * rank : (i + 1) * rank], 0.0)  # [T, L, R]
-        deltas.append(jnp.einsum("tlr,lnr->tn", s_slot, b[:, start:stop, :], preferred_element_type=_F32,
-                                 precision=dot_precision(_F32)))
+        deltas.append(own_rows(jnp.einsum("tlr,lnr->tn", s_slot, b[:, start:stop, :], preferred_element_type=_F32,
+                                          precision=dot_precision(_F32)), info))
     return add_deltas(base, deltas, info, scale, shift)
 
 
@@ -140,7 +146,7 @@ def expand_ragged(
     s_sorted = s[info.sorted_idx]
     b = jnp.where(_in_rank(info.ranks, rank)[:, None, :], b, 0)  # columns past each slot's rank: 0
     deltas = [
-        _ragged(s_sorted[:, i * rank : (i + 1) * rank], jnp.swapaxes(b[:, start:stop, :], 1, 2), info)
+        own_rows(_ragged(s_sorted[:, i * rank : (i + 1) * rank], jnp.swapaxes(b[:, start:stop, :], 1, 2), info), info)
         for i, (start, stop) in enumerate(_slice_bounds(slice_sizes))
     ]
     return add_deltas(base, deltas, info, scale, shift)
@@ -170,11 +176,11 @@ def expand_gather(
     rank = b.shape[2]
     keep = column_scale(info, rank, len(slice_sizes), scaled=False) != 0  # [T, S·R]
     s = jnp.where(keep, s.astype(_F32), 0.0)
-    slot, used = jnp.maximum(info.token_slot, 0), (info.token_slot >= 0)[:, None]
+    slot = jnp.maximum(info.token_slot, 0)
     in_rank = keep[:, None, :rank]  # [T, 1, R]: B's columns past the slot's rank are selected out
     deltas = []
     for i, (start, stop) in enumerate(_slice_bounds(slice_sizes)):  # one fused reduction per slice
         b_rows = jnp.where(in_rank, b[slot, start:stop, :].astype(_F32), 0.0)  # [T, n_i, R], fused into the sum
         delta = jnp.sum(s[:, None, i * rank : (i + 1) * rank] * b_rows, axis=-1)
-        deltas.append(jnp.where(used, delta, 0.0).astype(base.dtype))  # slot -1 rows read slot 0's B
+        deltas.append(own_rows(delta, info).astype(base.dtype))  # slot -1 rows read slot 0's B
     return add_deltas(base, deltas, info, scale, shift)

@@ -247,6 +247,29 @@ def test_column_affine(case, dtype, backend):
               dtype, info, basen)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slot_minus_one_rows_keep_base_bit_for_bit(dtype, backend):
+    """Rows of slot -1 tokens return base's own bits, -0.0 and inf among them, in every form: in place,
+    deferred, at decode and prefill sizes, with and without the column affine. (A +0.0 added to them would
+    turn -0.0 into +0.0.) Subnormal values are left out: XLA's fused adds may flush them to zero."""
+    rng = np.random.default_rng(7)
+    uint = np.uint32 if dtype == jnp.float32 else np.uint16
+    for t, slice_sizes in [(29, (48, 16)), (300, (17, 33, 16))]:
+        slots = rng.integers(-1, NUM_SLOTS, t)
+        info, (x, a, b, _), _, _ = make_case(rng, slots, dtype, slice_sizes)
+        n = sum(slice_sizes)
+        special = np.array([-0.0, 0.0, np.inf, -np.inf, -1.5, 3e-38], np.float32)
+        base = jnp.asarray(rng.choice(special, (t, n)), dtype)
+        want = np.asarray(base).view(uint)[slots < 0]
+        for affine in ({}, dict(scale=jnp.asarray(rng.uniform(0.5, 1.5, (NUM_SLOTS, n)), dtype))):
+            for defer_add in (False, True):
+                out = jlora.lora_linear(x, base, a, b, info, slice_sizes=slice_sizes, backend=backend,
+                                        defer_add=defer_add, **affine)
+                np.testing.assert_array_equal(np.asarray(out).view(uint)[slots < 0], want,
+                                              err_msg=f"T={t} defer_add={defer_add} {affine.keys()}")
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="XLA on the GPU may keep a fusion's bf16 roundings "
                     "in f32 (xla_allow_excess_precision, on by default)")
 @pytest.mark.parametrize("case", range(4))

@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 from jlora.batch_info import LoRABatchInfo
 from jlora.pallas.common import dot_precision, segment_meta
 from jlora.pallas.config import ExpandConfig, expand_config, pow2_divisor
-from jlora.reference import add_deltas
+from jlora.reference import add_deltas, own_rows
 
 __all__ = ["expand"]
 
@@ -212,4 +212,4 @@ def expand(
         return out
     # The kernel wrote the tokens' deltas only (slot -1 rows are unwritten): selected, rounded to base's dtype
     # as PEFT rounds its LoRA output, and added by XLA, which fuses the add into the kernel that reads the sum.
-    return add_deltas(base, [jnp.where((info.token_slot >= 0)[:, None], out, 0)], info, scale, shift)
+    return add_deltas(base, [own_rows(out, info)], info, scale, shift)
