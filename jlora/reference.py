@@ -58,8 +58,8 @@ def scale_rows(y: jax.Array, info: LoRABatchInfo, rank: int, num_slices: int) ->
 
 
 def own_rows(delta: jax.Array, info: LoRABatchInfo) -> jax.Array:
-    """delta [T, N] with the rows of slot -1 tokens -0.0: added, -0.0 leaves every base value as it is, -0.0
-    included, where +0.0 would turn a base -0.0 into +0.0. It also keeps out NaN those rows read (slot 0's)."""
+    """delta [T, N] with the rows of slot -1 tokens set to -0.0, which added leaves every base value as it is
+    (+0.0 would turn a base -0.0 into +0.0), and keeps out of them the NaN of slot 0's weights they read."""
     return jnp.where((info.token_slot >= 0)[:, None], delta, -0.0)
 
 
