@@ -14,7 +14,13 @@ step, launched every step with the same buffers, keeps its graph; the prompt ste
 block-table buckets) launch between one another and find their buffers moved, so a launch re-records a graph of
 about 1,200 kernels. Launched one by one instead, its kernels' launch hides the device work: faster for a
 prefix hit, slower for a short prompt alone whose graph had been kept (docs/performance.md, § The paged KV
-cache). An XLA_FLAGS that sets either option wins over all of this.
+cache).
+
+Every step compiles with `xla_allow_excess_precision` off. On by default, it lets XLA on the GPU keep a fused
+bf16 intermediate in f32 instead of rounding it where the program rounds, so the expand's forms gave different
+bits on the GPU than on the CPU, and the model rounded less often than PEFT's bf16 ops do. Off, each form gives
+the CPU's bits (bench/results/delta_rounding.txt), and the 8B decode step's time was level
+(bench/results/xla_options.json). An XLA_FLAGS that sets any of these options wins over all of this.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ __all__ = ["concurrent_graphs", "step_compiler_options", "step_jit"]
 
 _SCHEDULING = "xla_gpu_command_buffer_scheduling_mode"
 _GRAPHS = "xla_gpu_enable_command_buffer"
+_PRECISION = "xla_allow_excess_precision"
 
 
 def _flag(name: str) -> str | None:
@@ -47,11 +54,11 @@ def concurrent_graphs(seq_len: int) -> bool:
     return seq_len == 1 if mode is None else mode == "CONCURRENT"
 
 
-def step_compiler_options(seq_len: int) -> dict[str, str]:
-    """`jax.jit(..., compiler_options=...)` for a model step of seq_len tokens per request: CONCURRENT graph
-    scheduling for decode steps, no graphs for steps with prompt tokens (module doc); an option XLA_FLAGS sets
-    applies as it is. Ignored off GPU."""
-    options = {}
+def step_compiler_options(seq_len: int) -> dict[str, str | bool]:
+    """`jax.jit(..., compiler_options=...)` for a model step of seq_len tokens per request: bf16 rounded where
+    the program rounds it, CONCURRENT graph scheduling for decode steps, no graphs for steps with prompt tokens
+    (module doc); an option XLA_FLAGS sets applies as it is. The graph options are ignored off GPU."""
+    options: dict[str, str | bool] = {} if _flag(_PRECISION) is not None else {_PRECISION: False}
     if _flag(_SCHEDULING) is None and concurrent_graphs(seq_len):
         options[_SCHEDULING] = "CONCURRENT"
     if _flag(_GRAPHS) is None and seq_len > 1:

@@ -9,8 +9,9 @@ from jlora.compile_options import concurrent_graphs, step_compiler_options, step
 from jlora.models.llama import Batch
 from jlora.step import Call
 
-CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+EXACT = {"xla_allow_excess_precision": False}
+CONCURRENT = {**EXACT, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+NO_GRAPHS = {**EXACT, "xla_gpu_enable_command_buffer": ""}
 
 
 @pytest.mark.parametrize(("seq", "concurrent"), [(1, True), (16, False), (128, False)])
@@ -23,7 +24,7 @@ def test_decode_steps_run_concurrent_graphs_and_prompt_steps_none(monkeypatch, s
 @pytest.mark.parametrize(("mode", "concurrent"), [("LHS", False), ("CONCURRENT", True)])
 def test_xla_flags_that_set_the_mode_win(monkeypatch, mode, concurrent):
     monkeypatch.setenv("XLA_FLAGS", f"--xla_gpu_command_buffer_scheduling_mode={mode}")
-    assert step_compiler_options(1) == {}
+    assert step_compiler_options(1) == EXACT
     assert step_compiler_options(16) == NO_GRAPHS
     assert concurrent_graphs(1) == concurrent
     assert concurrent_graphs(16) == concurrent
@@ -32,8 +33,15 @@ def test_xla_flags_that_set_the_mode_win(monkeypatch, mode, concurrent):
 @pytest.mark.parametrize("graphs", ["", "FUSION,CUBLAS"])
 def test_xla_flags_that_set_the_graphs_win(monkeypatch, graphs):
     monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer={graphs} --xla_foo=1")
-    assert step_compiler_options(16) == {}
+    assert step_compiler_options(16) == EXACT
     assert step_compiler_options(1) == CONCURRENT
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_xla_flags_that_set_excess_precision_win(monkeypatch, value):
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_allow_excess_precision={value}")
+    assert step_compiler_options(1) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert step_compiler_options(16) == {"xla_gpu_enable_command_buffer": ""}
 
 
 def test_step_jit_compiles_each_shape_under_its_options(monkeypatch):
