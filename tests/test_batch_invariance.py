@@ -82,6 +82,7 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
 BACKEND_ROUNDS = [("reference", 6), ("ragged", 3), ("pallas", 1)] + ([("auto", 10)] if jax.default_backend() == "gpu" else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,rounds", BACKEND_ROUNDS)
 def test_every_request_generates_what_it_generates_alone(root, backend, rounds):
     assert run_rounds(root, backend, rounds, seed={"reference": 0, "ragged": 1, "pallas": 2, "auto": 3}[backend]) >= rounds

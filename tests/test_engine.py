@@ -87,6 +87,7 @@ def test_pallas_backend_generates_the_same(engine):
     assert [list(o) for o in out] == [list(r) for r in ref]
 
 
+@pytest.mark.slow
 def test_split_attention_generates_the_same_and_each_request_what_it_does_alone(engine):
     """Decode attention split over chunks of 256 positions (interpret mode on CPU): long prompts decode past a
     chunk's end, beside short ones, on a paged cache and on a contiguous one; as unsplit, and each request

@@ -87,6 +87,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     print("ok")
 
 
+@pytest.mark.slow  # each case compiles two engines in a subprocess
 @pytest.mark.parametrize(
     "tp, kv_heads, backend, vocab, tied, truth",
     [(4, 4, "reference", 96, False, ""), (4, 2, "reference", 96, False, ""), (4, 1, "gather", 96, False, ""),
@@ -129,6 +130,7 @@ def peft_features(base: str, tp: int, backend: str) -> None:
     print("ok")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base, tp, backend", [("llama", 2, "reference"), ("qwen2_tied", 4, "gather")])
 def test_tensor_parallel_peft_features(base, tp, backend):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=ROOT,

@@ -164,6 +164,7 @@ def test_tokenizer_routes(server):
         assert response.status_code == 400 and match in response.json()["error"]["message"], response.text
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_a_multiple_choice_task_as_peft_does(server, fixture, tmp_path, monkeypatch):
     """lm-evaluation-harness's `local-completions` model, with the server's tokenizer routes, runs a
     multiple-choice task from a local JSON file under the base model and two adapters: each choice's

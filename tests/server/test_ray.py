@@ -20,7 +20,7 @@ from jlora.engine import Engine  # noqa: E402
 from jlora.engine_config import EngineConfig  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("ray")
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
 CFG = testing.tiny_config("llama", vocab_size=120)
 TARGETS = [["q_proj", "v_proj"], LINEAR_MODULES, ["o_proj", "down_proj"], ["gate_proj", "up_proj"]]
 NAMES = [f"t{i}" for i in range(7)]

@@ -107,6 +107,7 @@ def test_models_lists_the_base_and_adapters(server, root):
     assert data["a1"].parent == "tiny" and data["a1"].root == "a1"  # names, never server paths
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_complete_and_leak_nothing(server, engine):
     rng = np.random.default_rng(0)
     names = [None, *ADAPTERS]  # 4 adapters and the base model
