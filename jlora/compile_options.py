@@ -1,4 +1,5 @@
-"""XLA compile options of the model's jitted steps: which GPU steps run as CUDA graphs, and which concurrently.
+"""XLA compile options of the model's jitted steps: which GPU steps run as CUDA graphs, which concurrently, and
+bf16 rounded where the program rounds it.
 
 XLA records a GPU step's kernels into CUDA graphs (command buffers). By default a graph runs them one after
 another; with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT` it gets only the data dependencies, so

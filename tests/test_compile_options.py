@@ -1,5 +1,5 @@
-"""Which model steps compile with CONCURRENT CUDA-graph scheduling and which without graphs, and the jit wrapper
-that applies it."""
+"""Which model steps compile with CONCURRENT CUDA-graph scheduling and which without graphs, that every step
+compiles without XLA's excess precision, and the jit wrapper that applies it."""
 
 import jax.numpy as jnp
 import numpy as np
