@@ -41,9 +41,9 @@ _PRECISION = "xla_allow_excess_precision"
 
 
 def _flag(name: str) -> str | None:
-    """The value XLA_FLAGS gives option `name`, or None where it sets none."""
-    match = re.search(rf"{name}=([\w,]*)", os.environ.get("XLA_FLAGS", ""))
-    return match and match.group(1)
+    """The value XLA_FLAGS gives option `name` ("true" for a bare `--name`), or None where it sets none."""
+    match = re.search(rf"--{name}(?:=([\w,]*))?(?!\w)", os.environ.get("XLA_FLAGS", ""))
+    return match and (match.group(1) if match.group(1) is not None else "true")
 
 
 def concurrent_graphs(seq_len: int) -> bool:

@@ -37,9 +37,10 @@ def test_xla_flags_that_set_the_graphs_win(monkeypatch, graphs):
     assert step_compiler_options(1) == CONCURRENT
 
 
-@pytest.mark.parametrize("value", ["true", "false"])
-def test_xla_flags_that_set_excess_precision_win(monkeypatch, value):
-    monkeypatch.setenv("XLA_FLAGS", f"--xla_allow_excess_precision={value}")
+@pytest.mark.parametrize("flag", ["--xla_allow_excess_precision=true", "--xla_allow_excess_precision=false",
+                                  "--xla_allow_excess_precision"])
+def test_xla_flags_that_set_excess_precision_win(monkeypatch, flag):
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {flag}")
     assert step_compiler_options(1) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
     assert step_compiler_options(16) == {"xla_gpu_enable_command_buffer": ""}
 
