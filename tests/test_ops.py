@@ -289,12 +289,12 @@ def test_where_each_form_rounds_the_delta(case):
     affine = dict(scale=jnp.asarray(rng.uniform(0.5, 1.5, (NUM_SLOTS, n)), jnp.bfloat16),
                   shift=jnp.asarray(rng.standard_normal((NUM_SLOTS, n)), jnp.bfloat16)) if case % 2 else {}
 
-    def form(backend, defer_add):
+    def run_form(backend, defer_add):
         fn = functools.partial(jlora.lora_linear, slice_sizes=slice_sizes, backend=backend, defer_add=defer_add)
         out = jax.jit(fn, compiler_options=jlora.step_compiler_options(1))(x, base, a, b, info, **affine)
         return np.asarray(out.astype(jnp.float32))
 
-    outs = {(backend, defer_add): form(backend, defer_add) for backend in BACKENDS for defer_add in (False, True)}
+    outs = {(backend, defer_add): run_form(backend, defer_add) for backend in BACKENDS for defer_add in (False, True)}
     rounds_first = {("gather", False), ("gather", True)} | ({("pallas", True)} if t <= 256 else set())
     for form, out in outs.items():
         same = ("gather", False) if form in rounds_first else ("reference", False)
