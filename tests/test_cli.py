@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from jlora import cli, testing
+from tests.cpu_devices import ROOT, cpu_devices_env
 
 CFG = testing.tiny_config("llama")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,7 @@ def test_generate_tensor_parallel_matches_one_device(dirs, tmp_path):
     generates what one device does; asking for more devices than there are is a clear error."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3], "adapter": "a"}) + "\n" + json.dumps({"prompt": "the fox"}))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
+    env = cpu_devices_env(2)
     outputs = []
     for tp in ("1", "2", "4"):
         out = tmp_path / f"out{tp}.jsonl"

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from jlora.adapters.peft import LINEAR_MODULES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.cpu_devices import ROOT, cpu_devices_env
 
 
 def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = False, truth: str = "") -> None:
@@ -95,8 +94,7 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
      (2, 2, "gather", 95, False, ""), (4, 2, "reference", 96, True, "")],  # lm_head replicated
 )
 def test_tensor_parallel_matches_single_device(tp, kv_heads, backend, vocab, tied, truth):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=ROOT,
-               JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(4)
     code = (f"from tests.test_parallel import compare; "
             f"compare({tp}, {kv_heads}, {backend!r}, {vocab}, {tied}, {truth!r})")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
@@ -133,8 +131,7 @@ def peft_features(base: str, tp: int, backend: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("base, tp, backend", [("llama", 2, "reference"), ("qwen2_tied", 4, "gather")])
 def test_tensor_parallel_peft_features(base, tp, backend):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=ROOT,
-               JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(4)
     code = f"from tests.test_parallel import peft_features; peft_features({base!r}, {tp}, {backend!r})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
