@@ -26,7 +26,9 @@ if _OWN_CACHE is not None:  # in case a plugin imported JAX first
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-marked tests skip unless JAX runs on a GPU."""
+    """The tests marked slow run first, so that xdist's workers end on short tests together rather than one
+    waiting for the other's last minute-long test. GPU-marked tests skip unless JAX runs on a GPU."""
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: otherwise in collection order
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
