@@ -13,11 +13,12 @@ from jlora.adapters.peft import LINEAR_MODULES
 from tests.cpu_devices import ROOT, cpu_devices_env
 
 
-def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = False, truth: str = "") -> None:
-    """Runs in the subprocess: builds a model and adapters, checks TP=tp against TP=1 (the lm_head split along
-    the vocabulary unless tied to the embedding or `vocab` is not a multiple of tp). TP=1 runs backend `truth`
-    where given: the Pallas kernels in interpret mode cost as much again as the rest of the check, and the
-    single-device reference backend is a truth independent of them (f32: the backends agree far within 1e-4)."""
+def compare(kv_heads: int, truth: str, splits: list[tuple[int, str]], vocab: int = 96, tied: bool = False) -> None:
+    """Runs in the subprocess: builds a model and adapters, and checks each (tp, backend) of `splits` against one
+    device on backend `truth` (the lm_head split along the vocabulary unless tied to the embedding or `vocab` is
+    not a multiple of tp). A split on the Pallas kernels, in interpret mode on the CPU, is checked against the
+    reference backend: the kernels cost as much again as the rest of the check, and the backends agree far
+    within 1e-4 in f32. One process checks every split of a model against one truth, computed once."""
     import tempfile
 
     import jax
@@ -40,12 +41,11 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
     # 5 requests: the prefill and decode buckets hold 3 padding rows, which must touch no real row.
     prompts, adapters = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14], [15]], ["a", None, "b", "a", "b"]
     results = []
-    for size in (1, tp):
-        engine = Engine.from_pretrained(f"{root}/m", dtype="float32", tensor_parallel=size,
-                                        backend=(truth or backend) if size == 1 else backend,
+    for size, backend in [(1, truth), *splits]:
+        engine = Engine.from_pretrained(f"{root}/m", dtype="float32", tensor_parallel=size, backend=backend,
                                         max_loras=2, max_lora_rank=8, device_cache_memory=1.0, progress=False)
         if size > 1:
-            assert engine.runner.tp.vocab_parallel == (vocab % tp == 0 and not tied)
+            assert engine.runner.tp.vocab_parallel == (vocab % size == 0 and not tied)
         engine.load_adapter("a", f"{root}/a")  # every part: b's load adds none to the step
         for _ in range(2):  # compiled (twice: a first Pallas trace registers more JAX config)
             testing.compile_prefill(engine, prompts)
@@ -73,31 +73,34 @@ def compare(tp: int, kv_heads: int, backend: str, vocab: int = 96, tied: bool = 
         engine.pool._copied = lambda prepared: (copies.append(prepared), copied(prepared))[1]
         results.append((engine.prefill_logits(prompts, adapters), generated, scores, with_logprobs))
         assert not copies and engine.pool.evictions >= 2
-    (logits_1, gen_1, scores_1, lp_1), (logits_tp, gen_tp, scores_tp, lp_tp) = results
-    for one, many in zip(logits_1, logits_tp):
-        np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-4)
-    for one, many in zip(scores_1, scores_tp):
-        np.testing.assert_allclose(many.token_logprobs, one.token_logprobs, atol=1e-4)
-    for one, many in zip(lp_1, lp_tp):
-        assert list(many) == list(one) and [t.top[0][0] for t in many.logprobs] == [t.top[0][0] for t in one.logprobs]
-        np.testing.assert_allclose([t.logprob for t in many.logprobs], [t.logprob for t in one.logprobs], atol=1e-4)
-    # Sampling on vocabulary-split logits draws what one device draws (JAX's random bits ignore sharding).
-    assert [[list(g) for g in run] for run in gen_1] == [[list(g) for g in run] for run in gen_tp]
+    (logits_1, gen_1, scores_1, lp_1) = results[0]
+    for logits_tp, gen_tp, scores_tp, lp_tp in results[1:]:
+        for one, many in zip(logits_1, logits_tp):
+            np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-4)
+        for one, many in zip(scores_1, scores_tp):
+            np.testing.assert_allclose(many.token_logprobs, one.token_logprobs, atol=1e-4)
+        for one, many in zip(lp_1, lp_tp):
+            assert list(many) == list(one) and [t.top[0][0] for t in many.logprobs] == [t.top[0][0] for t in one.logprobs]
+            np.testing.assert_allclose([t.logprob for t in many.logprobs], [t.logprob for t in one.logprobs], atol=1e-4)
+        # Sampling on vocabulary-split logits draws what one device draws (JAX's random bits ignore sharding).
+        assert [[list(g) for g in run] for run in gen_1] == [[list(g) for g in run] for run in gen_tp]
     print("ok")
 
 
-@pytest.mark.slow  # each case compiles two engines in a subprocess
-@pytest.mark.parametrize(
-    "tp, kv_heads, backend, vocab, tied, truth",
-    [(4, 4, "reference", 96, False, ""), (4, 2, "reference", 96, False, ""), (4, 1, "gather", 96, False, ""),
-     (2, 8, "ragged", 96, False, ""), (2, 2, "pallas", 96, False, "reference"),
-     (2, 2, "gather", 95, False, ""), (4, 2, "reference", 96, True, "")],  # lm_head replicated
-)
-def test_tensor_parallel_matches_single_device(tp, kv_heads, backend, vocab, tied, truth):
-    env = cpu_devices_env(4)
-    code = (f"from tests.test_parallel import compare; "
-            f"compare({tp}, {kv_heads}, {backend!r}, {vocab}, {tied}, {truth!r})")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+@pytest.mark.slow  # each case compiles an engine per split and one for the truth, in a subprocess
+@pytest.mark.parametrize("kv_heads, truth, splits, vocab, tied", [
+    pytest.param(4, "reference", [(4, "reference")], 96, False, id="kv4-tp4-reference"),
+    # KV heads replicated; the Pallas kernels against the reference backend
+    pytest.param(2, "reference", [(4, "reference"), (2, "pallas")], 96, False, id="kv2-tp4-reference-tp2-pallas"),
+    pytest.param(1, "gather", [(4, "gather")], 96, False, id="kv1-tp4-gather"),
+    pytest.param(8, "ragged", [(2, "ragged")], 96, False, id="kv8-tp2-ragged"),
+    pytest.param(2, "gather", [(2, "gather")], 95, False, id="vocab95-tp2-gather"),  # lm_head replicated
+    pytest.param(2, "reference", [(4, "reference")], 96, True, id="tied-tp4-reference"),  # lm_head replicated
+])
+def test_tensor_parallel_matches_single_device(kv_heads, truth, splits, vocab, tied):
+    code = f"from tests.test_parallel import compare; compare({kv_heads}, {truth!r}, {splits!r}, {vocab}, {tied})"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                            env=cpu_devices_env(4))
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
