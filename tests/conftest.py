@@ -1,3 +1,4 @@
+import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -11,10 +12,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jlora-tests-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the tiny models compile in well under 1 s
 
-# The tiny models' steps are compile-bound: XLA's compilation is about three quarters of the suite's time on 2 CPU
-# cores, and LLVM's optimization level 0 takes a quarter off it. The programs and XLA's math settings are the
-# same at every level. An XLA_FLAGS that sets the level wins; subprocesses get it through `xla_flags`.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+# On the CPU the tiny models' tests are compile-bound (XLA's compilation is most of a slow test's time), and LLVM's
+# optimization level 0 compiles their steps about a quarter faster: the same programs, under XLA's same math
+# settings. Not where a GPU plugin is installed, whose suite is to run the kernels as users compile them. An
+# XLA_FLAGS that sets the level wins; subprocesses inherit it (tests/cpu_devices.py).
+_GPU_PLUGIN = bool(importlib.metadata.entry_points(group="jax_plugins")) and os.environ.get("JAX_PLATFORMS") != "cpu"
+if not _GPU_PLUGIN and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import jax  # noqa: E402 (JAX reads the cache's settings when it is imported)
