@@ -43,10 +43,20 @@ def _read_requests(args) -> list[dict]:
                 req = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{args.prompts_file}:{n}: not JSON ({err})") from None
+            where = f"{args.prompts_file}:{n}"
+            if not isinstance(req, dict):
+                raise ValueError(f"{where}: not a JSON object")
             if ("prompt" in req) == ("prompt_ids" in req):
-                raise ValueError(f"{args.prompts_file}:{n}: give exactly one of 'prompt' (text) or 'prompt_ids'")
-            requests.append({"prompt": req.get("prompt", req.get("prompt_ids")),
-                             "adapter": req.get("adapter", args.adapter)})
+                raise ValueError(f"{where}: give exactly one of 'prompt' (text) or 'prompt_ids'")
+            if "prompt" in req and not isinstance(req["prompt"], str):
+                raise ValueError(f"{where}: 'prompt' must be text (token ids go in 'prompt_ids')")
+            ids = req.get("prompt_ids", [])
+            if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError(f"{where}: 'prompt_ids' must be a list of integer token ids")
+            adapter = req.get("adapter", args.adapter)
+            if adapter is not None and not isinstance(adapter, str):
+                raise ValueError(f"{where}: 'adapter' must be a name or null")
+            requests.append({"prompt": req.get("prompt", req.get("prompt_ids")), "adapter": adapter})
     if not requests:
         raise ValueError(f"{args.prompts_file} holds no requests")
     return requests
@@ -59,7 +69,7 @@ def _generate(args) -> int:
 
     requests = _read_requests(args)
     config = EngineConfig.from_args(args, max_loras=max(1, len(args.lora)))  # one slot per adapter named
-    engine = Engine.from_pretrained(args.model, config)
+    engine = Engine.from_pretrained(args.model, config, progress=not args.quiet)
     for name, path in args.lora:
         engine.load_adapter(name, path)
     with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:

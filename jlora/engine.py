@@ -231,15 +231,22 @@ class Engine:
         finally:
             self.pool.release(held)
 
-    def encode(self, prompts: Sequence[str | Sequence[int]], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of each prompt: text through the model's tokenizer, id lists as they are."""
+    def encode(self, prompts: Sequence[str | Sequence[int]], add_special_tokens: bool = True,
+               kind: str = "prompt") -> list[list[int]]:
+        """Token ids of each prompt: text through the model's tokenizer, id lists as they are (Python or numpy
+        integers; anything else, a float or a bool included, is a ValueError naming the `kind` and its index)."""
         ids = []
         for i, p in enumerate(prompts):
+            if not isinstance(p, (str, Sequence, np.ndarray)):
+                raise ValueError(f"{kind} {i} is neither text nor a sequence of token ids: {type(p).__name__}")
             if isinstance(p, str):
                 if self.tokenizer is None:
-                    raise ValueError(f"prompt {i} is text but the model directory has no tokenizer.json; "
+                    raise ValueError(f"{kind} {i} is text but the model directory has no tokenizer.json; "
                                      "give token ids instead")
                 p = self.tokenizer.encode(p, add_special_tokens=add_special_tokens).ids
+            bad = [t for t in p if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+            if bad:
+                raise ValueError(f"{kind} {i} holds token ids that are not integers: {bad[:5]}")
             ids.append([int(t) for t in p])
         return ids
 
@@ -344,8 +351,8 @@ class Engine:
         prompts = self.encode(prompts)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if not 0 <= temperature < float("inf") or not 0 < top_p <= 1:  # NaN fails both
+            raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         _check_logprobs(logprobs)
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
@@ -372,8 +379,8 @@ class Engine:
         step; long inputs in `prefill_chunk` pieces), nothing generated.
 
         Args:
-          prompts: the contexts, token id lists or text (text is tokenized alone: as lm-eval does, give ids
-            when the tokenization of the joined text matters).
+          prompts: the contexts (none empty), token id lists or text (text is tokenized alone: as lm-eval does,
+            give ids when the tokenization of the joined text matters).
           continuations: one non-empty continuation per prompt, token ids or text (tokenized without special
             tokens).
           adapters: one adapter name or None per prompt.
@@ -386,10 +393,13 @@ class Engine:
         prompts = self.encode(prompts)
         if len(continuations) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations; give one per prompt")
-        continuations = self.encode(continuations, add_special_tokens=False)
+        continuations = self.encode(continuations, add_special_tokens=False, kind="continuation")
         empty = [i for i, c in enumerate(continuations) if not c]
         if empty:
             raise ValueError(f"continuation(s) {empty[:5]} are empty")
+        empty = [i for i, p in enumerate(prompts) if not p]
+        if empty:
+            raise ValueError(f"prompt(s) {empty[:5]} are empty: a continuation's first token needs a context")
         full = [p + c for p, c in zip(prompts, continuations)]
         self._check_prompts(full, adapters)
         ended = None if progress is None else (lambda r: r.finish is not None and progress(1))

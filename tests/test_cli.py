@@ -55,6 +55,28 @@ def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, arg
     assert not out.exists()
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt_ids": 5}', "p.jsonl:2: 'prompt_ids' must be a list of integer token ids"),
+    ('{"prompt_ids": "the fox"}', "'prompt_ids' must be a list of integer token ids"),
+    ('{"prompt": 7}', "'prompt' must be text"),
+    ('{"prompt": [1, 2]}', "'prompt' must be text"),
+    ('[1, 2]', "not a JSON object"),
+    ('{"prompt_ids": [1], "adapter": 3}', "'adapter' must be a name or null"),
+    ('{"prompt_ids": [1.5, 2]}', "'prompt_ids' must be a list of integer token ids"),
+    ('{"prompt_ids": [true]}', "'prompt_ids' must be a list of integer token ids"),
+    ('{"prompt_ids": [[1]]}', "'prompt_ids' must be a list of integer token ids"),
+])
+def test_a_bad_prompts_file_line_is_a_clear_error(dirs, tmp_path, capsys, line, message):
+    """Each line of a prompts file is checked: a wrong type is an error naming the line and the field, not a
+    traceback."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + line + "\n")
+    rc = cli.main(["generate", "--model", str(dirs / "m"), "--prompts-file", str(prompts), "--quiet"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_generate_tensor_parallel_matches_one_device(dirs, tmp_path):
     """`--tensor-parallel 2` on 2 virtual CPU devices (a subprocess: the device count is set before JAX starts)
     generates what one device does; asking for more devices than there are is a clear error."""

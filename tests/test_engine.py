@@ -194,6 +194,15 @@ def test_generation_errors(engine):
         engine.generate(["hello"], [None], max_new_tokens=2)
     with pytest.raises(ValueError, match="2 prompts but 1 adapters"):
         engine.generate([[1], [2]], [None], max_new_tokens=2)
+    for prompt in ([1.0, 2], [True], [np.float32(3)]):  # never truncated or read as 1
+        with pytest.raises(ValueError, match="prompt 0 holds token ids that are not integers"):
+            engine.generate([prompt], [None], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 0 is neither text nor a sequence of token ids: int"):
+        engine.generate([5], [None], max_new_tokens=2)
+    for temperature in (float("nan"), float("inf"), -0.5):
+        with pytest.raises(ValueError, match="need a finite temperature >= 0"):
+            engine.generate([[1]], [None], max_new_tokens=2, temperature=temperature)
+    assert len(engine.generate([np.array([1, 2], np.int64)], [None], max_new_tokens=2)[0]) == 2  # numpy ids
     with pytest.raises(ValueError, match="prefill_chunk must be a power of two >= 16, got 8"):
         Engine.from_pretrained(str(engine.root / "m"), prefill_chunk=8, progress=False)
 

@@ -161,6 +161,8 @@ def test_scoring_requests_beside_generation_in_one_batcher(engine):
     (lambda e: e.generate([[1]], [None], 2, logprobs=-1), "logprobs must be None or an integer in"),
     (lambda e: e.generate([[1]], [None], 2, n=0), "n must be an integer >= 1"),
     (lambda e: e.score([[1]], [[]], [None]), r"continuation\(s\) \[0\] are empty"),
+    (lambda e: e.score([[]], [[1]], [None]), r"prompt\(s\) \[0\] are empty: a continuation's first token"),
+    (lambda e: e.score([[1]], [[2.5]], [None]), r"continuation 0 holds token ids that are not integers: \[2.5\]"),
     (lambda e: e.score([[1]], [[2], [3]], [None]), "1 prompts but 2 continuations"),
     (lambda e: e.score([[1] * 90], [[2] * 10], [None]), "exceeds max_seq_len"),
     (lambda e: e.score([[1]], [[10**6]], ["a0"]), "outside"),
