@@ -57,9 +57,21 @@ def _free_bytes(devices: Sequence[jax.Device]) -> int | None:
     return sum(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
 
 
+def _is_integer(v) -> bool:
+    """Whether `v` is a Python or numpy integer (a bool is not)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    """Whether `v` is a Python or numpy real number (a bool is not)."""
+    return _is_integer(v) or isinstance(v, (float, np.floating))
+
+
 def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     """Each of n requests' seed: `seed + i`, or `seed[i]`; as uint32 values (checked)."""
-    seeds = [seed + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
+    if not (_is_integer(seed) or isinstance(seed, Sequence | np.ndarray) and all(_is_integer(s) for s in seed)):
+        raise ValueError(f"seed must be an integer or a sequence of integers, got {seed!r:.60}")
+    seeds = [int(seed) + i for i in range(n)] if _is_integer(seed) else [int(s) for s in seed]
     if len(seeds) != n:
         raise ValueError(f"{len(seeds)} seeds for {n} prompts; give one seed, or one per prompt")
     if not all(0 <= s < 2**32 for s in seeds):
@@ -75,7 +87,7 @@ def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
 
 
 def _check_logprobs(k: int | None) -> None:
-    if k is not None and not (isinstance(k, (int, np.integer)) and 0 <= k <= MAX_TOP_LOGPROBS):
+    if k is not None and not (_is_integer(k) and 0 <= k <= MAX_TOP_LOGPROBS):
         raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
 
 
@@ -244,7 +256,7 @@ class Engine:
                     raise ValueError(f"{kind} {i} is text but the model directory has no tokenizer.json; "
                                      "give token ids instead")
                 p = self.tokenizer.encode(p, add_special_tokens=add_special_tokens).ids
-            bad = [t for t in p if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+            bad = [t for t in p if not _is_integer(t)]
             if bad:
                 raise ValueError(f"{kind} {i} holds token ids that are not integers: {bad[:5]}")
             ids.append([int(t) for t in p])
@@ -349,15 +361,20 @@ class Engine:
           by prompt: prompt i's samples are items i·n to i·n + n - 1.
         """
         prompts = self.encode(prompts)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not 0 <= temperature < float("inf") or not 0 < top_p <= 1:  # NaN fails both
-            raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not (_is_real(temperature) and _is_real(top_p) and 0 <= temperature < float("inf") and 0 < top_p <= 1):
+            raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
         _check_logprobs(logprobs)
-        if not isinstance(n, (int, np.integer)) or n < 1:
+        if not _is_integer(n) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        if stop_token_ids is not None and not (isinstance(stop_token_ids, Sequence | np.ndarray | set | frozenset)
+                                               and all(_is_integer(t) for t in stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a collection of integer token ids, got {stop_token_ids!r:.60}")
+        max_new_tokens, n = int(max_new_tokens), int(n)  # numpy integers as Python ones from here on
+        logprobs = None if logprobs is None else int(logprobs)
         self._check_prompts(prompts, adapters, max_new_tokens)
-        stop = frozenset(stop_token_ids or ())
+        stop = frozenset(() if stop_token_ids is None else (int(t) for t in stop_token_ids))
         requests = []
         for prompt, request_seed in zip(prompts, _request_seeds(seed, len(prompts))):
             first = None  # the other samples share its prefill

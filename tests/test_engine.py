@@ -202,7 +202,22 @@ def test_generation_errors(engine):
     for temperature in (float("nan"), float("inf"), -0.5):
         with pytest.raises(ValueError, match="need a finite temperature >= 0"):
             engine.generate([[1]], [None], max_new_tokens=2, temperature=temperature)
-    assert len(engine.generate([np.array([1, 2], np.int64)], [None], max_new_tokens=2)[0]) == 2  # numpy ids
+    bad_options = [(dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
+                   (dict(temperature="0.5"), "need a finite temperature"), (dict(top_p=None), "need a finite"),
+                   (dict(n=True), "n must be an integer >= 1, got True"),
+                   (dict(logprobs=True), "logprobs must be None or an integer"),
+                   (dict(seed=1.5), "seed must be an integer or a sequence of integers"),
+                   (dict(seed="7"), "seed must be an integer or a sequence of integers"),
+                   (dict(stop_token_ids=5), "stop_token_ids must be a collection of integer token ids"),
+                   (dict(stop_token_ids=[1.0]), "stop_token_ids must be a collection of integer token ids")]
+    for options, message in bad_options:
+        with pytest.raises(ValueError, match=message):
+            engine.generate([[1]], [None], **{"max_new_tokens": 2, **options})
+    # numpy integers are integers: ids, seeds and stop tokens (a stop token that the request generates)
+    full = list(engine.generate([[1, 2]], [None], max_new_tokens=4)[0])
+    out = engine.generate([np.array([1, 2], np.int64)], [None], max_new_tokens=np.int32(4), seed=np.array([3]),
+                          stop_token_ids=np.array([full[1], 0]))[0]
+    assert list(out) == full[: full.index(full[1])] and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="prefill_chunk must be a power of two >= 16, got 8"):
         Engine.from_pretrained(str(engine.root / "m"), prefill_chunk=8, progress=False)
 
