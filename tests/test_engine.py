@@ -217,7 +217,7 @@ def test_generation_errors(engine):
     full = list(engine.generate([[1, 2]], [None], max_new_tokens=4)[0])
     out = engine.generate([np.array([1, 2], np.int64)], [None], max_new_tokens=np.int32(4), seed=np.array([3]),
                           stop_token_ids=np.array([full[1], 0]))[0]
-    assert list(out) == full[: full.index(full[1])] and out.finish_reason == "stop"
+    assert list(out) == full[: next(i for i, t in enumerate(full) if t in (full[1], 0))] and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="prefill_chunk must be a power of two >= 16, got 8"):
         Engine.from_pretrained(str(engine.root / "m"), prefill_chunk=8, progress=False)
 
