@@ -74,8 +74,9 @@ class EngineConfig:
               "request under the same adapter prefills only what follows its longest cached prefix")
     dtype: str | None = _option(None, "the weights' and activations' type (default: bfloat16 on GPU, float32 "
                                       "elsewhere)", choices=DTYPES)
-    backend: str = _option("auto", "the LoRA ops' backend ('auto': on GPU gather for decode-sized calls and the "
-                                   "Pallas kernels above; reference elsewhere)", choices=BACKENDS)
+    backend: str = _option("auto", "the LoRA ops' backend ('auto': on GPU gather for calls of under 32 "
+                                   "tokens with tokens x rank <= 512, the Pallas kernels for the rest; "
+                                   "reference elsewhere)", choices=BACKENDS)
     split_attention: str = _option(
         "auto", "decode attention split over fixed chunks of positions too (flash-decoding), for long contexts: "
                 "'auto' splits when max_seq_len >= 1024 over a paged cache (--block-size > 0), and over a "

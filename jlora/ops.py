@@ -11,8 +11,9 @@ so B's columns past the rank inside its last chunk must be finite (the adapter p
 
 Backends: "reference" (contractions over slots), "ragged" (`jax.lax.ragged_dot`), "gather" (Punica's BGMV in
 plain jnp: each token reads its own slot's weights inside one fused XLA reduction), "pallas" (the segmented
-kernels in `jlora.pallas`; on CPU they run in interpret mode) and "auto": on GPU, gather for calls whose
-tokens x max rank is at most `GATHER_MAX_TOKEN_RANK` (decode) and pallas above; reference elsewhere.
+kernels in `jlora.pallas`; on CPU they run in interpret mode) and "auto": on GPU, gather for calls of
+fewer than `PALLAS_MIN_TOKENS` tokens whose tokens x max rank is at most `GATHER_MAX_TOKEN_RANK` (small decode
+steps) and pallas for the rest; reference elsewhere.
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ import jax.numpy as jnp
 from jlora import pallas, reference
 from jlora.batch_info import LoRABatchInfo, host_values
 
-__all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKEN_RANK", "lora_shrink", "lora_expand", "lora_linear",
+__all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKEN_RANK", "PALLAS_MIN_TOKENS", "lora_shrink", "lora_expand", "lora_linear",
            "lora_embedding", "resolve_backend"]
 
 Backend = Literal["auto", "reference", "ragged", "gather", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "gather", "pallas")
-# "auto" runs a call through "gather" on GPU when T x R (tokens x the weight stack's max rank) is at most
-# this. Each token reads its own slot's weights, so gather's reads grow with T·R; the segmented kernels read
-# each used slot once but pay a chain of dependent loads per launch. In the 8B decode step on an H200 (the
-# pallas expand's add deferred) gather wins at T·R = 128 and 512 and loses at 1024 (docs/kernels.md).
+# "auto" runs a call through "gather" on GPU when it has fewer than PALLAS_MIN_TOKENS tokens and T x R (tokens
+# x the weight stack's max rank) is at most GATHER_MAX_TOKEN_RANK. Each token reads its own slot's weights, so
+# gather's reads grow with T·R; the segmented kernels read each used slot once but pay a chain of dependent
+# loads per launch. In the 8B decode step on an H200 (the pallas expand's add deferred, running beside the
+# base GEMMs) gather wins at batch 8 and 16 with r=16 and at batch 8 with r=64, pallas at batch 32 with r=16
+# unless every token has its own adapter, and at T·R = 1024 (docs/kernels.md, "Why auto switches where it does").
 GATHER_MAX_TOKEN_RANK = 512
+PALLAS_MIN_TOKENS = 32
 # The plain-jnp backends' implementations (pallas dispatches to jlora.pallas).
 _JNP_SHRINK = {"reference": reference.shrink_reference, "ragged": reference.shrink_ragged,
                "gather": reference.shrink_gather}
@@ -45,14 +49,15 @@ _JNP_EXPAND = {"reference": reference.expand_reference, "ragged": reference.expa
 
 def resolve_backend(backend: str, num_tokens: int | None = None, rank: int | None = None) -> str:
     """The backend that runs a call of `num_tokens` tokens on weights of max rank `rank`: "auto" is gather
-    (T·R <= GATHER_MAX_TOKEN_RANK) or pallas on GPU, and reference elsewhere."""
+    (T < PALLAS_MIN_TOKENS and T·R <= GATHER_MAX_TOKEN_RANK) or pallas on GPU, and reference elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
     if jax.default_backend() != "gpu":
         return "reference"
-    small = num_tokens is not None and rank is not None and num_tokens * rank <= GATHER_MAX_TOKEN_RANK
+    small = (num_tokens is not None and rank is not None and num_tokens < PALLAS_MIN_TOKENS
+             and num_tokens * rank <= GATHER_MAX_TOKEN_RANK)
     return "gather" if small else "pallas"
 
 

@@ -151,10 +151,11 @@ def test_auto_backend_by_device_and_tokens(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert jlora.ops.resolve_backend("auto", 8, 16) == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    limit = jlora.ops.GATHER_MAX_TOKEN_RANK
-    calls = [(1, 16), (limit // 16, 16), (limit // 16 + 1, 16), (limit // 64, 64), (limit // 64 + 1, 64), (8, None)]
-    assert [jlora.ops.resolve_backend("auto", t, r) for t, r in calls] == [
-        "gather", "gather", "pallas", "gather", "pallas", "pallas"]
+    limit, min_tokens = jlora.ops.GATHER_MAX_TOKEN_RANK, jlora.ops.PALLAS_MIN_TOKENS
+    calls = {(1, 16): "gather", (min_tokens - 1, 16): "gather", (min_tokens, 16): "pallas",
+             (min_tokens, 8): "pallas", (limit // 64, 64): "gather", (limit // 64 + 1, 64): "pallas",
+             (limit // 32, 32): "gather", (8, None): "pallas"}
+    assert {call: jlora.ops.resolve_backend("auto", *call) for call in calls} == calls
     assert jlora.ops.resolve_backend("ragged", 1) == "ragged"
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         jlora.ops.resolve_backend("cuda", 1)

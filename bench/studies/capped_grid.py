@@ -1,0 +1,118 @@
+"""LoRA kernels on a capped grid beside the base GEMMs, for #39 (GPU only).
+
+At decode the LoRA kernels run on side streams beside the base GEMMs, and the GEMMs slow beside them (3.95 ->
+4.28 ms of GEMM a step at batch 32 with one r=16 adapter, whose weights are 0.4 % of the step's bytes): the
+LoRA kernels' programs take SMs the GEMMs would use. The shipped decode tiles spread the Pallas shrink over
+about four programs per SM (split-K) and the expand over one program per 128 output columns. Here the same
+kernels run with their grids capped at about C programs that do work: the shrink's K split only as far as C
+allows, the expand's column blocks grouped until C covers them, so the GEMMs keep the other SMs and the LoRA
+kernels take longer beside them.
+
+Model: the 8B-shaped step (`bench/model.py`'s model, random weights) over contiguous rows (context 1024, query
+at 512), the adapters' slots shuffled over the rows, compiled with the gather backend, with the Pallas backend at
+its shipped tiles, and with the Pallas backend at each cap of `--caps`; timed in alternating rounds, one process.
+Each variant's logits are compared with the gather step's. With `--caps ''` it compares the two backends alone,
+the evidence for where `auto` switches (docs/kernels.md). JSON: capped_grid.json.
+
+  python bench/studies/capped_grid.py [--cases 32x16x1,32x16x32,64x16x32,64x64x32] [--caps 16,32,66,132]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from common import count_and_time  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
+from split_attention import base_decode  # noqa: E402
+
+from jlora import ops, pallas  # noqa: E402
+from jlora.pallas.config import expand_config, pow2_divisor, shrink_config  # noqa: E402
+from jlora.runner import forward  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
+
+
+def capped_configs(x, b, info, slice_sizes: tuple[int, ...], used_slots: int, cap: int):
+    """(shrink, expand) decode tiles whose grids have about `cap` programs with work: the shipped tiles with
+    the shrink's K split and the expand's column groups chosen for the segments that `used_slots` slots fill."""
+    num_tokens, k = x.shape
+    rank, slices = b.shape[2], len(slice_sizes)
+    used_segments = min(num_tokens, used_slots) + -(-num_tokens // info.block_m) - 1
+    shipped = shrink_config(num_tokens, k, slices * rank, info.block_m, x.dtype.itemsize, slices)
+    blocks_k = k // shipped.block_k
+    split = max([s for s in range(1, min(32, blocks_k // 4) + 1)
+                 if blocks_k % s == 0 and used_segments * slices * s <= cap] or [1])
+    expand = expand_config(num_tokens, slice_sizes, info.block_m, rank, defer_add=True)
+    blocks = [-(-n // expand.block_n) for n in slice_sizes]
+    group, limit = 1, pow2_divisor(math.gcd(*blocks), 64)
+    while group < limit and used_segments * sum(blocks) // group > cap:
+        group *= 2
+    return dataclasses.replace(shipped, k_splits=split), dataclasses.replace(expand, group=group)
+
+
+def capped_linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False,
+                  used_slots: int, cap: int):
+    """`ops._linear` with the Pallas kernels' grids capped (`capped_configs`)."""
+    assert backend == "pallas" and defer_add, backend
+    shrink, expand = capped_configs(x, b, info, slice_sizes, used_slots, cap)
+    return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes, scale=scale, shift=shift,
+                         shrink_config=shrink, expand_config=expand, defer_add=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="32x16x1,32x16x32,64x16x32,64x64x32", help="batch x rank x adapters")
+    parser.add_argument("--caps", default="16,32,66,132")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    device = jax.devices()[0].device_kind
+    print(f"# {device}: LoRA kernels on capped grids", flush=True)
+    config = llama3_8b(32)
+    model_def, params = random_model(config)
+    result = {"device": device, "rows": []}
+    os.makedirs(args.out, exist_ok=True)
+    loras = {}
+    for case in args.cases.split(","):
+        batch, rank, used = map(int, case.split("x"))
+        lora = loras.setdefault(rank, random_lora(config, rank))
+        cache, call = base_decode(config, batch, 1024, 512, False)
+        slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
+        call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
+        variants = {"gather": (model_def, "gather", None), "pallas": (copy.copy(model_def), "pallas", None)}
+        caps = [int(c) for c in args.caps.split(",") if c]
+        variants |= {f"cap{c}": (copy.copy(model_def), "pallas", c) for c in caps}
+        logits, runs = {}, {}
+        for name, (mdef, backend, cap) in variants.items():
+            options = StepOptions(16, backend)
+            linear = ops._linear if cap is None else jax.jit(
+                functools.partial(capped_linear, used_slots=used, cap=cap),
+                static_argnames=("slice_sizes", "backend", "defer_add"))
+            with mock.patch.object(ops, "_linear", linear):
+                logits[name], cache = forward(mdef, params, call, cache, lora, options)
+            runs[name] = lambda c, mdef=mdef, options=options: forward(mdef, params, call, c, lora, options)
+        got, cache = count_and_time(runs, cache)
+        ms, kernels = got["ms"], got["kernels"]
+        row = dict(batch=batch, rank=rank, adapters=used, ms=ms, kernels=kernels,
+                   logits_max_abs_diff={n: float(jnp.abs(v - logits["gather"]).max()) for n, v in logits.items()})
+        result["rows"].append(row)
+        print(f"decode B={batch} r={rank} adapters={used}: " + ", ".join(
+            f"{n} {t:.3f} ms ({t / ms['gather']:.3f}x, {kernels[n]} kernels, "
+            f"|dlogits| {row['logits_max_abs_diff'][n]:.2g})" for n, t in ms.items()), flush=True)
+        with open(os.path.join(args.out, "capped_grid.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
