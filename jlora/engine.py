@@ -284,6 +284,12 @@ class Engine:
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
                        max_new_tokens: int = 0) -> None:
+        if isinstance(adapters, str) or not isinstance(adapters, Sequence | np.ndarray):
+            raise ValueError(f"adapters must be a list of names (None: base), one per prompt, got {adapters!r:.60}; "
+                             "for one adapter on every prompt give [name] * len(prompts)")
+        odd = [i for i, a in enumerate(adapters) if a is not None and not isinstance(a, str)]
+        if odd:
+            raise ValueError(f"adapters[{odd[0]}] is {adapters[odd[0]]!r:.60}: each must be a name or None")
         if len(prompts) != len(adapters):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters; give one per prompt (None: base)")
         if not prompts:

@@ -194,6 +194,11 @@ def test_generation_errors(engine):
         engine.generate(["hello"], [None], max_new_tokens=2)
     with pytest.raises(ValueError, match="2 prompts but 1 adapters"):
         engine.generate([[1], [2]], [None], max_new_tokens=2)
+    for adapters in ("a", None, 3):  # a bare name is not read as one-letter names
+        with pytest.raises(ValueError, match="adapters must be a list of names"):
+            engine.generate([[1]], adapters, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"adapters\[1\] is 3: each must be a name or None"):
+        engine.score([[1], [2]], [[3], [4]], [None, 3])
     for prompt in ([1.0, 2], [True], [np.float32(3)]):  # never truncated or read as 1
         with pytest.raises(ValueError, match="prompt 0 holds token ids that are not integers"):
             engine.generate([prompt], [None], max_new_tokens=2)
