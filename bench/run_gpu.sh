@@ -30,6 +30,8 @@
 #   bash bench/run_gpu.sh copies  # adapter copies beside an engine-shaped loop, PjRt's staging on, then off
 #                                 # (bench/studies/copy_forms.py: per layer, packed, 4 MB pieces, gated, DMA-mapped, host to host)
 #   bash bench/run_gpu.sh epilogue  # the LoRA expand in a Pallas GEMM's epilogue (bench/studies/epilogue_expand.py)
+#   bash bench/run_gpu.sh capped [ARGS]  # LoRA kernels on capped grids, or with --caps '' gather against pallas, in the
+#                                 # 8B decode step (bench/studies/capped_grid.py ARGS, e.g. --cases 32x16x1,32x16x32)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,5 +83,6 @@ case "${1:-}" in
       (cd bench/studies && python3 copy_forms.py $staging 2>&1 | grep -vE "^W1|bfc_alloc")
     done ;;
   epilogue) python3 bench/studies/epilogue_expand.py --out "$out" 2>&1 | grep -E "^#|µs|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|features|engine|serve|limits|gather|attention|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue" >&2; exit 2 ;;
+  capped) python3 bench/studies/capped_grid.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
+  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped" >&2; exit 2 ;;
 esac

@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
-    print(f"# {device}: LoRA kernels on capped grids", flush=True)
+    print(f"# {device}: gather against the Pallas kernels, their grids capped at {args.caps or 'none'}", flush=True)
     config = llama3_8b(32)
     model_def, params = random_model(config)
     result = {"device": device, "rows": []}
