@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jlora import pallas, reference
 from jlora.batch_info import LoRABatchInfo, host_values
 
-__all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKEN_RANK", "PALLAS_MIN_TOKENS", "lora_shrink", "lora_expand", "lora_linear",
-           "lora_embedding", "resolve_backend"]
+__all__ = ["Backend", "BACKENDS", "GATHER_MAX_TOKEN_RANK", "PALLAS_MIN_TOKENS", "lora_shrink", "lora_expand",
+           "lora_linear", "lora_embedding", "resolve_backend"]
 
 Backend = Literal["auto", "reference", "ragged", "gather", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "ragged", "gather", "pallas")
