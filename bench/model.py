@@ -164,7 +164,8 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="Engine.generate end to end against the bare step")
     parser.add_argument("--features", action="store_true",
                         help="32 DoRA, LoRA-bias and added-token adapters against 32 plain ones")
-    parser.add_argument("--backend", default="auto", help="LoRA backend (auto: gather for decode below batch 32, pallas above)")
+    parser.add_argument("--backend", default="auto",
+                        help="LoRA backend (auto: gather for decode below batch 32, pallas above)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     global BACKEND

@@ -83,7 +83,7 @@ def main() -> None:
     model_def, params = random_model(config)
     result = {"device": device, "rows": []}
     os.makedirs(args.out, exist_ok=True)
-    loras = {}
+    loras, caps = {}, [int(c) for c in args.caps.split(",") if c]
     for case in args.cases.split(","):
         batch, rank, used = map(int, case.split("x"))
         lora = loras.setdefault(rank, random_lora(config, rank))
@@ -91,7 +91,6 @@ def main() -> None:
         slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
         call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
         variants = {"gather": (model_def, "gather", None), "pallas": (copy.copy(model_def), "pallas", None)}
-        caps = [int(c) for c in args.caps.split(",") if c]
         variants |= {f"cap{c}": (copy.copy(model_def), "pallas", c) for c in caps}
         logits, runs = {}, {}
         for name, (mdef, backend, cap) in variants.items():
