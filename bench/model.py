@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import copy_bandwidth, kernel_durations, trace_events
+from common import copy_bandwidth, kernel_durations, pyplot, trace_events
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.runner import ModelDef, bucket, forward
@@ -513,17 +513,16 @@ def engine_throughput(config, model_def, params, bandwidth, device, out_dir, deg
 
 
 def plot(rows, path: str, device: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Decode tokens/s against batch, a line per rank and adapter count (rows come in the run's batch order)."""
+    plt = pyplot()
+    if plt is None:
         return
     dec = [r for r in rows if r["kind"] == "decode"]
     fig, ax = plt.subplots(figsize=(9, 4))
     for (rank, adapters) in sorted({(r["rank"], r["adapters"]) for r in dec}):
-        pts = [(r["batch"], r["tokens_per_s"]) for r in dec if (r["rank"], r["adapters"]) == (rank, adapters)]
-        ax.plot(*zip(*pts), marker="o", label="base" if not rank else f"r={rank}, {adapters} adapters")
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in dec if (r["rank"], r["adapters"]) == (rank, adapters))
+        label = "base" if not rank else f"r={rank}, {adapters} adapter{'s' * (adapters > 1)}"
+        ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode batch")
     ax.set_ylabel("tokens/s")
