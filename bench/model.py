@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--features", action="store_true",
                         help="32 DoRA, LoRA-bias and added-token adapters against 32 plain ones")
     parser.add_argument("--backend", default="auto",
-                        help="LoRA backend (auto: gather for decode below batch 32, pallas above)")
+                        help="LoRA backend (auto: gather below 32 tokens while tokens x rank <= 512, else pallas)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     global BACKEND
