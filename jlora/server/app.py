@@ -93,8 +93,8 @@ class _Api:
     def prepare_completion(self, body: bytes) -> _Prepared:
         request = parse(CompletionRequest, body)
         adapter = self.adapter_of(request.model)
-        given = request.prompt if isinstance(request.prompt, list) and isinstance(request.prompt[0], (str, list)) \
-            else [request.prompt]
+        prompt = request.prompt  # [] is one prompt of no ids, refused as empty below
+        given = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         prompts = [self.encode_prompt(p, adapter) for p in given]
         best_of = request.n if request.best_of is None else request.best_of
         if best_of < request.n:
