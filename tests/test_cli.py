@@ -3,6 +3,7 @@
 import json
 import os
 import runpy
+import socket
 import subprocess
 import sys
 
@@ -117,6 +118,18 @@ def test_bad_lora_spec(dirs, capsys):
 def test_serve_refuses_unsafe_or_bad_options_before_loading(dirs, capsys, args, message):
     assert cli.main(["serve", "--model", str(dirs / "m"), *args]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(dirs, capsys, monkeypatch):
+    from jlora.engine import Engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--model", str(dirs / "m"), "--port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", str(dirs / "m"), "--host", "no-such-host.invalid"]) == 1
+    assert "cannot listen on no-such-host.invalid:8000" in capsys.readouterr().err
 
 
 def test_demo_passes():

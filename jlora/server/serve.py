@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -83,14 +84,33 @@ def serve(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
 
     from jlora.server.protocol import header_deadline_protocol
 
-    app, online, config = build(model_dir, config, engine_config, loras=loras, lora_dirs=lora_dirs)
-    adapters = online.engine.adapters
-    shown = adapters if len(adapters) <= 16 else f"{len(adapters)} adapters"
-    print(f"jlora: serving {config.served_model_name!r} and adapters {shown} on "
-          f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
-    if config.allow_runtime_lora:
-        print(f"jlora: runtime adapter loads allowed from {list(config.lora_roots)}"
-              + ("" if config.api_key else " by any caller (no --api-key)"), file=sys.stderr, flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                http=header_deadline_protocol(config.header_timeout), limit_concurrency=config.max_connections,
-                timeout_keep_alive=config.keep_alive)
+    with listening_socket(config.host, config.port) as sock:  # closed too when the start fails
+        app, online, config = build(model_dir, config, engine_config, loras=loras, lora_dirs=lora_dirs)
+        adapters = online.engine.adapters
+        shown = adapters if len(adapters) <= 16 else f"{len(adapters)} adapters"
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        print(f"jlora: serving {config.served_model_name!r} and adapters {shown} on "
+              f"http://{host}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
+        if config.allow_runtime_lora:
+            print(f"jlora: runtime adapter loads allowed from {list(config.lora_roots)}"
+                  + ("" if config.api_key else " by any caller (no --api-key)"), file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level="warning", http=header_deadline_protocol(config.header_timeout),
+            limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive))
+        server.run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) (port 0: a free one), made before the model loads, so that an address
+    in use stops the start at once rather than after the minutes a large checkpoint takes."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind(address)
+    except OSError as err:
+        if sock is not None:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
