@@ -12,6 +12,7 @@ import tempfile
 import jax
 
 from jlora.engine_config import EngineConfig
+from jlora.values import is_integer
 
 __all__ = ["main"]
 
@@ -51,7 +52,7 @@ def _read_requests(args) -> list[dict]:
             if "prompt" in req and not isinstance(req["prompt"], str):
                 raise ValueError(f"{where}: 'prompt' must be text (token ids go in 'prompt_ids')")
             ids = req.get("prompt_ids", [])
-            if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not all(is_integer(t) for t in ids):
                 raise ValueError(f"{where}: 'prompt_ids' must be a list of integer token ids")
             adapter = req.get("adapter", args.adapter)
             if adapter is not None and not isinstance(adapter, str):

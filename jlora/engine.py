@@ -33,6 +33,7 @@ from jlora.parallel import TensorParallel
 from jlora.runner import ModelRunner, bucket, pack_prompts
 from jlora.sampling import sample_seeds
 from jlora.scheduler import Batcher, Request
+from jlora.values import is_integer, is_real
 
 __all__ = ["Engine", "Generation"]
 
@@ -57,21 +58,11 @@ def _free_bytes(devices: Sequence[jax.Device]) -> int | None:
     return sum(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
 
 
-def _is_integer(v) -> bool:
-    """Whether `v` is a Python or numpy integer (a bool is not)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_real(v) -> bool:
-    """Whether `v` is a Python or numpy real number (a bool is not)."""
-    return _is_integer(v) or isinstance(v, (float, np.floating))
-
-
 def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     """Each of n requests' seed: `seed + i`, or `seed[i]`; as uint32 values (checked)."""
-    if not (_is_integer(seed) or isinstance(seed, Sequence | np.ndarray) and all(_is_integer(s) for s in seed)):
+    if not (is_integer(seed) or isinstance(seed, Sequence | np.ndarray) and all(is_integer(s) for s in seed)):
         raise ValueError(f"seed must be an integer or a sequence of integers, got {seed!r:.60}")
-    seeds = [int(seed) + i for i in range(n)] if _is_integer(seed) else [int(s) for s in seed]
+    seeds = [int(seed) + i for i in range(n)] if is_integer(seed) else [int(s) for s in seed]
     if len(seeds) != n:
         raise ValueError(f"{len(seeds)} seeds for {n} prompts; give one seed, or one per prompt")
     if not all(0 <= s < 2**32 for s in seeds):
@@ -87,7 +78,7 @@ def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
 
 
 def _check_logprobs(k: int | None) -> None:
-    if k is not None and not (_is_integer(k) and 0 <= k <= MAX_TOP_LOGPROBS):
+    if k is not None and not (is_integer(k) and 0 <= k <= MAX_TOP_LOGPROBS):
         raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
 
 
@@ -256,7 +247,7 @@ class Engine:
                     raise ValueError(f"{kind} {i} is text but the model directory has no tokenizer.json; "
                                      "give token ids instead")
                 p = self.tokenizer.encode(p, add_special_tokens=add_special_tokens).ids
-            bad = [t for t in p if not _is_integer(t)]
+            bad = [t for t in p if not is_integer(t)]
             if bad:
                 raise ValueError(f"{kind} {i} holds token ids that are not integers: {bad[:5]}")
             ids.append([int(t) for t in p])
@@ -367,15 +358,15 @@ class Engine:
           by prompt: prompt i's samples are items i·n to i·n + n - 1.
         """
         prompts = self.encode(prompts)
-        if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+        if not is_integer(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not (_is_real(temperature) and _is_real(top_p) and 0 <= temperature < float("inf") and 0 < top_p <= 1):
+        if not (is_real(temperature) and is_real(top_p) and 0 <= temperature < float("inf") and 0 < top_p <= 1):
             raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
         _check_logprobs(logprobs)
-        if not _is_integer(n) or n < 1:
+        if not is_integer(n) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         if stop_token_ids is not None and not (isinstance(stop_token_ids, Sequence | np.ndarray | set | frozenset)
-                                               and all(_is_integer(t) for t in stop_token_ids)):
+                                               and all(is_integer(t) for t in stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a collection of integer token ids, got {stop_token_ids!r:.60}")
         max_new_tokens, n = int(max_new_tokens), int(n)  # numpy integers as Python ones from here on
         logprobs = None if logprobs is None else int(logprobs)

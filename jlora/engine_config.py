@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import numbers
 
 from jlora.ops import BACKENDS
 from jlora.pallas.decode_attention import split_chunk
+from jlora.values import is_integer, is_real
 
 __all__ = ["DTYPES", "EngineConfig"]
 
@@ -172,13 +172,13 @@ class EngineConfig:
 
 def _check_int(config: EngineConfig, name: str, minimum: int) -> None:
     value = getattr(config, name)
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     object.__setattr__(config, name, int(value))
 
 
 def _check_positive(config: EngineConfig, name: str, unit: str) -> None:
     value = getattr(config, name)
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value < float("inf"):
+    if not is_real(value) or not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a number of {unit} > 0, got {value!r}")
     object.__setattr__(config, name, float(value))

@@ -12,6 +12,8 @@ import math
 import os
 import re
 
+from jlora.values import is_integer, is_real
+
 __all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "check_adapter_name", "read_config"]
 
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KB; a megabyte holds any real target list
@@ -39,12 +41,8 @@ def check_adapter_name(name) -> None:
                          "with a letter or digit")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _is_finite(v) -> bool:
+    return is_real(v) and math.isfinite(v)
 
 
 def _is_str_list(v) -> bool:
@@ -52,11 +50,11 @@ def _is_str_list(v) -> bool:
 
 
 def _is_int_list(v) -> bool:
-    return isinstance(v, list) and all(_is_int(x) for x in v)
+    return isinstance(v, list) and all(is_integer(x) for x in v)
 
 
 def _alpha_ok(v) -> bool:
-    return _is_real(v) and abs(v) <= MAX_ALPHA
+    return _is_finite(v) and abs(v) <= MAX_ALPHA
 
 
 def _regex_ok(v: str) -> bool:
@@ -72,7 +70,7 @@ def _regex_ok(v: str) -> bool:
 # field: (check of a present, non-null value, what the value must be); a field absent or null takes PEFT's default
 _FIELDS = {
     "peft_type": (lambda v: v == "LORA", '"LORA" (other PEFT types are not supported)'),
-    "r": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "r": (lambda v: is_integer(v) and v >= 1, "a positive integer"),
     "lora_alpha": (_alpha_ok, f"a finite number of magnitude at most {MAX_ALPHA:g}"),
     "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
     "use_dora": (lambda v: isinstance(v, bool), "true or false"),
@@ -80,16 +78,16 @@ _FIELDS = {
     "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
     "target_modules": (lambda v: (isinstance(v, str) and _regex_ok(v)) or _is_str_list(v),
                        f"a list of module names or a regular expression (at most {_MAX_PATTERN} characters)"),
-    "rank_pattern": (lambda v: isinstance(v, dict) and all(_regex_ok(k) and _is_int(x) and x >= 1 for k, x in v.items()),
+    "rank_pattern": (lambda v: isinstance(v, dict) and all(_regex_ok(k) and is_integer(x) and x >= 1 for k, x in v.items()),
                      "an object of module patterns to positive integer ranks"),
     "alpha_pattern": (lambda v: isinstance(v, dict) and all(_regex_ok(k) and _alpha_ok(x) for k, x in v.items()),
                       f"an object of module patterns to finite alphas of magnitude at most {MAX_ALPHA:g}"),
-    "layers_to_transform": (lambda v: (_is_int(v) and v >= 0) or (_is_int_list(v) and all(x >= 0 for x in v)),
+    "layers_to_transform": (lambda v: (is_integer(v) and v >= 0) or (_is_int_list(v) and all(x >= 0 for x in v)),
                             "a layer index or a list of layer indices"),
     "modules_to_save": (_is_str_list, "a list of module names"),
     "trainable_token_indices": (lambda v: _is_int_list(v) or (isinstance(v, dict) and all(
         _is_int_list(x) for x in v.values())), "a list of token ids, or an object of module names to lists of token ids"),
-    "context_length": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "context_length": (lambda v: is_integer(v) and v >= 1, "a positive integer"),
     "bias": (lambda v: isinstance(v, str), "a string"),
 }
 
