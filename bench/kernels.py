@@ -405,6 +405,7 @@ def plot(rows: list[Row], bandwidth: float, path: str, device: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
