@@ -78,7 +78,8 @@ _FIELDS = {
     "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
     "target_modules": (lambda v: (isinstance(v, str) and _regex_ok(v)) or _is_str_list(v),
                        f"a list of module names or a regular expression (at most {_MAX_PATTERN} characters)"),
-    "rank_pattern": (lambda v: isinstance(v, dict) and all(_regex_ok(k) and is_integer(x) and x >= 1 for k, x in v.items()),
+    "rank_pattern": (lambda v: isinstance(v, dict) and all(_regex_ok(k) and is_integer(x) and x >= 1
+                                                           for k, x in v.items()),
                      "an object of module patterns to positive integer ranks"),
     "alpha_pattern": (lambda v: isinstance(v, dict) and all(_regex_ok(k) and _alpha_ok(x) for k, x in v.items()),
                       f"an object of module patterns to finite alphas of magnitude at most {MAX_ALPHA:g}"),
