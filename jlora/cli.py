@@ -36,15 +36,18 @@ def _read_requests(args) -> list[dict]:
     if args.prompt is not None:
         return [{"prompt": args.prompt, "adapter": args.adapter}]
     requests = []
-    with open(args.prompts_file) as f:
+    with open(args.prompts_file, "rb") as f:
         for n, line in enumerate(f, 1):
+            where = f"{args.prompts_file}:{n}"
             if not line.strip():
                 continue
             try:
-                req = json.loads(line)
+                req = json.loads(line.decode("utf-8-sig"))  # -sig: a byte-order mark, as some editors write, is skipped
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8 text (byte {err.start + 1} of the line: {err.reason})") \
+                    from None
             except json.JSONDecodeError as err:
-                raise ValueError(f"{args.prompts_file}:{n}: not JSON ({err})") from None
-            where = f"{args.prompts_file}:{n}"
+                raise ValueError(f"{where}: not JSON ({err})") from None
             if not isinstance(req, dict):
                 raise ValueError(f"{where}: not a JSON object")
             if ("prompt" in req) == ("prompt_ids" in req):

@@ -26,7 +26,7 @@ def dirs(tmp_path_factory):
 
 def test_generate_json_output_file(dirs, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "the quick fox", "adapter": "a"}) + "\n"
+    prompts.write_text("\ufeff" + json.dumps({"prompt": "the quick fox", "adapter": "a"}) + "\n"  # a byte-order mark
                        + json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
     out = tmp_path / "out.jsonl"
     rc = cli.main(["generate", "--model", str(dirs / "m"), "--lora", f"a={dirs / 'a'}", "--prompts-file", str(prompts),
@@ -66,12 +66,15 @@ def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, arg
     ('{"prompt_ids": [1.5, 2]}', "'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": [true]}', "'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": [[1]]}', "'prompt_ids' must be a list of integer token ids"),
+    ('{"prompt_ids": [1}', "p.jsonl:2: not JSON"),
+    (b'{"prompt": "caf\xe9"}', "p.jsonl:2: not UTF-8 text (byte 16 of the line: invalid continuation byte)"),  # Latin-1
 ])
 def test_a_bad_prompts_file_line_is_a_clear_error(dirs, tmp_path, capsys, line, message):
     """Each line of a prompts file is checked: a wrong type is an error naming the line and the field, not a
     traceback."""
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + line + "\n")
+    line = line if isinstance(line, bytes) else line.encode()
+    prompts.write_bytes(json.dumps({"prompt_ids": [1, 2]}).encode() + b"\n" + line + b"\n")
     rc = cli.main(["generate", "--model", str(dirs / "m"), "--prompts-file", str(prompts), "--quiet"])
     assert rc == 1
     err = capsys.readouterr().err
