@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
@@ -11,6 +12,7 @@ import tempfile
 
 import jax
 
+from jlora.adapters.config import check_start_adapters
 from jlora.engine_config import EngineConfig
 from jlora.values import is_integer
 
@@ -73,28 +75,50 @@ def _generate(args) -> int:
 
     requests = _read_requests(args)
     config = EngineConfig.from_args(args, max_loras=max(1, len(args.lora)))  # one slot per adapter named
-    engine = Engine.from_pretrained(args.model, config, progress=not args.quiet)
-    for name, path in args.lora:
-        engine.load_adapter(name, path)
-    with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
-        outputs = engine.generate([r["prompt"] for r in requests], [r["adapter"] for r in requests],
-                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  stop_token_ids=args.stop, seed=args.seed, progress=bar.update)
+    check_start_adapters([name for name, _ in args.lora])
+    with _output(args.output) as out:
+        engine = Engine.from_pretrained(args.model, config, progress=not args.quiet)
+        for name, path in args.lora:
+            engine.load_adapter(name, path)
+        with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
+            outputs = engine.generate([r["prompt"] for r in requests], [r["adapter"] for r in requests],
+                                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_p=args.top_p, stop_token_ids=args.stop, seed=args.seed, progress=bar.update)
+        out.write(_render(args, requests, outputs))
+    return 0
+
+
+def _render(args, requests: list[dict], outputs) -> str:
+    """The output's text: a JSON line per request (--json), else a line of each request's adapter and text."""
     records = [{"prompt": r["prompt"], "adapter": r["adapter"], "tokens": list(o), "text": o.text,
                 "finish_reason": o.finish_reason} for r, o in zip(requests, outputs)]
     if args.json:
-        text = "".join(json.dumps(rec) + "\n" for rec in records)
-    else:
-        text = "".join(f"[{rec['adapter'] or 'base'}] {rec['text'] if rec['text'] is not None else rec['tokens']}\n"
-                       for rec in records)
-    if args.output:  # written whole or not at all
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.output)) or ".")
+        return "".join(json.dumps(rec) + "\n" for rec in records)
+    return "".join(f"[{rec['adapter'] or 'base'}] {rec['text'] if rec['text'] is not None else rec['tokens']}\n"
+                   for rec in records)
+
+
+@contextlib.contextmanager
+def _output(path: str | None):
+    """Where the output goes: standard output, or `path` written whole or not at all (a temporary file beside it,
+    made before the model loads, so a directory that does not exist or cannot be written stops the command at
+    once; renamed over `path` at the end, removed on any failure)."""
+    if path is None:
+        yield sys.stdout
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"--output {path!r} is a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".jlora-", suffix=".tmp")
+    except OSError as err:
+        raise OSError(f"cannot write --output {path!r}: {err.strerror}") from None
+    try:
         with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, args.output)
-    else:
-        sys.stdout.write(text)
-    return 0
+            yield f
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _bench(args) -> int:

@@ -53,7 +53,23 @@ def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, arg
     rc = cli.main(["generate", *args, "--quiet", "--output", str(out)])
     assert rc == 1
     assert message in capsys.readouterr().err
-    assert not out.exists()
+    assert not out.exists() and not list(tmp_path.iterdir())  # no temporary file left either
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--output", "{tmp}"], "--output '{tmp}' is a directory"),
+    (["--output", "{tmp}/no/such/dir/out.txt"], "cannot write --output '{tmp}/no/such/dir/out.txt': No such file"),
+    (["--lora", "a={a}", "--lora", "a={a}"], "--lora 'a' is given twice"),
+])
+def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(dirs, tmp_path, capsys, monkeypatch,
+                                                                              args, message):
+    from jlora.engine import Engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    args = [a.format(tmp=tmp_path, a=dirs / "a") for a in args]
+    assert cli.main(["generate", "--model", str(dirs / "m"), "--prompt", "x", "--quiet", *args]) == 1
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("line, message", [

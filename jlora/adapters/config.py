@@ -11,10 +11,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 
 from jlora.values import is_integer, is_real
 
-__all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "check_adapter_name", "read_config"]
+__all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "check_adapter_name", "check_start_adapters", "read_config"]
 
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KB; a megabyte holds any real target list
 MAX_ALPHA = 2.0**16  # |lora_alpha| (and alpha_pattern's values) beyond this is refused: no real adapter uses it
@@ -39,6 +40,18 @@ def check_adapter_name(name) -> None:
         shown = repr(name)[:40] if isinstance(name, str) and name.isascii() else "the name given"
         raise ValueError(f"invalid adapter name {shown}: use 1-128 letters, digits or . _ - / : @ +, starting "
                          "with a letter or digit")
+
+
+def check_start_adapters(names: Sequence[str], reserved: str | None = None) -> None:
+    """Raises ValueError unless the names of the adapters a command starts with (`--lora NAME=DIR`, repeatable)
+    are valid (`check_adapter_name`), none given twice and none `reserved` (the served base model's name):
+    checked before the minutes a large checkpoint takes to load."""
+    for name in names:
+        check_adapter_name(name)
+        if name == reserved:
+            raise ValueError(f"--lora {name!r}: that is the served base model's name (--served-model-name)")
+        if names.count(name) > 1:
+            raise ValueError(f"--lora {name!r} is given twice")
 
 
 def _is_finite(v) -> bool:

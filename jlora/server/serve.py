@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from jlora.adapters.config import check_adapter_name
+from jlora.adapters.config import check_start_adapters
 from jlora.engine_config import EngineConfig
 from jlora.server.config import ServerConfig
 
@@ -54,13 +54,7 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
     from jlora.server.online import OnlineEngine
 
     config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
-    names = [name for name, _ in loras]
-    for name in names:  # before the minutes a large checkpoint takes to load
-        check_adapter_name(name)
-        if name == config.served_model_name:
-            raise ValueError(f"--lora {name!r}: that is the served base model's name (--served-model-name)")
-        if names.count(name) > 1:
-            raise ValueError(f"--lora {name!r} is given twice")
+    check_start_adapters([name for name, _ in loras], reserved=config.served_model_name)
     engine = Engine.from_pretrained(model_dir, engine_config)
     for name, path in loras:
         engine.load_adapter(name, path)
