@@ -234,15 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from jlora.demo import run_demo
-
-        return 0 if run_demo(out_dir=args.out) else 1
-    if args.command == "selfcheck":
-        from jlora.selfcheck import run_selfcheck
-
-        return 0 if run_selfcheck() else 1
     try:
+        if args.command == "demo":
+            from jlora.demo import run_demo
+
+            return 0 if run_demo(out_dir=args.out) else 1
+        if args.command == "selfcheck":
+            from jlora.selfcheck import run_selfcheck
+
+            return 0 if run_selfcheck() else 1
         if args.command == "serve":
             return _serve(args)
         return _generate(args) if args.command == "generate" else _bench(args)

@@ -151,6 +151,13 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(dirs, capsy
     assert "cannot listen on no-such-host.invalid:8000" in capsys.readouterr().err
 
 
+def test_demo_into_a_path_it_cannot_make_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["demo", "--out", str(tmp_path / "file")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jlora demo: error: [Errno 17] File exists") and "Traceback" not in err
+
+
 def test_demo_passes():
     from jlora.demo import run_demo
 
