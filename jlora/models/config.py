@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jlora.values import is_integer
+
 __all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# config.json's fields that every model of these types has, each a positive integer
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +49,20 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        for key in _POSITIVE_INTS:
+            if key not in hf:
+                raise ValueError(f"config.json has no {key!r}")
+        for key in (*_POSITIVE_INTS, "num_key_value_heads", "head_dim"):
+            value = hf.get(key)
+            if (key in _POSITIVE_INTS or value is not None) and not (is_integer(value) and value >= 1):
+                raise ValueError(f"config.json: {key!r} must be a positive integer, got {value!r:.40}")
         heads = hf["num_attention_heads"]
+        if hf.get("num_key_value_heads") and heads % hf["num_key_value_heads"]:
+            raise ValueError(f"config.json: num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={hf['num_key_value_heads']}")
+        if not hf.get("head_dim") and hf["hidden_size"] % heads:
+            raise ValueError(f"config.json: hidden_size={hf['hidden_size']} is not a multiple of "
+                             f"num_attention_heads={heads}, and no head_dim is given")
         # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older configs `rope_scaling`.
         scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
         rope_theta = hf.get("rope_theta") or (scaling or {}).get("rope_theta", 10000.0)

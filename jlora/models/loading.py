@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jlora.models.config import ModelConfig
@@ -29,8 +29,26 @@ def read_config(model_dir: str) -> ModelConfig:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
-    with open(path) as f:
-        return ModelConfig.from_hf_config(json.load(f))
+    hf = _read_json(path)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return ModelConfig.from_hf_config(hf)
+
+
+def _read_json(path: str):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+def _safetensors(path: str):
+    """`safe_open` of a checkpoint file; a file that cannot be read is a ValueError naming it."""
+    try:
+        return safe_open(path, framework="flax")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path}: cannot read safetensors ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 def checkpoint_files(model_dir: str) -> dict[str, str]:
@@ -38,11 +56,13 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
     single = os.path.join(model_dir, "model.safetensors")
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} must hold a 'weight_map' object of tensor names to file names")
         return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
     if os.path.isfile(single):
-        with safe_open(single, framework="flax") as f:
+        with _safetensors(single) as f:
             return {name: single for name in f.keys()}
     if any(n.endswith(".bin") or n.endswith(".pt") for n in os.listdir(model_dir)):
         raise ValueError(
@@ -98,14 +118,13 @@ def load_model(model_dir: str, dtype=jnp.bfloat16, *, progress: bool = True) -> 
                     raise ValueError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
                 handle = handles.get(files[name])
                 if handle is None:
-                    handle = handles[files[name]] = safe_open(files[name], framework="flax")
+                    handle = handles[files[name]] = _safetensors(files[name])
                 tensors.append(handle.get_tensor(name))
             value = combine(*tensors).astype(dtype)
             if value.shape != var.shape:
-                raise ValueError(
-                    f"{' + '.join(names)}: shape {tuple(t.shape for t in tensors)} does not match the config "
-                    f"(expected {var.shape} after conversion)"
-                )
+                shapes = " + ".join(str(tuple(t.shape)) for t in tensors)
+                raise ValueError(f"{' + '.join(names)}: shape {shapes} does not match the config (expected "
+                                 f"{var.shape} after conversion)")
             loaded.append((path, type(var)(value)))
     finally:
         handles.clear()

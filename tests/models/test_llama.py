@@ -101,6 +101,74 @@ def test_checkpoint_errors(tmp_path):
         Engine.from_pretrained(model_dir, progress=False)
 
 
+def _config_edit(**changes):
+    def edit(model_dir):
+        path = os.path.join(model_dir, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        with open(path, "w") as f:
+            json.dump({k: v for k, v in {**cfg, **changes}.items() if v is not _DROP}, f)
+    return edit
+
+
+def _write(name, data):
+    def edit(model_dir):
+        with open(os.path.join(model_dir, name), "wb") as f:
+            f.write(data(model_dir) if callable(data) else data)
+    return edit
+
+
+def _truncated(model_dir, name="model.safetensors"):
+    with open(os.path.join(model_dir, name), "rb") as f:
+        return f.read()[:-100]  # the header reads; the data it promises is not all there
+
+
+_DROP = object()
+# A broken checkpoint, each a ValueError naming the file or the field (the CLI prints it as one line).
+BROKEN = {
+    "config not JSON": (_write("config.json", b"{oops"), "config.json is not valid JSON"),
+    "config a list": (_write("config.json", b"[1]"), "config.json must hold a JSON object"),
+    "no vocab_size": (_config_edit(vocab_size=_DROP), "config.json has no 'vocab_size'"),
+    "a string hidden_size": (_config_edit(hidden_size="64"), "'hidden_size' must be a positive integer, got '64'"),
+    "zero layers": (_config_edit(num_hidden_layers=0), "'num_hidden_layers' must be a positive integer"),
+    "KV heads not dividing heads": (_config_edit(num_key_value_heads=3),
+                                    "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    "hidden not a multiple of heads": (_config_edit(num_attention_heads=5, num_key_value_heads=5),
+                                       "hidden_size=64 is not a multiple of num_attention_heads=5"),
+    "a truncated safetensors": (_write("model.safetensors", _truncated), "model.safetensors: cannot read safetensors"),
+    "garbage safetensors": (_write("model.safetensors", b"\xff" * 64), "model.safetensors: cannot read safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_checkpoint_is_an_error_naming_what_is_wrong(tmp_path, case):
+    edit, message = BROKEN[case]
+    model_dir = _model(tmp_path, "llama")
+    edit(model_dir)
+    with pytest.raises(ValueError, match=message):
+        Engine.from_pretrained(model_dir, progress=False)
+
+
+def test_a_broken_sharded_checkpoint_is_an_error_naming_the_file(tmp_path):
+    model_dir = str(tmp_path / "sharded")
+    testing.write_model(model_dir, MODELS["llama"], seed=3, shards=2)
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    with open(index) as f:
+        shard = sorted(set(json.load(f)["weight_map"].values()))[0]
+    os.rename(os.path.join(model_dir, shard), os.path.join(model_dir, "moved"))
+    with pytest.raises(ValueError, match=f"{shard}: cannot read safetensors \\(FileNotFoundError"):
+        Engine.from_pretrained(model_dir, progress=False)
+    for text in (b'{"metadata": {}}', b"[1]", b'{"weight_map": {"x": 5}}'):
+        with open(index, "wb") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match="must hold a 'weight_map' object"):
+            Engine.from_pretrained(model_dir, progress=False)
+    with open(index, "wb") as f:
+        f.write(b"{")
+    with pytest.raises(ValueError, match="index.json is not valid JSON"):
+        Engine.from_pretrained(model_dir, progress=False)
+
+
 @pytest.mark.parametrize("kind, backend", [  # pallas: decode steps in the decode-attention kernel, norms in theirs
     ("mistral", "auto"), ("mistral", "pallas"), ("odd_hidden", "pallas")])
 def test_prefill_then_decode_matches_full_forward(tmp_path, kind, backend):
