@@ -58,6 +58,19 @@ def _free_bytes(devices: Sequence[jax.Device]) -> int | None:
     return sum(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
 
 
+def _read_tokenizer(model_dir: str):
+    """The model directory's `tokenizers.Tokenizer` (tokenizer.json), or None when it has none."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # tokenizers raises Exception itself for a file it cannot parse
+        raise ValueError(f"{path}: cannot read the tokenizer ({str(err)[:200]})") from None
+
+
 def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     """Each of n requests' seed: `seed + i`, or `seed[i]`; as uint32 values (checked)."""
     if not (is_integer(seed) or isinstance(seed, Sequence | np.ndarray) and all(is_integer(s) for s in seed)):
@@ -146,13 +159,9 @@ class Engine:
         config = _config(config, options)  # checked before the minutes a large checkpoint takes to load
         if config.dtype is None:
             config = dataclasses.replace(config, dtype="bfloat16" if jax.default_backend() == "gpu" else "float32")
+        tokenizer = _read_tokenizer(model_dir)  # before the weights: a broken file stops the load at once
         with _host_staging(config.tensor_parallel):
             model = load_model(model_dir, jnp.dtype(config.dtype), progress=progress)
-        tokenizer = None
-        if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         return cls(model, config, tokenizer=tokenizer)
 
     def register_adapter(self, name: str, adapter_dir: str) -> None:

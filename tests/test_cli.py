@@ -3,6 +3,7 @@
 import json
 import os
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -149,6 +150,26 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(dirs, capsy
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(dirs / "m"), "--host", "no-such-host.invalid"]) == 1
     assert "cannot listen on no-such-host.invalid:8000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("tokenizer_config.json", "{oops", "tokenizer_config.json is not valid JSON"),
+    ("tokenizer_config.json", '{"chat_template": "{% for m in messages %}{{ m }"}', "chat_template does not compile"),
+    ("tokenizer_config.json", '{"chat_template": 5}', "chat_template must be a string or a list of named templates"),
+    ("generation_config.json", '{"eos_token_id": "2"}', "eos_token_id must be a token id or a list of them"),
+    ("generation_config.json", "[2]", "generation_config.json must hold a JSON object"),
+])
+def test_serve_refuses_a_broken_tokenizer_config_or_eos_before_loading(dirs, tmp_path, capsys, monkeypatch, file,
+                                                                        content, message):
+    from jlora.engine import Engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    model = tmp_path / "m"
+    shutil.copytree(dirs / "m", model)
+    (model / file).write_text(content)
+    assert cli.main(["serve", "--model", str(model), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert f"jlora serve: error: {model / file}" in err and message in err
 
 
 def test_demo_into_a_path_it_cannot_make_is_an_error_not_a_traceback(tmp_path, capsys):

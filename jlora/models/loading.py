@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
 
-__all__ = ["read_config", "checkpoint_files", "load_model"]
+__all__ = ["checkpoint_files", "load_model", "read_config", "read_json_object"]
 
 
 def read_config(model_dir: str) -> ModelConfig:
@@ -29,18 +29,19 @@ def read_config(model_dir: str) -> ModelConfig:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
-    hf = _read_json(path)
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return ModelConfig.from_hf_config(hf)
+    return ModelConfig.from_hf_config(read_json_object(path))
 
 
-def _read_json(path: str):
+def read_json_object(path: str) -> dict:
+    """The JSON object in `path` (a model directory's config files); ValueError naming the file otherwise."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read())
+            value = json.loads(f.read())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return value
 
 
 def _safetensors(path: str):
@@ -56,8 +57,7 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
     single = os.path.join(model_dir, "model.safetensors")
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = _read_json(index)
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index} must hold a 'weight_map' object of tensor names to file names")
         return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}

@@ -4,11 +4,12 @@ tokens as variables, `add_generation_prompt`)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from jlora.models.loading import read_json_object
 
 __all__ = ["ChatTemplate", "ChatTemplateError"]
 
@@ -30,18 +31,25 @@ class ChatTemplate:
     """The chat template of a model directory (None-safe: `render` raises when the model has none)."""
 
     def __init__(self, model_dir: str):
+        """Raises ValueError, naming the file, when tokenizer_config.json is not a JSON object or its
+        chat_template is not a template that compiles."""
         path = os.path.join(model_dir, "tokenizer_config.json")
         config = {}
         if os.path.isfile(path):
-            with open(path) as f:
-                config = json.load(f)
+            config = read_json_object(path)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{path}: chat_template must be a string or a list of named templates")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         self.source = template or None  # the template's text (/tokenizer_info)
-        self.template = env.from_string(template) if template else None
+        try:
+            self.template = env.from_string(template) if template else None
+        except TemplateError as err:
+            raise ValueError(f"{path}: chat_template does not compile ({err})") from None
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
                                                                             "pad_token")}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 import socket
 import sys
@@ -12,7 +11,9 @@ from collections.abc import Sequence
 
 from jlora.adapters.config import check_start_adapters
 from jlora.engine_config import EngineConfig
+from jlora.models.loading import read_json_object
 from jlora.server.config import ServerConfig
+from jlora.values import is_integer
 
 __all__ = ["ServerConfig", "build", "eos_token_ids", "serve", "served_name"]
 
@@ -22,10 +23,12 @@ def eos_token_ids(model_dir: str) -> frozenset[int]:
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, name)
         if os.path.isfile(path):
-            with open(path) as f:
-                value = json.load(f).get("eos_token_id")
+            value = read_json_object(path).get("eos_token_id")
             if value is not None:
-                return frozenset([value] if isinstance(value, int) else value)
+                ids = value if isinstance(value, list) else [value]
+                if not all(is_integer(i) and i >= 0 for i in ids):
+                    raise ValueError(f"{path}: eos_token_id must be a token id or a list of them")
+                return frozenset(ids)
     return frozenset()
 
 
@@ -55,6 +58,7 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
 
     config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
     check_start_adapters([name for name, _ in loras], reserved=config.served_model_name)
+    chat, eos = ChatTemplate(model_dir), eos_token_ids(model_dir)  # the directory's small files, before its weights
     engine = Engine.from_pretrained(model_dir, engine_config)
     for name, path in loras:
         engine.load_adapter(name, path)
@@ -65,7 +69,7 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
         for sub, why in scan.skipped:
             print(f"jlora: skipped {os.path.join(root, sub)}: {why}", file=sys.stderr, flush=True)
     online = OnlineEngine(engine, max_waiting=config.max_waiting)
-    app = build_app(online, config, chat=ChatTemplate(model_dir), eos_token_ids=eos_token_ids(model_dir))
+    app = build_app(online, config, chat=chat, eos_token_ids=eos)
     gc.collect()  # the objects alive after loading (JAX's, the model's) left out of later collections, which a
     gc.freeze()   # large request's parse triggers while it holds the interpreter lock
     return app, online, config

@@ -137,6 +137,7 @@ BROKEN = {
                                        "hidden_size=64 is not a multiple of num_attention_heads=5"),
     "a truncated safetensors": (_write("model.safetensors", _truncated), "model.safetensors: cannot read safetensors"),
     "garbage safetensors": (_write("model.safetensors", b"\xff" * 64), "model.safetensors: cannot read safetensors"),
+    "a broken tokenizer.json": (_write("tokenizer.json", b'{"model": '), "tokenizer.json: cannot read the tokenizer"),
 }
 
 
@@ -158,15 +159,13 @@ def test_a_broken_sharded_checkpoint_is_an_error_naming_the_file(tmp_path):
     os.rename(os.path.join(model_dir, shard), os.path.join(model_dir, "moved"))
     with pytest.raises(ValueError, match=f"{shard}: cannot read safetensors \\(FileNotFoundError"):
         Engine.from_pretrained(model_dir, progress=False)
-    for text in (b'{"metadata": {}}', b"[1]", b'{"weight_map": {"x": 5}}'):
+    for text, message in ((b'{"metadata": {}}', "must hold a 'weight_map' object"),
+                          (b'{"weight_map": {"x": 5}}', "must hold a 'weight_map' object"),
+                          (b"[1]", "index.json must hold a JSON object"), (b"{", "index.json is not valid JSON")):
         with open(index, "wb") as f:
             f.write(text)
-        with pytest.raises(ValueError, match="must hold a 'weight_map' object"):
+        with pytest.raises(ValueError, match=message):
             Engine.from_pretrained(model_dir, progress=False)
-    with open(index, "wb") as f:
-        f.write(b"{")
-    with pytest.raises(ValueError, match="index.json is not valid JSON"):
-        Engine.from_pretrained(model_dir, progress=False)
 
 
 @pytest.mark.parametrize("kind, backend", [  # pallas: decode steps in the decode-attention kernel, norms in theirs
