@@ -132,8 +132,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp,
                                   attention_chunk=config.attention_chunk(self.model_config.num_kv_heads))
         self.registry = AdapterRegistry()
-        devices = list(tp.mesh.devices.flat) if tp is not None else [jax.devices()[0]]
-        free = _free_bytes(devices)
+        self.devices = list(tp.mesh.devices.flat) if tp is not None else [jax.devices()[0]]
+        free = _free_bytes(self.devices)
         if free is not None and config.device_cache_bytes > free:
             raise ValueError(f"device_cache_memory {config.device_cache_memory:g} GiB is more than the "
                              f"{free / 2**30:.1f} GiB the device(s) have free beside the model")
@@ -440,17 +440,23 @@ class Engine:
         (`prefill_chunk`, `block_size`, `prefix_caching`, and `kv_blocks`, or as many blocks as `kv_cache_memory`
         holds, at most what the rows hold at `max_seq`)."""
         c = self.config
-        blocks = c.kv_blocks
+        size = c.block_size or max_seq
+        cfg = self.model_config if self.runner.tp is None else self.runner.tp.layout  # KV heads as stored
+        block_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
+                       * jnp.dtype(self.runner.dtype).itemsize) // c.tensor_parallel  # per device
+        blocks = c.kv_blocks or num_rows * -(-max_seq // size)  # default: every row at max_seq
         if c.kv_cache_memory is not None:
-            size = c.block_size or max_seq
-            cfg = self.model_config if self.runner.tp is None else self.runner.tp.layout  # KV heads as stored
-            block_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
-                           * jnp.dtype(self.runner.dtype).itemsize) // c.tensor_parallel  # per device
             blocks = int(c.kv_cache_memory * 2**30 // block_bytes)
             if blocks < 1:
                 raise ValueError(f"kv_cache_memory {c.kv_cache_memory} GiB holds no block of {size} positions "
                                  f"({block_bytes / 2**20:.1f} MiB on each device)")
             blocks = min(blocks, num_rows * -(-max_seq // size))
+        free = _free_bytes(self.devices)
+        if free is not None and blocks * block_bytes * len(self.devices) > free:
+            raise ValueError(f"a KV cache of {blocks} blocks of {size} positions takes "
+                             f"{blocks * block_bytes / 2**30:.1f} GiB on each device, more than the "
+                             f"{free / len(self.devices) / 2**30:.1f} GiB free there: lower kv_blocks, kv_cache_memory, "
+                             "max_batch or max_seq_len")
         return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size or None, blocks,
                        c.prefix_caching)
 

@@ -167,6 +167,7 @@ class OnlineEngine:
         if self.engine.tiers.relieve(err):
             logger.warning("the device ran out of memory: the device cache let go of its adapters")
         old = self.batcher
+        old.cache = None  # its memory freed first: a cache sized to most of the device does not fit twice
         try:
             self.batcher = self.engine.new_batcher(old.num_rows, old.max_seq)
         except Exception as again:  # no fresh cache either: end what waits, refuse what comes

@@ -69,8 +69,11 @@ def test_a_step_out_of_device_memory_empties_the_device_cache_and_the_loop_goes_
         step = cached.runner.step
         oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")
         monkeypatch.setattr(cached.runner, "step", lambda *a, **k: (_ for _ in ()).throw(oom))
+        released, new_batcher = [], cached.new_batcher  # the old cache is let go before the fresh one is made
+        monkeypatch.setattr(cached, "new_batcher", lambda *a: (released.append(online.batcher.cache is None),
+                                                               new_batcher(*a))[1])
         failed = run(online, [1, 2, 3], "a", 5)
-        assert failed.finish == "failed" and "RESOURCE_EXHAUSTED" in failed.error
+        assert failed.finish == "failed" and "RESOURCE_EXHAUSTED" in failed.error and released == [True]
         assert len(cached.tiers.device) == 0 and cached.tiers.device.nbytes == 0
         monkeypatch.setattr(cached.runner, "step", step)
         assert [run(online, [1, 2, 3], n, 5).out for n in ["a", "b"]] == want
