@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import os
 import threading
 from collections.abc import Sequence
@@ -452,6 +453,9 @@ class Engine:
                                  f"({block_bytes / 2**20:.1f} MiB on each device)")
             blocks = min(blocks, num_rows * -(-max_seq // size))
         free = _free_bytes(self.devices)
+        if free is not None and blocks * block_bytes * len(self.devices) > free:
+            gc.collect()  # a finished batcher's cache may still be held in a reference cycle: counted as in use
+            free = _free_bytes(self.devices)
         if free is not None and blocks * block_bytes * len(self.devices) > free:
             raise ValueError(f"a KV cache of {blocks} blocks of {size} positions takes "
                              f"{blocks * block_bytes / 2**30:.1f} GiB on each device, more than the "
