@@ -94,8 +94,10 @@ class _Api:
         request = parse(CompletionRequest, body)
         adapter = self.adapter_of(request.model)
         prompt = request.prompt  # [] is one prompt of no ids, refused as empty below
-        given = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-        prompts = [self.encode_prompt(p, adapter) for p in given]
+        batched = isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], (str, list))
+        given = prompt if batched else [prompt]
+        prompts = [self.encode_prompt(p, adapter, "the prompt" if not batched else f"prompt {i}")
+                   for i, p in enumerate(given)]
         best_of = request.n if request.best_of is None else request.best_of
         if best_of < request.n:
             raise ApiError(400, f"'best_of' ({best_of}) must be at least 'n' ({request.n})", "best_of")
@@ -212,20 +214,23 @@ class _Api:
         return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream, request.n,
                          logprobs, echo)
 
-    def encode_prompt(self, prompt: str | list[int], adapter: str | None) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], adapter: str | None, what: str = "the prompt") -> list[int]:
+        """The prompt's token ids, checked against the adapter's vocabulary; `what` names it in errors ("prompt 3"
+        of a batch)."""
         if isinstance(prompt, str):
             self.need_tokenizer("a text prompt (send token ids)", "prompt")
             ids = self.tokenize(prompt, "prompt")
         else:
             ids = prompt
         if not ids:
-            raise ApiError(400, "the prompt is empty", "prompt")
+            raise ApiError(400, f"{what} is empty", "prompt")
         try:
             vocab = self.engine.vocab_size(adapter)  # the base vocabulary and the adapter's added tokens
         except KeyError:
             raise ApiError(404, f"the model {adapter!r} does not exist", "model", "NotFoundError") from None
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"the prompt has token ids outside [0, {vocab})", "prompt")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{what} has token ids outside [0, {vocab}) ({ids[bad]} at position {bad})", "prompt")
         return list(ids)
 
     # --- generation --------------------------------------------------------------------------------------

@@ -136,6 +136,10 @@ PROBES = {
     "a lora_path with a NUL": ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "go\x00od"}, 400, "NUL"),
     "a name already served": ("/v1/load_lora_adapter", {"lora_name": "m", "lora_path": "good"}, 400, "already served"),
     "an empty list as the prompt": ("/v1/completions", {"model": "m", "prompt": []}, 400, "the prompt is empty"),
+    "an empty prompt in a batch": ("/v1/completions", {"model": "m", "prompt": ["the fox", ""]}, 400,
+                                   "prompt 1 is empty"),
+    "a token past the vocabulary in a batch": ("/v1/completions", {"model": "m", "prompt": [[1, 2], [3, 120, 4]]},
+                                               400, "prompt 1 has token ids outside [0, 120) (120 at position 1)"),
     "a model name of a megabyte": ("/v1/completions", {"model": "x" * (1 << 20), "prompt": "a"}, 404,
                                    "'" + "x" * 77 + "...' does not exist"),
 }
