@@ -445,22 +445,23 @@ class Engine:
         cfg = self.model_config if self.runner.tp is None else self.runner.tp.layout  # KV heads as stored
         block_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
                        * jnp.dtype(self.runner.dtype).itemsize) // c.tensor_parallel  # per device
-        blocks = c.kv_blocks or num_rows * -(-max_seq // size)  # default: every row at max_seq
+        every_row = num_rows * -(-max_seq // size)  # blocks for every row at max_seq: the default
+        blocks = c.kv_blocks or every_row
         if c.kv_cache_memory is not None:
             blocks = int(c.kv_cache_memory * 2**30 // block_bytes)
             if blocks < 1:
                 raise ValueError(f"kv_cache_memory {c.kv_cache_memory} GiB holds no block of {size} positions "
                                  f"({block_bytes / 2**20:.1f} MiB on each device)")
-            blocks = min(blocks, num_rows * -(-max_seq // size))
-        free = _free_bytes(self.devices)
-        if free is not None and blocks * block_bytes * len(self.devices) > free:
+            blocks = min(blocks, every_row)
+        need, free = blocks * block_bytes * len(self.devices), _free_bytes(self.devices)
+        if free is not None and need > free:
             gc.collect()  # a finished batcher's cache may still be held in a reference cycle: counted as in use
             free = _free_bytes(self.devices)
-        if free is not None and blocks * block_bytes * len(self.devices) > free:
+        if free is not None and need > free:
             raise ValueError(f"a KV cache of {blocks} blocks of {size} positions takes "
                              f"{blocks * block_bytes / 2**30:.1f} GiB on each device, more than the "
-                             f"{free / len(self.devices) / 2**30:.1f} GiB free there: lower kv_blocks, kv_cache_memory, "
-                             "max_batch or max_seq_len")
+                             f"{free / len(self.devices) / 2**30:.1f} GiB free there: lower kv_blocks, "
+                             "kv_cache_memory, max_batch or max_seq_len")
         return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size or None, blocks,
                        c.prefix_caching)
 

@@ -49,12 +49,11 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-        for key in _POSITIVE_INTS:
-            if key not in hf:
-                raise ValueError(f"config.json has no {key!r}")
-        for key in (*_POSITIVE_INTS, "num_key_value_heads", "head_dim"):
+        for key in (*_POSITIVE_INTS, "num_key_value_heads", "head_dim"):  # the last two may be absent or null
             value = hf.get(key)
-            if (key in _POSITIVE_INTS or value is not None) and not (is_integer(value) and value >= 1):
+            if value is None and key in _POSITIVE_INTS:
+                raise ValueError(f"config.json has no {key!r}")
+            if value is not None and not (is_integer(value) and value >= 1):
                 raise ValueError(f"config.json: {key!r} must be a positive integer, got {value!r:.40}")
         heads = hf["num_attention_heads"]
         if hf.get("num_key_value_heads") and heads % hf["num_key_value_heads"]:
