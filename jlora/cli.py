@@ -19,6 +19,7 @@ from jlora.values import is_integer
 __all__ = ["main"]
 
 BENCH_SCRIPTS = {"kernels": "kernels.py", "model": "model.py"}
+REQUEST_KEYS = frozenset({"prompt", "prompt_ids", "adapter"})  # a --prompts-file line's keys
 
 
 def _parse_lora(spec: str) -> tuple[str, str]:
@@ -52,6 +53,10 @@ def _read_requests(args) -> list[dict]:
                 raise ValueError(f"{where}: not JSON ({err})") from None
             if not isinstance(req, dict):
                 raise ValueError(f"{where}: not a JSON object")
+            if unknown := sorted(set(req) - REQUEST_KEYS):
+                raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}: a request takes "
+                                 f"{', '.join(map(repr, sorted(REQUEST_KEYS)))}; the generation's settings are "
+                                 f"the command's options (--max-new-tokens, --temperature, ...)")
             if ("prompt" in req) == ("prompt_ids" in req):
                 raise ValueError(f"{where}: give exactly one of 'prompt' (text) or 'prompt_ids'")
             if "prompt" in req and not isinstance(req["prompt"], str):

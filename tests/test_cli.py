@@ -84,6 +84,8 @@ def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(di
     ('{"prompt_ids": [true]}', "'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": [[1]]}', "'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": [1}', "p.jsonl:2: not JSON"),
+    ('{"prompt_ids": [1], "max_new_tokens": 3, "Adapter": "a"}',
+     "p.jsonl:2: unknown key(s) 'Adapter', 'max_new_tokens': a request takes 'adapter', 'prompt', 'prompt_ids'"),
     (b'{"prompt": "caf\xe9"}', "p.jsonl:2: not UTF-8 text (byte 16 of the line: invalid continuation byte)"),  # Latin-1
 ])
 def test_a_bad_prompts_file_line_is_a_clear_error(dirs, tmp_path, capsys, line, message):
