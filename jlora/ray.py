@@ -40,6 +40,7 @@ from jlora.engine_config import EngineConfig
 from jlora.server.config import ServerConfig
 from jlora.server.app import read_body
 from jlora.server.errors import ApiError
+from jlora.server.serve import listening_socket, served_name
 
 __all__ = ["ReplicaSpec", "Replica", "Router", "app", "deployment", "run"]
 
@@ -214,8 +215,6 @@ def deployment(spec: ReplicaSpec, *, replicas: int = 1, replica_options: dict | 
     `Replica.options` as they are (e.g. `{"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}`, which
     takes the place of `replicas`, or `ray_actor_options`); by default a replica takes
     `tensor_parallel` GPUs when the cluster has GPUs."""
-    from jlora.server.serve import served_name
-
     config = dataclasses.replace(spec.config, served_model_name=served_name(spec.model_dir, spec.config))
     spec = dataclasses.replace(spec, config=config)
     gpus = spec.engine.tensor_parallel if ray.is_initialized() and ray.cluster_resources().get("GPU") else 0
@@ -246,7 +245,12 @@ def app(args: dict[str, str]) -> serve.Application:
 
 def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None) -> None:
     """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
-    Ray Serve's HTTP proxy on the config's host and port, until interrupted."""
+    Ray Serve's HTTP proxy on the config's host and port, until interrupted. On a local cluster the proxy
+    listens here, so an address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
+    if not os.environ.get("RAY_ADDRESS"):
+        with listening_socket(spec.config.host, spec.config.port) as sock:
+            port = sock.getsockname()[1]
+        spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, port=port))
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     serve.start(http_options={"host": spec.config.host, "port": spec.config.port})
     serve.run(deployment(spec, replicas=replicas, replica_options=replica_options), name="jlora", route_prefix="/")

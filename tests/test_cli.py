@@ -154,6 +154,31 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(dirs, capsy
     assert "cannot listen on no-such-host.invalid:8000" in capsys.readouterr().err
 
 
+def test_serve_on_a_local_ray_cluster_checks_its_address_before_starting_ray(dirs, capsys, monkeypatch):
+    """Ray Serve's proxy listens on this machine when RAY_ADDRESS is unset: an address in use stops the start
+    before Ray does (Ray's own failure is a remote traceback, seconds later), and port 0 is a free port given to
+    the proxy (which would print 0)."""
+    jlora_ray = pytest.importorskip("jlora.ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(jlora_ray.ray, "init", lambda **kw: None)
+    started = []
+
+    def start(http_options):
+        started.append(http_options)
+        raise RuntimeError("stopped before the deployment")
+
+    monkeypatch.setattr(jlora_ray.serve, "start", start)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--model", str(dirs / "m"), "--port", str(port), "--replicas", "1"]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert not started
+    assert cli.main(["serve", "--model", str(dirs / "m"), "--port", "0", "--replicas", "1"]) == 1
+    (options,) = started
+    assert options["host"] == "127.0.0.1" and options["port"] > 0
+    socket.create_server(("127.0.0.1", options["port"])).close()  # free again for the proxy to take
+
+
 @pytest.mark.parametrize("file, content, message", [
     ("tokenizer_config.json", "{oops", "tokenizer_config.json is not valid JSON"),
     ("tokenizer_config.json", '{"chat_template": "{% for m in messages %}{{ m }"}', "chat_template does not compile"),
