@@ -80,7 +80,7 @@ def _generate(args) -> int:
 
     requests = _read_requests(args)
     config = EngineConfig.from_args(args, max_loras=max(1, len(args.lora)))  # one slot per adapter named
-    check_start_adapters([name for name, _ in args.lora])
+    check_start_adapters(args.lora)
     with _output(args.output) as out:
         engine = Engine.from_pretrained(args.model, config, progress=not args.quiet)
         for name, path in args.lora:

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -40,7 +41,7 @@ from jlora.engine_config import EngineConfig
 from jlora.server.config import ServerConfig
 from jlora.server.app import read_body
 from jlora.server.errors import ApiError
-from jlora.server.serve import listening_socket, served_name
+from jlora.server.serve import check_start, listening_socket, served_name
 
 __all__ = ["ReplicaSpec", "Replica", "Router", "app", "deployment", "run"]
 
@@ -118,7 +119,8 @@ class Replica:
             raise RuntimeError(self.online.down)
 
     def __del__(self):
-        self.online.stop()
+        if hasattr(self, "online"):  # not when __init__ failed (Ray still calls this)
+            self.online.stop()
 
 
 async def _asgi(app, method: str, path: str, query: bytes, headers: list, body: bytes) -> AsyncIterator[dict | bytes]:
@@ -247,16 +249,17 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
     """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
     Ray Serve's HTTP proxy on the config's host and port, until interrupted. On a local cluster the proxy
     listens here, so an address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
+    check_start(spec.model_dir, spec.config, spec.loras)
     if not os.environ.get("RAY_ADDRESS"):
         with listening_socket(spec.config.host, spec.config.port) as sock:
             port = sock.getsockname()[1]
         spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, port=port))
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     serve.start(http_options={"host": spec.config.host, "port": spec.config.port})
-    serve.run(deployment(spec, replicas=replicas, replica_options=replica_options), name="jlora", route_prefix="/")
-    print(f"jlora: {replicas} replica(s) on Ray Serve at http://{spec.config.host}:{spec.config.port}/v1",
-          flush=True)
     try:
+        _deploy(deployment(spec, replicas=replicas, replica_options=replica_options))
+        print(f"jlora: {replicas} replica(s) on Ray Serve at http://{spec.config.host}:{spec.config.port}/v1",
+              flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -265,3 +268,18 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
         with contextlib.suppress(KeyboardInterrupt):  # a second interrupt leaves the rest to Ray's exit hooks
             serve.shutdown()
             ray.shutdown()
+
+
+def _deploy(application: serve.Application) -> None:
+    """Runs `application` as "jlora". Raises RuntimeError with the replicas' own error when they failed to start
+    (Ray Serve's says only "Failed to update the deployments"; the replica's traceback is in its status)."""
+    try:
+        serve.run(application, name="jlora", route_prefix="/")
+    except RuntimeError as err:
+        status = serve.status().applications.get("jlora")
+        replica = status.deployments.get("Replica") if status is not None else None
+        lines = replica.message.strip().splitlines() if replica is not None else []
+        if not lines:
+            raise
+        cause = re.sub(r"^[\w.]+: ", "", lines[-1])  # less the exception's type
+        raise RuntimeError(f"the replicas failed to start: {cause}") from err

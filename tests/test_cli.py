@@ -131,6 +131,28 @@ def test_bad_lora_spec(dirs, capsys):
     assert "invalid adapter name" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x", "--quiet"], ["serve"], ["serve", "--replicas", "1"]])
+def test_a_bad_start_adapter_stops_every_command_before_loading(dirs, tmp_path, capsys, monkeypatch, command):
+    """A `--lora` directory without a valid adapter_config.json stops generate, serve and serve on Ray before the
+    model loads or Ray starts (on Ray it failed in each replica, after loading, as 'Failed to update the
+    deployments')."""
+    from jlora.engine import Engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    if "--replicas" in command:
+        jlora_ray = pytest.importorskip("jlora.ray")
+        monkeypatch.setattr(jlora_ray.ray, "init", lambda **kw: pytest.fail("Ray started"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "adapter_config.json").write_text('{"r": 8}')
+    for path, message in [("bad", "adapter_config.json needs 'r' and 'lora_alpha'"),
+                          ("missing", "adapter_config.json not found")]:
+        argv = [command[0], "--model", str(dirs / "m"), "--lora", f"a={dirs / 'a'}",
+                "--lora", f"b={tmp_path / path}", *command[1:]]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert f"{tmp_path / path}: {message}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--allow-runtime-lora"], "needs at least one --lora-root DIR"),
     (["--allow-runtime-lora", "--lora-root", "/nonexistent"], "--lora-root '/nonexistent' is not a directory"),

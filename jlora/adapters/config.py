@@ -42,16 +42,19 @@ def check_adapter_name(name) -> None:
                          "with a letter or digit")
 
 
-def check_start_adapters(names: Sequence[str], reserved: str | None = None) -> None:
-    """Raises ValueError unless the names of the adapters a command starts with (`--lora NAME=DIR`, repeatable)
-    are valid (`check_adapter_name`), none given twice and none `reserved` (the served base model's name):
-    checked before the minutes a large checkpoint takes to load."""
-    for name in names:
+def check_start_adapters(loras: Sequence[tuple[str, str]], reserved: str | None = None) -> None:
+    """Raises ValueError unless the adapters a command starts with (`--lora NAME=DIR`, repeatable) have valid
+    names (`check_adapter_name`), none given twice and none `reserved` (the served base model's name), and each
+    directory a valid adapter_config.json (`read_config`; AdapterError): checked before the minutes a large
+    checkpoint takes to load. The weights are read with the model's, which they are checked against."""
+    names = [name for name, _ in loras]
+    for name, path in loras:
         check_adapter_name(name)
         if name == reserved:
             raise ValueError(f"--lora {name!r}: that is the served base model's name (--served-model-name)")
         if names.count(name) > 1:
             raise ValueError(f"--lora {name!r} is given twice")
+        read_config(path)
 
 
 def _is_finite(v) -> bool:

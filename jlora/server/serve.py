@@ -15,7 +15,7 @@ from jlora.models.loading import read_json_object
 from jlora.server.config import ServerConfig
 from jlora.values import is_integer
 
-__all__ = ["ServerConfig", "build", "eos_token_ids", "serve", "served_name"]
+__all__ = ["ServerConfig", "build", "check_start", "eos_token_ids", "serve", "served_name"]
 
 
 def eos_token_ids(model_dir: str) -> frozenset[int]:
@@ -37,6 +37,21 @@ def served_name(model_dir: str, config: ServerConfig) -> str:
     return config.served_model_name or os.path.basename(os.path.normpath(model_dir))
 
 
+def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str, str]]):
+    """What a start reads before the weights, so that a bad file or name stops it before the minutes a large
+    checkpoint takes: the `--lora` adapters (`check_start_adapters`), the chat template and the end-of-sequence
+    ids.
+    Returns (the `ChatTemplate`, the eos ids).
+
+    Raises:
+      ValueError: naming the option or file at fault (`AdapterError` for an adapter's config).
+    """
+    from jlora.server.chat import ChatTemplate
+
+    check_start_adapters(loras, reserved=served_name(model_dir, config))
+    return ChatTemplate(model_dir), eos_token_ids(model_dir)
+
+
 def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = EngineConfig(), *,
           loras: Sequence[tuple[str, str]] = (), lora_dirs: Sequence[str] = ()):
     """Loads the model and adapters: (the Starlette app, its `OnlineEngine`, the config with
@@ -53,12 +68,10 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
     """
     from jlora.engine import Engine
     from jlora.server.app import build_app
-    from jlora.server.chat import ChatTemplate
     from jlora.server.online import OnlineEngine
 
     config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
-    check_start_adapters([name for name, _ in loras], reserved=config.served_model_name)
-    chat, eos = ChatTemplate(model_dir), eos_token_ids(model_dir)  # the directory's small files, before its weights
+    chat, eos = check_start(model_dir, config, loras)
     engine = Engine.from_pretrained(model_dir, engine_config)
     for name, path in loras:
         engine.load_adapter(name, path)

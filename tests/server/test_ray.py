@@ -195,3 +195,30 @@ def test_a_replica_whose_engine_stopped_for_good_fails_its_health_check():
     stopped = SimpleNamespace(online=SimpleNamespace(down="the engine step failed: ..."))
     with pytest.raises(RuntimeError, match="the engine step failed"):
         check(stopped)
+
+
+def test_replicas_that_fail_to_start_say_why(monkeypatch):
+    """A deployment whose replicas fail in __init__ ends `jlora serve --replicas` with the replica's own error,
+    which Ray Serve keeps as the last line of the traceback in the deployment's status (its exception says only
+    "Failed to update the deployments"); with no such message, Ray's error stands."""
+    from types import SimpleNamespace
+
+    import jlora.ray as jlora_ray
+
+    def failed(*args, **kwargs):
+        raise RuntimeError("Deploying application jlora failed: Failed to update the deployments ['Replica'].")
+
+    def status(message):
+        replica = SimpleNamespace(message=message)
+        return lambda: SimpleNamespace(applications={"jlora": SimpleNamespace(deployments={"Replica": replica})})
+
+    monkeypatch.setattr(jlora_ray.serve, "run", failed)
+    monkeypatch.setattr(jlora_ray.serve, "status", status(
+        "Traceback (most recent call last):\n  File \"jlora/ray.py\", line 75, in __init__\n"
+        "jlora.adapters.config.AdapterError: /a/adapter_model.safetensors: cannot read safetensors (header too large)"))
+    with pytest.raises(RuntimeError, match=r"^the replicas failed to start: /a/adapter_model.safetensors: cannot "
+                                           r"read safetensors \(header too large\)$"):
+        jlora_ray._deploy(None)
+    monkeypatch.setattr(jlora_ray.serve, "status", status(""))
+    with pytest.raises(RuntimeError, match="Failed to update the deployments"):
+        jlora_ray._deploy(None)
