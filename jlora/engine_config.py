@@ -169,6 +169,32 @@ class EngineConfig:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**{**given, **overrides})
 
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> EngineConfig:
+        """The config of KEY=VALUE text (`serve run jlora.ray:app max_loras=8 prefix_caching=false`), each value
+        parsed as its flag parses it. Raises ValueError naming an unknown key or a value that does not parse."""
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; the options are "
+                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        return cls(**{name: _parse(name, text) for name, text in values.items()})
+
+
+def _parse(name: str, text: str):
+    """A field's value from text, as its flag parses it (bools: true/false)."""
+    field = EngineConfig.__dataclass_fields__[name]
+    if isinstance(field.default, bool):
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{name} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    if field.metadata["choices"]:
+        return text
+    try:
+        return field.metadata["kind"](text)
+    except ValueError:
+        raise ValueError(f"{name} must be {'an integer' if field.metadata['kind'] is int else 'a number'}, "
+                         f"got {text!r}") from None
+
 
 def _check_int(config: EngineConfig, name: str, minimum: int) -> None:
     value = getattr(config, name)

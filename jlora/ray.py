@@ -64,6 +64,7 @@ class ReplicaSpec:
         if self.config.allow_runtime_lora:
             raise ValueError("runtime adapter loads would reach one replica only; register adapters with --lora "
                              "or --lora-dir under --replicas")
+        check_start(self.model_dir, self.config, self.loras)  # here, not after each replica has loaded the model
 
 
 @serve.deployment
@@ -231,25 +232,27 @@ def deployment(spec: ReplicaSpec, *, replicas: int = 1, replica_options: dict | 
 
 def app(args: dict[str, str]) -> serve.Application:
     """`serve run jlora.ray:app model=DIR [lora_dir=DIR] [lora=NAME=DIR,...] [replicas=N] [KEY=VALUE ...]`:
-    other keys are `Engine.from_pretrained`'s options (max_loras=8, max_batch=32, ...), integers where they
-    parse as one."""
+    other keys are `EngineConfig`'s fields (max_loras=8, prefix_caching=false, ...), parsed as their flags."""
     args = dict(args)
     if "model" not in args:
         raise ValueError("serve run jlora.ray:app needs model=DIR")
     model = args.pop("model")
     lora_dirs = tuple(d for d in args.pop("lora_dir", "").split(",") if d)
     loras = tuple(tuple(item.split("=", 1)) for item in args.pop("lora", "").split(",") if item)
-    replicas = int(args.pop("replicas", 1))
+    if any(len(lora) != 2 or not all(lora) for lora in loras):
+        raise ValueError("lora takes NAME=DIR[,NAME=DIR...]")
+    replicas = args.pop("replicas", "1")
+    if not replicas.isdigit() or int(replicas) < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     config = ServerConfig(served_model_name=args.pop("served_model_name", None))
-    options = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in args.items()}
-    return deployment(ReplicaSpec(model, config, loras, lora_dirs, options), replicas=replicas)
+    engine = EngineConfig.from_strings(args)
+    return deployment(ReplicaSpec(model, config, loras, lora_dirs, engine), replicas=int(replicas))
 
 
 def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None) -> None:
     """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
     Ray Serve's HTTP proxy on the config's host and port, until interrupted. On a local cluster the proxy
     listens here, so an address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
-    check_start(spec.model_dir, spec.config, spec.loras)
     if not os.environ.get("RAY_ADDRESS"):
         with listening_socket(spec.config.host, spec.config.port) as sock:
             port = sock.getsockname()[1]

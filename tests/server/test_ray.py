@@ -5,6 +5,8 @@ the server's 4xx through the router; a replica killed mid-answer fails its reque
 hang, and Ray Serve replaces it."""
 
 import asyncio
+import dataclasses
+import re
 import socket
 import time
 
@@ -18,7 +20,6 @@ from jlora import testing  # noqa: E402
 from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.engine_config import EngineConfig  # noqa: E402
-from jlora.server.config import ServerConfig  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
 CFG = testing.tiny_config("llama", vocab_size=120)
@@ -50,7 +51,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(root):
-    from jlora.ray import ReplicaSpec, deployment
+    from jlora.ray import app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,9 +69,11 @@ def url(root):
                 if attempt == 2:
                     raise
                 serve.shutdown()
-        spec = ReplicaSpec(str(root / "m"), ServerConfig(served_model_name="tiny"),
-                           lora_dirs=(str(root / "adapters"),), engine=OPTIONS)
-        serve.run(deployment(spec, replicas=2), name="jlora", route_prefix="/")
+        # Through `serve run jlora.ray:app`'s entry point, which takes the options as text.
+        options = {f.name: str(getattr(OPTIONS, f.name)) for f in dataclasses.fields(OPTIONS)
+                   if getattr(OPTIONS, f.name) != f.default}
+        serve.run(app({"model": str(root / "m"), "served_model_name": "tiny", "lora_dir": str(root / "adapters"),
+                       "replicas": "2", **options}), name="jlora", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -222,3 +225,22 @@ def test_replicas_that_fail_to_start_say_why(monkeypatch):
     monkeypatch.setattr(jlora_ray.serve, "status", status(""))
     with pytest.raises(RuntimeError, match="Failed to update the deployments"):
         jlora_ray._deploy(None)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({}, "needs model=DIR"),
+    ({"replicas": "two"}, "replicas must be an integer >= 1, got 'two'"),
+    ({"replicas": "0"}, "replicas must be an integer >= 1, got '0'"),
+    ({"lora": "a"}, "lora takes NAME=DIR"),
+    ({"lora": "a=,b=x"}, "lora takes NAME=DIR"),
+    ({"max_loras": "lots"}, "max_loras must be an integer, got 'lots'"),
+    ({"max_lora": "8"}, "unknown engine option(s) 'max_lora'"),
+    ({"lora": "a={root}/nowhere"}, "{root}/nowhere: adapter_config.json not found"),
+])
+def test_serve_run_app_refuses_bad_arguments_before_deploying(root, args, message):
+    """`serve run jlora.ray:app KEY=VALUE ...`: each bad argument is named before anything is deployed."""
+    from jlora.ray import app
+
+    args = {k: v.format(root=root) for k, v in args.items()}
+    with pytest.raises(ValueError, match=re.escape(message.format(root=root))):
+        app({"model": str(root / "m"), **args} if args else {})
