@@ -81,6 +81,10 @@ def _generate(args) -> int:
     requests = _read_requests(args)
     config = EngineConfig.from_args(args, max_loras=max(1, len(args.lora)))  # one slot per adapter named
     check_start_adapters(args.lora)
+    unknown = sorted({r["adapter"] for r in requests} - {name for name, _ in args.lora} - {None})
+    if unknown:
+        raise ValueError(f"adapter(s) {unknown} asked for but not given with --lora NAME=DIR "
+                         f"(given: {[name for name, _ in args.lora]})")
     with _output(args.output) as out:
         engine = Engine.from_pretrained(args.model, config, progress=not args.quiet)
         for name, path in args.lora:

@@ -42,7 +42,7 @@ def test_generate_json_output_file(dirs, tmp_path):
     "args, message",
     [
         (["--model", "/nonexistent", "--prompt", "x"], "model directory '/nonexistent' does not exist"),
-        (["--prompt", "the fox", "--adapter", "nope"], "unknown adapter(s) ['nope']"),
+        (["--prompt", "the fox", "--adapter", "nope"], "adapter(s) ['nope'] asked for but not given with --lora"),
         (["--prompt", "the " * 40, "--max-seq-len", "32"], "exceeds max_seq_len=32"),
         (["--prompt", "x", "--prefill-chunk", "100"], "prefill_chunk must be a power of two >= 16, got 100"),
     ],
@@ -61,6 +61,7 @@ def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, arg
     (["--output", "{tmp}"], "--output '{tmp}' is a directory"),
     (["--output", "{tmp}/no/such/dir/out.txt"], "cannot write --output '{tmp}/no/such/dir/out.txt': No such file"),
     (["--lora", "a={a}", "--lora", "a={a}"], "--lora 'a' is given twice"),
+    (["--lora", "a={a}", "--adapter", "b"], "adapter(s) ['b'] asked for but not given with --lora NAME=DIR (given: ['a'])"),
 ])
 def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(dirs, tmp_path, capsys, monkeypatch,
                                                                               args, message):
