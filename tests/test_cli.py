@@ -265,3 +265,26 @@ def test_serve_on_ray_refuses_bad_options_before_starting_ray(args, message, cap
     assert cli.main(["serve", "--model", str(tmp_path), *args]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_selfcheck_passes_and_fails_a_wrong_backend(capsys, monkeypatch):
+    """`jlora selfcheck`: every backend in both types against the float64 oracle; a backend that returns a wrong
+    delta (here gather's, off by 0.1 %) or changes the base-only tokens' rows (pallas', by 1 %) is a FAIL row and
+    exit status 1."""
+    assert cli.main(["selfcheck"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert sorted((r[0], r[1], r[-1]) for r in rows) == sorted(
+        (b, d, "ok") for b in ("reference", "ragged", "gather", "pallas") for d in ("float32", "bfloat16"))
+    import jlora.selfcheck
+
+    right = jlora.selfcheck.lora_linear
+
+    def wrong(*args, backend, **kwargs):
+        out = right(*args, backend=backend, **kwargs)
+        return out + {"gather": 0.001 * (out - args[1]), "pallas": 0.01 * args[1]}.get(backend, 0)
+
+    monkeypatch.setattr(jlora.selfcheck, "lora_linear", wrong)
+    assert cli.main(["selfcheck"]) == 1
+    failed = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.endswith("FAIL")]
+    assert failed == [["gather", "float32"], ["pallas", "float32"], ["pallas", "bfloat16"]]  # gather's 0.1 %
+    # is within bfloat16's bar
