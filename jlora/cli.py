@@ -169,6 +169,8 @@ def _serve(args) -> int:
         raise ValueError(f"--ray-replica-options is not valid JSON: {err}") from None
     if not isinstance(options, dict):
         raise ValueError("--ray-replica-options must be a JSON object of Ray Serve deployment options")
+    if args.replicas is not None and "autoscaling_config" in options:
+        raise ValueError("give --replicas or an autoscaling_config in --ray-replica-options, not both")
     try:
         from jlora.ray import ReplicaSpec, run
     except ImportError as err:

@@ -253,6 +253,10 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
     """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
     Ray Serve's HTTP proxy on the config's host and port, until interrupted. On a local cluster the proxy
     listens here, so an address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
+    try:
+        Replica.options(**(replica_options or {}))  # Ray Serve's own check of the options, before Ray starts
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"bad Ray Serve deployment options ({err})") from None
     if not os.environ.get("RAY_ADDRESS"):
         with listening_socket(spec.config.host, spec.config.port) as sock:
             port = sock.getsockname()[1]
@@ -261,8 +265,9 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
     serve.start(http_options={"host": spec.config.host, "port": spec.config.port})
     try:
         _deploy(deployment(spec, replicas=replicas, replica_options=replica_options))
-        print(f"jlora: {replicas} replica(s) on Ray Serve at http://{spec.config.host}:{spec.config.port}/v1",
-              flush=True)
+        scaling = (replica_options or {}).get("autoscaling_config")
+        count = "autoscaled replicas" if scaling else f"{replicas} replica(s)"
+        print(f"jlora: {count} on Ray Serve at http://{spec.config.host}:{spec.config.port}/v1", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

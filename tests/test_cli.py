@@ -257,10 +257,17 @@ def test_bench_without_a_gpu_says_so(capsys):
     (["--replicas", "0"], "--replicas must be >= 1"),
     (["--replicas", "2", "--ray-replica-options", "{oops"], "--ray-replica-options is not valid JSON"),
     (["--ray-replica-options", "[1]"], "must be a JSON object"),
+    (["--ray-replica-options", '{"foo": 1}'], "bad Ray Serve deployment options (Deployment.options() got an "
+                                              "unexpected keyword argument 'foo')"),
+    (["--ray-replica-options", '{"autoscaling_config": {"min_replicas": 5, "max_replicas": 2}}'],
+     "max_replicas (2) must be greater than or equal to min_replicas (5)"),
+    (["--replicas", "2", "--ray-replica-options", '{"autoscaling_config": {"max_replicas": 2}}'],
+     "give --replicas or an autoscaling_config in --ray-replica-options, not both"),
     (["--replicas", "2", "--allow-runtime-lora", "--lora-root", "."], "runtime adapter loads would reach one replica"),
 ])
-def test_serve_on_ray_refuses_bad_options_before_starting_ray(args, message, capsys, tmp_path):
-    pytest.importorskip("ray")
+def test_serve_on_ray_refuses_bad_options_before_starting_ray(args, message, capsys, tmp_path, monkeypatch):
+    jlora_ray = pytest.importorskip("jlora.ray")
+    monkeypatch.setattr(jlora_ray.ray, "init", lambda **kw: pytest.fail("Ray started"))
     testing.write_model(str(tmp_path), testing.tiny_config("llama"))
     assert cli.main(["serve", "--model", str(tmp_path), *args]) == 1
     err = capsys.readouterr().err
