@@ -213,18 +213,31 @@ def _model_of(body: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
+def _replica_options(given: dict | None, *, replicas: int, gpus: int, max_waiting: int) -> dict:
+    """The replicas' Ray Serve options: `replicas` replicas (none when `given` has an autoscaling_config), each
+    taking a CPU and `gpus` GPUs, with room for `max_waiting` queued requests, under what `given` sets; its
+    `ray_actor_options` are merged into those defaults, so that setting one of them (a runtime_env) does not
+    take away the replica's GPUs."""
+    given = dict(given or {})
+    actor = given.pop("ray_actor_options", {})
+    if isinstance(actor, dict):  # else left for Ray Serve to refuse
+        actor = {"num_cpus": 1, "num_gpus": gpus, **actor}
+    options = {"num_replicas": replicas, "max_ongoing_requests": max_waiting + 64, "ray_actor_options": actor,
+               **given}
+    if "autoscaling_config" in options:
+        options.pop("num_replicas")
+    return options
+
+
 def deployment(spec: ReplicaSpec, *, replicas: int = 1, replica_options: dict | None = None) -> serve.Application:
     """The Ray Serve application: a `Router` over `replicas` `Replica`s of `spec`. `replica_options` go to
-    `Replica.options` as they are (e.g. `{"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}`, which
-    takes the place of `replicas`, or `ray_actor_options`); by default a replica takes
+    `Replica.options` over jlora's defaults (`_replica_options`: e.g. `{"autoscaling_config": {"min_replicas": 1,
+    "max_replicas": 4}}`, which takes the place of `replicas`, or `ray_actor_options`); by default a replica takes
     `tensor_parallel` GPUs when the cluster has GPUs."""
     config = dataclasses.replace(spec.config, served_model_name=served_name(spec.model_dir, spec.config))
     spec = dataclasses.replace(spec, config=config)
     gpus = spec.engine.tensor_parallel if ray.is_initialized() and ray.cluster_resources().get("GPU") else 0
-    options = {"num_replicas": replicas, "max_ongoing_requests": config.max_waiting + 64,
-               "ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}, **(replica_options or {})}
-    if "autoscaling_config" in options:
-        options.pop("num_replicas")
+    options = _replica_options(replica_options, replicas=replicas, gpus=gpus, max_waiting=config.max_waiting)
     replica = Replica.options(**options).bind(spec)
     return Router.options(max_ongoing_requests=config.max_connections,
                           ray_actor_options={"num_cpus": 0}).bind(replica, config)

@@ -244,3 +244,21 @@ def test_serve_run_app_refuses_bad_arguments_before_deploying(root, args, messag
     args = {k: v.format(root=root) for k, v in args.items()}
     with pytest.raises(ValueError, match=re.escape(message.format(root=root))):
         app({"model": str(root / "m"), **args} if args else {})
+
+
+def test_replica_options_keep_the_defaults_they_do_not_set():
+    """--ray-replica-options over jlora's defaults: an actor option given (a runtime_env) leaves the replica its
+    CPU and GPUs (the whole ray_actor_options replaced them: a replica on a GPU cluster got none); an
+    autoscaling_config takes the place of the replica count; a key given wins."""
+    from jlora.ray import _replica_options
+
+    defaults = _replica_options(None, replicas=3, gpus=2, max_waiting=10)
+    assert defaults == {"num_replicas": 3, "max_ongoing_requests": 74,
+                        "ray_actor_options": {"num_cpus": 1, "num_gpus": 2}}
+    env = {"env_vars": {"XLA_FLAGS": "--xla_dump_to=/tmp"}}
+    given = {"ray_actor_options": {"runtime_env": env, "num_cpus": 4},
+             "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}, "max_ongoing_requests": 8}
+    assert _replica_options(given, replicas=3, gpus=2, max_waiting=10) == {
+        "max_ongoing_requests": 8, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4},
+        "ray_actor_options": {"num_cpus": 4, "num_gpus": 2, "runtime_env": env}}
+    assert given["ray_actor_options"] == {"runtime_env": env, "num_cpus": 4}  # the caller's dict is left as it was
