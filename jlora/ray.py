@@ -11,6 +11,9 @@
 - `Router`: the HTTP ingress. It reads the body's `model`, forwards the request to a replica with it as the
   multiplexed id, and streams the replica's answer back (`x-jlora-replica` names the replica).
 
+`/metrics`, answered by one replica, shows every live replica's metrics, each sample labelled `replica`: each
+sends its own to a named actor (`MetricsHub`) every 2 s.
+
 A replica that dies fails the requests it held: one not yet answered gets a 503 to retry; a stream already
 under way ends with an error event. Ray Serve replaces the replica and does not retry a request once it runs.
 A replica whose engine stopped for good (a failure it could not start over from) fails its health check, and
@@ -28,11 +31,15 @@ import dataclasses
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 
 import pydantic_core
 import ray
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
@@ -43,9 +50,11 @@ from jlora.server.app import read_body
 from jlora.server.errors import ApiError
 from jlora.server.serve import check_start, listening_socket, served_name
 
-__all__ = ["ReplicaSpec", "Replica", "Router", "app", "deployment", "run"]
+__all__ = ["MetricsHub", "ReplicaSpec", "Replica", "Router", "app", "deployment", "merged_metrics", "run"]
 
 _ROUTED = ("/v1/completions", "/v1/chat/completions")  # the routes whose body names an adapter
+_METRICS_HUB = "jlora-metrics"  # the named actor holding each replica's latest metrics
+_METRICS_PUSH_SECONDS = 2.0  # how often a replica sends its metrics there; 5 of these without: gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,52 @@ class ReplicaSpec:
             raise ValueError("runtime adapter loads would reach one replica only; register adapters with --lora "
                              "or --lora-dir under --replicas")
         check_start(self.model_dir, self.config, self.loras)  # here, not after each replica has loaded the model
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """The latest Prometheus text of each live replica, which each sends every `_METRICS_PUSH_SECONDS`, so that
+    `/metrics`, answered by one replica, shows them all."""
+
+    def __init__(self):
+        self.texts: dict[str, tuple[float, str]] = {}
+
+    def put(self, replica: str, text: str) -> None:
+        self.texts[replica] = (time.monotonic(), text)
+
+    def drop(self, replica: str) -> None:
+        self.texts.pop(replica, None)
+
+    def latest(self) -> dict[str, str]:
+        """Each replica's text, less those not heard from lately (a replica that died)."""
+        now = time.monotonic()
+        self.texts = {k: v for k, v in self.texts.items() if now - v[0] < 5 * _METRICS_PUSH_SECONDS}
+        return {replica: text for replica, (_, text) in self.texts.items()}
+
+
+def merged_metrics(texts: dict[str, str]) -> bytes:
+    """One Prometheus exposition of every replica's metrics (`texts`: replica id -> its `/metrics` text), each
+    sample labelled `replica` with its replica's id."""
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                             family.unit))
+            merged.samples += [sample._replace(labels={**sample.labels, "replica": replica})
+                               for sample in family.samples]
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A Prometheus collector of metric families already made."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
 
 
 @serve.deployment
@@ -87,6 +142,13 @@ class Replica:
             return await self._load(name)
 
         self.get_adapter = serve.multiplexed(max_num_models_per_replica=capacity)(load)
+        self.hub = MetricsHub.options(name=_METRICS_HUB, get_if_exists=True, lifetime="detached").remote()
+        self.stopped = threading.Event()
+        threading.Thread(target=self._send_metrics, name="jlora-metrics", daemon=True).start()
+
+    def _send_metrics(self) -> None:
+        while not self.stopped.wait(_METRICS_PUSH_SECONDS):
+            self.hub.put.remote(self.id, generate_latest(self.online.metrics.registry).decode())
 
     async def _load(self, name: str) -> str:
         """Reads adapter `name` into the host tier (a failure is left to the request's own load to report)."""
@@ -107,11 +169,30 @@ class Replica:
         model = serve.get_multiplexed_model_id()
         if model and model != self.base:
             await self.get_adapter(model)
-        async for item in _asgi(self.app, method, path, query, headers, body):
+        answer = _asgi(self.app, method, path, query, headers, body)
+        if (method, path) == ("GET", "/metrics"):
+            answer = self._all_metrics(answer)
+        async for item in answer:
             if isinstance(item, dict):
                 item["headers"].append(("x-jlora-replica", self.id))
                 item["headers"].append(("x-jlora-replica-loads", str(self.loads)))
             yield item
+
+    async def _all_metrics(self, answer: AsyncIterator[dict | bytes]) -> AsyncIterator[dict | bytes]:
+        """The app's `/metrics` answer (its checks, as on every route), its body every live replica's metrics
+        (`merged_metrics`), this one's as of now."""
+        head, own = None, b""
+        async for item in answer:
+            if isinstance(item, dict):
+                head = item
+            else:
+                own += item
+        if head["status"] == 200:
+            texts = await self.hub.latest.remote()
+            own = merged_metrics({**texts, self.id: own.decode()})
+            head["headers"] = [(k, v) for k, v in head["headers"] if k.lower() != "content-length"]
+        yield head
+        yield own
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop stopped for good (`OnlineEngine.down`) is
@@ -120,7 +201,10 @@ class Replica:
             raise RuntimeError(self.online.down)
 
     def __del__(self):
-        if hasattr(self, "online"):  # not when __init__ failed (Ray still calls this)
+        if hasattr(self, "stopped"):  # not when __init__ failed (Ray still calls this)
+            self.stopped.set()
+            self.hub.drop.remote(self.id)
+        if hasattr(self, "online"):
             self.online.stop()
 
 

@@ -148,6 +148,37 @@ def test_streams_and_bad_input_through_the_router(url):
     assert {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]} == {"tiny", *NAMES}
 
 
+def served(url: str) -> tuple[set[str], float]:
+    """What `/metrics` shows: the replicas it labels, and the requests they finished in all."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(url + "/metrics", timeout=60)
+    assert response.status_code == 200, response.text
+    replicas, finished = set(), 0.0
+    for family in text_string_to_metric_families(response.text):
+        replicas |= {sample.labels["replica"] for sample in family.samples}
+        finished += sum(s.value for s in family.samples if s.name == "jlora_requests_total")
+    return replicas, finished
+
+
+def test_metrics_show_every_replica(url):
+    """`/metrics`, answered by one replica, holds both replicas' metrics, each sample labelled with its replica
+    (one replica's alone, unlabelled, went to whichever answered): the count of finished requests over both
+    grows by exactly the requests sent, whichever replicas served them."""
+    deadline, before = time.monotonic() + 30, None
+    while before is None or len(before[0]) < 2 or served(url) != before:  # the counts settled: a replica that
+        assert time.monotonic() < deadline, f"/metrics shows {before}"  # did not answer sent them 2 s ago at most
+        before = served(url)
+        time.sleep(2.5)
+    responses = asyncio.run(send_all(url, [body(model, i) for i, model in enumerate(["tiny", "t0", "t1"] * 2)]))
+    assert all(r.status_code == 200 for r in responses)
+    assert {r.headers["x-jlora-replica"] for r in responses} <= before[0]
+    while (after := served(url))[1] != before[1] + 6:  # the replica that answers sends its own as of now
+        assert time.monotonic() < deadline + 30 and after[1] < before[1] + 6, (before, after)
+        time.sleep(0.5)
+    assert after[0] == before[0]
+
+
 def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(url):
     long = {"model": "t4", "prompt": [3, 4, 5], "max_tokens": 150, "ignore_eos": True, "temperature": 0}
     first = httpx.post(url + "/v1/completions", json={**long, "max_tokens": 1}, timeout=120)
@@ -262,3 +293,30 @@ def test_replica_options_keep_the_defaults_they_do_not_set():
         "max_ongoing_requests": 8, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4},
         "ray_actor_options": {"num_cpus": 4, "num_gpus": 2, "runtime_env": env}}
     assert given["ray_actor_options"] == {"runtime_env": env, "num_cpus": 4}  # the caller's dict is left as it was
+
+
+def test_merged_metrics_label_each_replicas_samples():
+    """Two replicas' `/metrics` texts become one exposition that Prometheus' parser reads: every family once,
+    holding each replica's samples with `replica` added to their labels and their values as they were."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jlora.ray import merged_metrics
+    from jlora.server.metrics import Metrics
+
+    texts = {}
+    for replica, n in [("r1", 3), ("r2", 5)]:
+        metrics = Metrics()
+        metrics.requests.labels("t0", "stop").inc(n)
+        metrics.step_seconds.observe(0.01 * n)
+        metrics.running.set(n)
+        texts[replica] = generate_latest(metrics.registry).decode()
+    merged = list(text_string_to_metric_families(merged_metrics(texts).decode()))
+    assert len({f.name for f in merged}) == len(merged) == len(list(text_string_to_metric_families(texts["r1"])))
+    for family in merged:
+        for replica, text in texts.items():
+            (alone,) = [f for f in text_string_to_metric_families(text) if f.name == family.name]
+            assert [(s.name, {**s.labels, "replica": replica}, s.value) for s in alone.samples] == [
+                (s.name, s.labels, s.value) for s in family.samples if s.labels["replica"] == replica]
+    (running,) = [f for f in merged if f.name == "jlora_requests_running"]
+    assert {s.labels["replica"]: s.value for s in running.samples} == {"r1": 3, "r2": 5}
