@@ -170,14 +170,16 @@ class EngineConfig:
         return cls(**{**given, **overrides})
 
     @classmethod
-    def from_strings(cls, values: dict[str, str]) -> EngineConfig:
-        """The config of KEY=VALUE text (`serve run jlora.ray:app max_loras=8 prefix_caching=false`), each value
-        parsed as its flag parses it. Raises ValueError naming an unknown key or a value that does not parse."""
+    def from_settings(cls, values: dict) -> EngineConfig:
+        """The config of named settings as a command line or a config file gives them: text (`serve run
+        jlora.ray:app max_loras=8 prefix_caching=false`) parsed as the field's flag parses it, other values (a
+        YAML file's numbers and booleans) as they are. Raises ValueError naming an unknown key or a value that
+        does not parse."""
         unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; the options are "
                              f"{', '.join(f.name for f in dataclasses.fields(cls))}")
-        return cls(**{name: _parse(name, text) for name, text in values.items()})
+        return cls(**{name: _parse(name, v) if isinstance(v, str) else v for name, v in values.items()})
 
 
 def _parse(name: str, text: str):

@@ -49,6 +49,7 @@ from jlora.server.config import ServerConfig
 from jlora.server.app import read_body
 from jlora.server.errors import ApiError
 from jlora.server.serve import check_start, listening_socket, served_name
+from jlora.values import is_integer
 
 __all__ = ["MetricsHub", "ReplicaSpec", "Replica", "Router", "app", "deployment", "merged_metrics", "run"]
 
@@ -327,23 +328,34 @@ def deployment(spec: ReplicaSpec, *, replicas: int = 1, replica_options: dict | 
                           ray_actor_options={"num_cpus": 0}).bind(replica, config)
 
 
-def app(args: dict[str, str]) -> serve.Application:
-    """`serve run jlora.ray:app model=DIR [lora_dir=DIR] [lora=NAME=DIR,...] [replicas=N] [KEY=VALUE ...]`:
-    other keys are `EngineConfig`'s fields (max_loras=8, prefix_caching=false, ...), parsed as their flags."""
+def app(args: dict) -> serve.Application:
+    """`serve run jlora.ray:app model=DIR [lora_dir=DIR[,DIR...]] [lora=NAME=DIR[,NAME=DIR...]] [replicas=N]
+    [KEY=VALUE ...]`, or the same keys as the `args` of a Serve config file (numbers, booleans and lists as its
+    YAML gives them): the other keys are `EngineConfig`'s fields (max_loras=8, prefix_caching=false, ...), text
+    parsed as their flags parse it."""
     args = dict(args)
     if "model" not in args:
         raise ValueError("serve run jlora.ray:app needs model=DIR")
     model = args.pop("model")
-    lora_dirs = tuple(d for d in args.pop("lora_dir", "").split(",") if d)
-    loras = tuple(tuple(item.split("=", 1)) for item in args.pop("lora", "").split(",") if item)
+    lora_dirs = tuple(_listed(args.pop("lora_dir", ()), "lora_dir"))
+    loras = tuple(tuple(item.split("=", 1)) for item in _listed(args.pop("lora", ()), "lora"))
     if any(len(lora) != 2 or not all(lora) for lora in loras):
         raise ValueError("lora takes NAME=DIR[,NAME=DIR...]")
-    replicas = args.pop("replicas", "1")
-    if not replicas.isdigit() or int(replicas) < 1:
+    replicas = args.pop("replicas", 1)
+    replicas = int(replicas) if isinstance(replicas, str) and replicas.isdigit() else replicas
+    if not is_integer(replicas) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     config = ServerConfig(served_model_name=args.pop("served_model_name", None))
-    engine = EngineConfig.from_strings(args)
+    engine = EngineConfig.from_settings(args)
     return deployment(ReplicaSpec(model, config, loras, lora_dirs, engine), replicas=int(replicas))
+
+
+def _listed(value, key: str) -> list[str]:
+    """A list argument of `app`: comma-separated text, or a list of text."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"{key} takes comma-separated text or a list of text, got {value!r}")
+    return [item for item in items if item]
 
 
 def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None) -> None:

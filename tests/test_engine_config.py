@@ -87,9 +87,10 @@ def test_every_field_is_a_flag_with_its_default():
         kv_cache_memory=1.5, max_batch=2)
 
 
-def test_key_value_text_parses_as_the_flags_do():
+def test_settings_parse_as_the_flags_do():
     """`serve run jlora.ray:app KEY=VALUE ...` gives text: every field parses to the config its flag gives (a
-    value of every field unlike its default), and a bad key or value is named."""
+    value of every field unlike its default); a config file's values are taken as they are; a bad key or value is
+    named."""
     values = dict(max_loras="3", max_cpu_loras="5", max_cpu_lora_memory="0.5", device_cache_memory="2",
                   adapter_readers="0", adapter_read_timeout="30", max_lora_rank="16", max_extra_vocab="0",
                   max_batch="4", max_seq_len="256", prefill_chunk="64", block_size="0", kv_blocks="100",
@@ -100,18 +101,21 @@ def test_key_value_text_parses_as_the_flags_do():
     EngineConfig.add_arguments(parser)
     flags = [arg for name, text in values.items() if name != "prefix_caching"
              for arg in ("--" + name.replace("_", "-"), text)] + ["--no-prefix-caching"]
-    assert EngineConfig.from_strings(values) == EngineConfig.from_args(parser.parse_args(flags))
-    assert EngineConfig.from_strings({"prefix_caching": "True", "kv_cache_memory": "1.5"}) == EngineConfig(
+    assert EngineConfig.from_settings(values) == EngineConfig.from_args(parser.parse_args(flags))
+    assert EngineConfig.from_settings({"prefix_caching": "True", "kv_cache_memory": "1.5"}) == EngineConfig(
         kv_cache_memory=1.5)
+    assert EngineConfig.from_settings({"prefix_caching": False, "max_loras": 3, "kv_cache_memory": 2}) == EngineConfig(
+        prefix_caching=False, max_loras=3, kv_cache_memory=2.0)  # a config file's YAML values
     for bad, message in [({"max_loras": "eight"}, "max_loras must be an integer, got 'eight'"),
                          ({"max_loras": "2.5"}, "max_loras must be an integer, got '2.5'"),
                          ({"kv_cache_memory": "lots"}, "kv_cache_memory must be a number, got 'lots'"),
                          ({"prefix_caching": "no"}, "prefix_caching must be true or false, got 'no'"),
                          ({"max_batch": "0"}, "max_batch must be an integer >= 1, got 0"),
+                         ({"max_batch": 2.5}, "max_batch must be an integer >= 1, got 2.5"),
                          ({"backend": "triton"}, "backend must be one of"),
                          ({"max_lora": "8", "batch": "2"}, "unknown engine option(s) 'batch', 'max_lora'")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            EngineConfig.from_strings(bad)
+            EngineConfig.from_settings(bad)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

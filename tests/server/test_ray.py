@@ -69,11 +69,12 @@ def url(root):
                 if attempt == 2:
                     raise
                 serve.shutdown()
-        # Through `serve run jlora.ray:app`'s entry point, which takes the options as text.
-        options = {f.name: str(getattr(OPTIONS, f.name)) for f in dataclasses.fields(OPTIONS)
+        # Through `serve run jlora.ray:app`'s entry point, as a Serve config file's args give them (its numbers as
+        # numbers, the adapter directories as a list; the text of `serve run KEY=VALUE` is test_engine_config's).
+        options = {f.name: getattr(OPTIONS, f.name) for f in dataclasses.fields(OPTIONS)
                    if getattr(OPTIONS, f.name) != f.default}
-        serve.run(app({"model": str(root / "m"), "served_model_name": "tiny", "lora_dir": str(root / "adapters"),
-                       "replicas": "2", **options}), name="jlora", route_prefix="/")
+        serve.run(app({"model": str(root / "m"), "served_model_name": "tiny", "lora_dir": [str(root / "adapters")],
+                       "replicas": 2, **options}), name="jlora", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -261,18 +262,21 @@ def test_replicas_that_fail_to_start_say_why(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     ({}, "needs model=DIR"),
     ({"replicas": "two"}, "replicas must be an integer >= 1, got 'two'"),
-    ({"replicas": "0"}, "replicas must be an integer >= 1, got '0'"),
+    ({"replicas": "0"}, "replicas must be an integer >= 1, got 0"),
     ({"lora": "a"}, "lora takes NAME=DIR"),
     ({"lora": "a=,b=x"}, "lora takes NAME=DIR"),
     ({"max_loras": "lots"}, "max_loras must be an integer, got 'lots'"),
     ({"max_lora": "8"}, "unknown engine option(s) 'max_lora'"),
     ({"lora": "a={root}/nowhere"}, "{root}/nowhere: adapter_config.json not found"),
+    ({"lora_dir": 5}, "lora_dir takes comma-separated text or a list of text, got 5"),
+    ({"replicas": 1.5}, "replicas must be an integer >= 1, got 1.5"),
+    ({"max_loras": "8", "prefix_caching": "maybe"}, "prefix_caching must be true or false, got 'maybe'"),
 ])
 def test_serve_run_app_refuses_bad_arguments_before_deploying(root, args, message):
     """`serve run jlora.ray:app KEY=VALUE ...`: each bad argument is named before anything is deployed."""
     from jlora.ray import app
 
-    args = {k: v.format(root=root) for k, v in args.items()}
+    args = {k: v.format(root=root) if isinstance(v, str) else v for k, v in args.items()}
     with pytest.raises(ValueError, match=re.escape(message.format(root=root))):
         app({"model": str(root / "m"), **args} if args else {})
 
