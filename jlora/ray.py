@@ -362,8 +362,9 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
     """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
     Ray Serve's HTTP proxy on the config's host and port, until interrupted. On a local cluster the proxy
     listens here, so an address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
-    try:
-        Replica.options(**(replica_options or {}))  # Ray Serve's own check of the options, before Ray starts
+    try:  # Ray Serve's own check of the options as the deployment will give them, before Ray starts
+        Replica.options(**_replica_options(replica_options, replicas=replicas, gpus=0,
+                                           max_waiting=spec.config.max_waiting))
     except (TypeError, ValueError) as err:
         raise ValueError(f"bad Ray Serve deployment options ({err})") from None
     if not os.environ.get("RAY_ADDRESS"):
