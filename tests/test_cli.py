@@ -61,7 +61,8 @@ def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, arg
     (["--output", "{tmp}"], "--output '{tmp}' is a directory"),
     (["--output", "{tmp}/no/such/dir/out.txt"], "cannot write --output '{tmp}/no/such/dir/out.txt': No such file"),
     (["--lora", "a={a}", "--lora", "a={a}"], "--lora 'a' is given twice"),
-    (["--lora", "a={a}", "--adapter", "b"], "adapter(s) ['b'] asked for but not given with --lora NAME=DIR (given: ['a'])"),
+    (["--lora", "a={a}", "--adapter", "b"],
+     "adapter(s) ['b'] asked for but not given with --lora NAME=DIR (given: ['a'])"),
 ])
 def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(dirs, tmp_path, capsys, monkeypatch,
                                                                               args, message):
