@@ -123,6 +123,7 @@ class _Api:
     def render(self, messages: list[dict]) -> str:
         """The chat prompt's text, its size bounded first."""
         self.need_tokenizer("chat", "messages")
+        messages = [_with_text_content(m, i) for i, m in enumerate(messages)]
         if sum(len(m["content"]) for m in messages) > self.max_prompt_chars:
             raise ApiError(400, "the messages are longer than the maximum context of "
                                 f"{self.engine.config.max_seq_len} tokens can hold", "messages")
@@ -391,6 +392,19 @@ class _Api:
             yield f"data: {json.dumps(_internal_error(err).body())}\n\n"
         finally:
             self._cancel_unfinished([s.request for s in samples])  # a client that left mid-stream: rows free
+
+
+def _with_text_content(message: dict, index: int) -> dict:
+    """`message` with its content one text: a list of text parts is joined by newlines, as vLLM joins them (the
+    chat templates take a string)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return message
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or "text" not in part:
+            raise ApiError(400, f"messages[{index}].content[{j}] is a {part.get('type')!r} part: only text parts "
+                                "({'type': 'text', 'text': ...}) are supported", "messages")
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 async def read_body(http: HTTPRequest, config: ServerConfig) -> bytes:

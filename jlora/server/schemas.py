@@ -26,9 +26,10 @@ MAX_N = 128  # choices per prompt (n, best_of)
 # or 0) is refused, naming it.
 UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format",
                "presence_penalty", "frequency_penalty")
-# What a field of a union type must be: its message when the body's value fits none of the forms.
+# What a field of a union type must be: its message when the body's value fits none of the forms (N: any index).
 _FORMS = {"prompt": f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
-          "stop": "a string or a list of at most 16 strings (of at most 1024 characters) or token ids"}
+          "stop": "a string or a list of at most 16 strings (of at most 1024 characters) or token ids",
+          "messages.N.content": "a string or a list of text parts ({'type': 'text', 'text': ...}), at least one"}
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Ids = Annotated[list[int], Field(fail_fast=True)]  # the prompt's: ranges are checked against the vocabulary
 StopString = Annotated[str, Field(max_length=1024)]
@@ -66,9 +67,17 @@ class CompletionRequest(_Generation):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
+class ContentPart(TypedDict, total=False):
+    """A part of a message's content as OpenAI's clients send it; only text parts are taken (checked where the
+    messages are rendered, so that the error can say so)."""
+
+    type: str
+    text: str
+
+
 class ChatMessage(TypedDict):  # a dict, not a model: 3x cheaper to build per message
     role: str
-    content: str
+    content: str | Annotated[list[ContentPart], Field(min_length=1, fail_fast=True)]
 
 
 class ChatRequest(_Generation):
@@ -125,6 +134,8 @@ def parse(model: type[Model], body: bytes) -> Model:
         raise ApiError(400, f"'{field}' is required", loc[0])
     if loc[0] in UNSUPPORTED:
         raise ApiError(400, f"'{loc[0]}' is not supported by this server", loc[0])
-    if loc[0] in _FORMS:
-        raise ApiError(400, f"'{loc[0]}' must be {_FORMS[loc[0]]}", loc[0])
+    pattern = ["N" if part.isdigit() else part for part in loc]
+    for form, what in _FORMS.items():
+        if pattern[:form.count(".") + 1] == form.split("."):
+            raise ApiError(400, f"'{'.'.join(loc[:form.count('.') + 1])}' must be {what}", loc[0])
     raise ApiError(400, f"invalid '{field}': {first['msg']}", loc[0])

@@ -92,6 +92,13 @@ def test_completions_and_chat_equal_the_engine(server, engine):
     assert done.choices[0].message.content == want and done.choices[0].message.role == "assistant"
     stream = api.chat.completions.create(model="a0", messages=messages, max_tokens=5, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    # Content as OpenAI's text parts, joined by a newline ("the lazy\ndog" renders to the same tokens here).
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the lazy"}, {"type": "text", "text": "dog"}]}]
+    done = api.chat.completions.create(model="a0", messages=parts, max_tokens=5, temperature=0)
+    assert done.choices[0].message.content == want
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[1\] is a 'image_url' part: only text"):
+        api.chat.completions.create(model="a0", max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     # Sampling with a seed is reproducible; stop strings cut the text before them.
     kw = dict(model="a1", prompt=prompt, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     assert api.completions.create(**kw).choices[0].text == api.completions.create(**kw).choices[0].text
