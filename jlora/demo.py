@@ -49,6 +49,8 @@ def run_demo(max_new_tokens: int = 16, out_dir: str | None = None) -> bool:
     cfg = testing.tiny_config("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                               num_attention_heads=8, num_key_value_heads=4)
     if out_dir is not None:
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise ValueError(f"--out {out_dir!r} is not a directory")
         os.makedirs(out_dir, exist_ok=True)
         where = contextlib.nullcontext(out_dir)
     else:

@@ -42,6 +42,7 @@ def test_generate_json_output_file(dirs, tmp_path):
     "args, message",
     [
         (["--model", "/nonexistent", "--prompt", "x"], "model directory '/nonexistent' does not exist"),
+        (["--model", __file__, "--prompt", "x"], f"model directory {__file__!r} is not a directory"),
         (["--prompt", "the fox", "--adapter", "nope"], "adapter(s) ['nope'] asked for but not given with --lora"),
         (["--prompt", "the " * 40, "--max-seq-len", "32"], "exceeds max_seq_len=32"),
         (["--prompt", "x", "--prefill-chunk", "100"], "prefill_chunk must be a power of two >= 16, got 100"),
@@ -227,7 +228,10 @@ def test_demo_into_a_path_it_cannot_make_is_an_error_not_a_traceback(tmp_path, c
     (tmp_path / "file").write_text("x")
     assert cli.main(["demo", "--out", str(tmp_path / "file")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("jlora demo: error: [Errno 17] File exists") and "Traceback" not in err
+    assert err == f"jlora demo: error: --out {str(tmp_path / 'file')!r} is not a directory\n"
+    assert cli.main(["demo", "--out", str(tmp_path / "file" / "sub")]) == 1  # a file on the way
+    err = capsys.readouterr().err
+    assert err.startswith("jlora demo: error: [Errno 20] Not a directory") and "Traceback" not in err
 
 
 def test_demo_passes():

@@ -25,7 +25,8 @@ __all__ = ["checkpoint_files", "load_model", "read_config", "read_json_object"]
 def read_config(model_dir: str) -> ModelConfig:
     """The `ModelConfig` of an HF model directory."""
     if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+        what = "is not a directory" if os.path.exists(model_dir) else "does not exist"
+        raise FileNotFoundError(f"model directory {model_dir!r} {what}")
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
