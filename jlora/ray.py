@@ -74,7 +74,6 @@ class ReplicaSpec:
         if self.config.allow_runtime_lora:
             raise ValueError("runtime adapter loads would reach one replica only; register adapters with --lora "
                              "or --lora-dir under --replicas")
-        check_start(self.model_dir, self.config, self.loras)  # here, not after each replica has loaded the model
 
 
 @ray.remote(num_cpus=0)
@@ -346,8 +345,9 @@ def app(args: dict) -> serve.Application:
     if not is_integer(replicas) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     config = ServerConfig(served_model_name=args.pop("served_model_name", None))
-    engine = EngineConfig.from_settings(args)
-    return deployment(ReplicaSpec(model, config, loras, lora_dirs, engine), replicas=int(replicas))
+    spec = ReplicaSpec(model, config, loras, lora_dirs, EngineConfig.from_settings(args))
+    check_start(spec.model_dir, spec.config, spec.loras)  # here, not after each replica has loaded the model
+    return deployment(spec, replicas=int(replicas))
 
 
 def _listed(value, key: str) -> list[str]:
@@ -362,6 +362,7 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
     """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
     Ray Serve's HTTP proxy on the config's host and port, until interrupted. On a local cluster the proxy
     listens here, so an address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
+    check_start(spec.model_dir, spec.config, spec.loras)  # here, not after each replica has loaded the model
     try:  # Ray Serve's own check of the options as the deployment will give them, before Ray starts
         Replica.options(**_replica_options(replica_options, replicas=replicas, gpus=0,
                                            max_waiting=spec.config.max_waiting))
