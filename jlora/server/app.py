@@ -401,9 +401,11 @@ def _with_text_content(message: dict, index: int) -> dict:
     if isinstance(content, str):
         return message
     for j, part in enumerate(content):
-        if part.get("type") != "text" or "text" not in part:
+        if part.get("type") != "text":
             raise ApiError(400, f"messages[{index}].content[{j}] is a {part.get('type')!r} part: only text parts "
                                 "({'type': 'text', 'text': ...}) are supported", "messages")
+        if "text" not in part:
+            raise ApiError(400, f"messages[{index}].content[{j}] is a text part without 'text'", "messages")
     return {**message, "content": "\n".join(part["text"] for part in content)}
 
 

@@ -99,6 +99,8 @@ def test_completions_and_chat_equal_the_engine(server, engine):
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[1\] is a 'image_url' part: only text"):
         api.chat.completions.create(model="a0", max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[0\] is a text part without 'text'"):
+        api.chat.completions.create(model="a0", max_tokens=5, messages=[{"role": "user", "content": [{"type": "text"}]}])
     # Sampling with a seed is reproducible; stop strings cut the text before them.
     kw = dict(model="a1", prompt=prompt, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     assert api.completions.create(**kw).choices[0].text == api.completions.create(**kw).choices[0].text
