@@ -40,8 +40,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, frozen=True, extra="ignore")
 
 
-# The unsupported fields, each typed to take only its unset values.
-_Unsupported = create_model("_Unsupported", __base__=_Strict, **{f: (Off, None) for f in UNSUPPORTED})
+class _TextFormat(TypedDict):
+    type: Literal["text"]
+
+
+# The unsupported fields, each typed to take only its unset values; response_format also its default, plain text
+# (which some clients always send).
+_Unsupported = create_model("_Unsupported", __base__=_Strict, **{
+    **{f: (Off, None) for f in UNSUPPORTED}, "response_format": (Off | _TextFormat, None)})
 
 
 class _Generation(_Unsupported):

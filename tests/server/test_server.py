@@ -94,7 +94,8 @@ def test_completions_and_chat_equal_the_engine(server, engine):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
     # Content as OpenAI's text parts, joined by a newline ("the lazy\ndog" renders to the same tokens here).
     parts = [{"role": "user", "content": [{"type": "text", "text": "the lazy"}, {"type": "text", "text": "dog"}]}]
-    done = api.chat.completions.create(model="a0", messages=parts, max_tokens=5, temperature=0)
+    done = api.chat.completions.create(model="a0", messages=parts, max_tokens=5, temperature=0,
+                                       response_format={"type": "text"})  # the default, which some clients send
     assert done.choices[0].message.content == want
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[1\] is a 'image_url' part: only text"):
         api.chat.completions.create(model="a0", max_tokens=5, messages=[{"role": "user", "content": [
@@ -231,6 +232,8 @@ def test_runtime_load_and_unload(server, root, engine):
     ({"model": "tiny", "prompt": "the", "max_tokens": 0}, 400, "'max_tokens' 0 needs 'echo'"),
     ({"model": "tiny", "prompt": ["the"] * 3, "n": 128}, 400, "more requests than the server queues"),
     ({"model": "tiny", "prompt": "the", "presence_penalty": 1}, 400, "'presence_penalty' is not supported"),
+    ({"model": "tiny", "prompt": "the", "response_format": {"type": "json_object"}}, 400,
+     "'response_format' is not supported"),
     ({"model": "tiny", "prompt": [[1, 2], [1, 500]]}, 400, "outside"),
     ({"model": "tiny", "prompt": [1, 500]}, 400, "outside"),
     ({"model": "tiny", "prompt": ""}, 400, "empty"),
