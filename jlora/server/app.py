@@ -204,6 +204,9 @@ class _Api:
         strings = [s for s in stop if isinstance(s, str) and s]
         if strings and self.engine.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer; the model directory has no tokenizer.json", "stop")
+        if request.stream_options is not None and not request.stream:
+            raise ApiError(400, "'stream_options' needs 'stream': true", "stream_options")
+        stream_usage = request.stream and bool((request.stream_options or {}).get("include_usage"))
         seed = uuid.uuid4().int % 2**32 if request.seed is None else request.seed
         # best_of ranks samples by log-probability: computed then even when the answer does not show them
         sample_logprobs = logprobs if logprobs is not None or best_of == request.n else 0
@@ -212,8 +215,8 @@ class _Api:
         settings = dict(max_new=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
                         top_p=1.0 if request.top_p is None else request.top_p, stop=ids, logprobs=sample_logprobs,
                         prompt_logprobs=prompt_logprobs)
-        return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream, request.n,
-                         logprobs, echo)
+        return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream,
+                         stream_usage, request.n, logprobs, echo)
 
     def encode_prompt(self, prompt: str | list[int], adapter: str | None, what: str = "the prompt") -> list[int]:
         """The prompt's token ids, checked against the adapter's vocabulary; `what` names it in errors ("prompt 3"
@@ -337,14 +340,13 @@ class _Api:
     async def _stream(self, samples: list[_Sample], prepared: _Prepared, updates, meta: dict, chat: bool
                       ) -> AsyncIterator[str]:
         """Server-sent events: per choice, a chunk of each update's new text and tokens (with their logprobs), an
-        echoed prompt first, and a last chunk with its finish reason; the usage rides on the last choice's."""
+        echoed prompt first, and a last chunk with its finish reason; with `include_usage`, as OpenAI sends it, a
+        chunk without choices after them carries the usage, and every other chunk "usage": null."""
         kind = "chat.completion.chunk" if chat else "text_completion"
+        usage_field = {"usage": None} if prepared.stream_usage else {}
 
-        def event(choice: dict, usage: dict | None = None) -> str:
-            body = {**meta, "object": kind, "choices": [choice]}
-            if usage is not None:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
+        def event(choice: dict) -> str:
+            return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice], **usage_field})}\n\n"
 
         def chunk(sample: _Sample, index: int, piece: str | None, finish: str | None, ids: list[int]) -> dict:
             """A choice's chunk: `ids` and their logprobs, or with `finish` the stop token's (if one ended it)."""
@@ -365,8 +367,8 @@ class _Api:
         try:
             if chat:  # the first chunk of each choice names the role
                 for index in range(len(samples)):
-                    role = {"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
-                    yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [role]})}\n\n"
+                    yield event({"index": index, "delta": {"role": "assistant"}, "logprobs": None,
+                                 "finish_reason": None})
             open_ = set(range(len(samples)))
             while open_:
                 await self._next_update(samples, updates)
@@ -385,8 +387,11 @@ class _Api:
                         sample.advance(ids, choice)
                     if sample.done:
                         open_.discard(index)
-                        usage = None if open_ else _usage(prepared, samples)
-                        yield event(chunk(sample, index, None, sample.finish_reason(), []), usage)
+                        yield event(chunk(sample, index, None, sample.finish_reason(), []))
+            else:  # no error ended the stream
+                if prepared.stream_usage:
+                    usage = {**meta, "object": kind, "choices": [], "usage": _usage(prepared, samples)}
+                    yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as err:  # the status line has gone out: the error travels as the stream's last event
             yield f"data: {json.dumps(_internal_error(err).body())}\n\n"
@@ -481,6 +486,7 @@ class _Prepared:
     seeds: list[int]  # each prompt's samples' (best_of of them)
     strings: list[str]  # stop strings
     stream: bool
+    stream_usage: bool  # stream_options.include_usage: a last chunk carries the usage (the others "usage": null)
     n: int  # choices per prompt: of its best_of samples, the n of highest log-probability
     logprobs: int | None  # alternatives shown per token (None: no logprobs in the answer)
     echo: list[str] | None  # with echo, each prompt's text, put before its choices' text

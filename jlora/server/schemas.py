@@ -44,6 +44,12 @@ class _TextFormat(TypedDict):
     type: Literal["text"]
 
 
+class StreamOptions(TypedDict, total=False):
+    """A streamed request's options: with include_usage, a last chunk with no choices carries the usage."""
+
+    include_usage: bool
+
+
 # The unsupported fields, each typed to take only its unset values; response_format also its default, plain text
 # (which some clients always send).
 _Unsupported = create_model("_Unsupported", __base__=_Strict, **{
@@ -62,6 +68,7 @@ class _Generation(_Unsupported):
     stop_token_ids: Annotated[list[TokenId], Field(fail_fast=True)] | None = None
     ignore_eos: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
 
 

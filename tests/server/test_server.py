@@ -111,6 +111,31 @@ def test_completions_and_chat_equal_the_engine(server, engine):
     assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_streamed_usage_as_openai_sends_it(server):
+    """With stream_options.include_usage a last chunk with no choices carries the whole request's usage (n
+    choices), and every other chunk "usage": null; without it no chunk has a usage; stream_options without
+    stream is refused."""
+    api = client(server)
+    kw = dict(model="a1", prompt="the quick brown fox", max_tokens=5, temperature=1.0, seed=3, n=2)
+    whole = api.completions.create(**kw)
+    chunks = list(api.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert [c.choices for c in chunks[-1:]] == [[]] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks[:-1])
+    assert sorted("".join(c.choices[0].text for c in chunks[:-1] if c.choices[0].index == i) for i in (0, 1)) == \
+        sorted(c.text for c in whole.choices)
+    plain = list(api.completions.create(**kw, stream=True))
+    assert all(c.usage is None and len(c.choices) == 1 for c in plain)
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    chat = list(api.chat.completions.create(model="a0", messages=messages, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="'stream_options' needs 'stream': true"):
+        api.completions.create(model="a1", prompt="x", max_tokens=1, stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        api.completions.create(model="a1", prompt="x", max_tokens=1, stream=True,
+                               stream_options={"include_usage": "yes"})
+
+
 def test_models_lists_the_base_and_adapters(server, root):
     data = {m.id: m for m in client(server).models.list().data}
     assert set(data) >= {"tiny", *ADAPTERS}
