@@ -382,6 +382,10 @@ class Engine:
         logprobs = None if logprobs is None else int(logprobs)
         self._check_prompts(prompts, adapters, max_new_tokens)
         stop = frozenset(() if stop_token_ids is None else (int(t) for t in stop_token_ids))
+        vocab = max(map(self.vocab_size, set(adapters)))
+        if bad := sorted(t for t in stop if not 0 <= t < vocab):
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside [0, {vocab}), the requests' vocabulary: "
+                             "they would never match")
         requests = []
         for prompt, request_seed in zip(prompts, _request_seeds(seed, len(prompts))):
             first = None  # the other samples share its prefill

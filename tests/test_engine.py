@@ -214,7 +214,9 @@ def test_generation_errors(engine):
                    (dict(seed=1.5), "seed must be an integer or a sequence of integers"),
                    (dict(seed="7"), "seed must be an integer or a sequence of integers"),
                    (dict(stop_token_ids=5), "stop_token_ids must be a collection of integer token ids"),
-                   (dict(stop_token_ids=[1.0]), "stop_token_ids must be a collection of integer token ids")]
+                   (dict(stop_token_ids=[1.0]), "stop_token_ids must be a collection of integer token ids"),
+                   (dict(stop_token_ids=[-1]), r"stop_token_ids \[-1\] are outside \[0, "),
+                   (dict(stop_token_ids=[3, 10**6]), r"stop_token_ids \[1000000\] are outside \[0, \d+\), the requests' vocabulary")]
     for options, message in bad_options:
         with pytest.raises(ValueError, match=message):
             engine.generate([[1]], [None], **{"max_new_tokens": 2, **options})

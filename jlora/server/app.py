@@ -199,6 +199,10 @@ class _Api:
                                 f"queues ({self.online.max_waiting}, --max-waiting)", "n")
         stop = [] if request.stop is None else [request.stop] if isinstance(request.stop, str) else request.stop
         ids = frozenset(request.stop_token_ids or ()) | {s for s in stop if isinstance(s, int)}
+        vocab = self.engine.vocab_size(adapter)
+        if bad := sorted(t for t in ids if t >= vocab):
+            raise ApiError(400, f"stop token ids {bad[:5]} are outside [0, {vocab}), the model's vocabulary: "
+                                "they would never match", "stop_token_ids")
         if not request.ignore_eos:
             ids |= self.eos
         strings = [s for s in stop if isinstance(s, str) and s]
