@@ -67,7 +67,7 @@ def write_model(path: str, cfg: dict[str, Any], *, seed: int = 0, shards: int = 
         tensors[pre + "post_attention_layernorm.weight"] = 1 + 0.1 * rnd(h)
         for name, (din, dout) in _module_shapes(cfg).items():
             tensors[f"{pre}{_parent(name)}.{name}.weight"] = rnd(dout, din)
-            if cfg.get("attention_bias") and name in ("q_proj", "k_proj", "v_proj"):
+            if cfg["model_type"] == "qwen2" and name in ("q_proj", "k_proj", "v_proj"):  # as HF's Qwen2
                 tensors[f"{pre}self_attn.{name}.bias"] = 0.1 * rnd(dout)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)

@@ -32,7 +32,8 @@ class ModelConfig:
     rope_llama3: tuple[float, float, float, int] | None
     qkv_bias: bool
     tie_word_embeddings: bool
-    sliding_window: int | None  # attend to at most this many most recent positions (Mistral v0.1)
+    sliding_window: int | None  # attend to at most this many most recent positions (Mistral v0.1) ...
+    sliding_layers: frozenset[int] = frozenset()  # ... in these layers (Mistral: all; Qwen2: as its config says)
     max_position_embeddings: int | None = None  # the context it was trained for (LongLoRA scales from it)
 
     @property
@@ -42,6 +43,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to every earlier position)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -77,7 +82,15 @@ class ModelConfig:
                 )
             elif kind not in ("default", None):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+        activation = hf.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"config.json: hidden_act {activation!r:.40} is not supported (only 'silu')")
+        for key in ("mlp_bias", "attention_bias") if model_type == "llama" else ():
+            if hf.get(key):  # HF's Llama then has biases jlora's model lacks (o_proj's; the MLP's)
+                raise ValueError(f"config.json: {key} true is not supported for llama (its "
+                                 f"{'o_proj' if key == 'attention_bias' else 'MLP'} bias)")
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        window, sliding = _sliding_window(model_type, hf)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -90,8 +103,38 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_llama3=rope_llama3,
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=model_type == "qwen2",  # HF's Qwen2 always has q|k|v biases; Llama's only refused above
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            sliding_window=window,
+            sliding_layers=sliding,
             max_position_embeddings=hf.get("max_position_embeddings"),
         )
+
+
+def _sliding_window(model_type: str, hf: dict[str, Any]) -> tuple[int | None, frozenset[int]]:
+    """(the window, the layers that use it) as HF's models read config.json: Llama has none; Mistral slides in
+    every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window` (default false), in the layers
+    `layer_types` names "sliding_attention", or without them from layer `max_window_layers` (default 28) on."""
+    window = hf.get("sliding_window")
+    layers = range(hf["num_hidden_layers"])
+    if model_type == "llama" or window is None:
+        return None, frozenset()
+    if not (is_integer(window) and window >= 1):
+        raise ValueError(f"config.json: 'sliding_window' must be a positive integer or null, got {window!r:.40}")
+    if model_type == "mistral":
+        return window, frozenset(layers)
+    if not hf.get("use_sliding_window", False):
+        return None, frozenset()
+    types = hf.get("layer_types")
+    if types is not None:
+        if not (isinstance(types, list) and len(types) == len(layers)
+                and set(types) <= {"full_attention", "sliding_attention"}):
+            raise ValueError(f"config.json: 'layer_types' must list 'full_attention' or 'sliding_attention' for "
+                             f"each of the {len(layers)} layers")
+        sliding = frozenset(i for i in layers if types[i] == "sliding_attention")
+    else:
+        first = hf.get("max_window_layers", 28)
+        if not (is_integer(first) and first >= 0):
+            raise ValueError(f"config.json: 'max_window_layers' must be an integer >= 0, got {first!r:.40}")
+        sliding = frozenset(i for i in layers if i >= first)
+    return (window, sliding) if sliding else (None, frozenset())

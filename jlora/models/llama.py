@@ -291,8 +291,9 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.config = config
+        self.window = config.window(layer)
         self.qkv = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias,
                           dtype=dtype, rngs=rngs)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
@@ -339,7 +340,7 @@ class Attention(nnx.Module):
 
     def _attend(self, q, p: _Part, k_cache, v_cache):
         """One part's attention over its blocks of the cache: q [B, S, KV, G, D] -> [B, S, KV, G, D]."""
-        window = self.config.sliding_window
+        window = self.window
         if p.kernel and p.tables.shape[1] == 1:  # one block per request: the contiguous kernel
             return decode_attention(q[:, 0], k_cache, v_cache, p.positions[:, 0], p.tables[:, 0], window=window,
                                     chunk=p.chunk)
@@ -373,9 +374,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.attn = Attention(config, layer, dtype=dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
@@ -392,7 +393,7 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
         self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = (
             None if config.tie_word_embeddings

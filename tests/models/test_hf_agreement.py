@@ -17,6 +17,12 @@ CONFIGS = {
         "original_max_position_embeddings": 16}),
     "mistral_head_dim_window": testing.tiny_config("mistral", head_dim=32, sliding_window=6),
     "qwen2_bias_tied": testing.tiny_config("qwen2", tie_word_embeddings=True),
+    # Qwen2's window only where use_sliding_window is set, from layer max_window_layers on (or as layer_types say)
+    "qwen2_window_layer_1": testing.tiny_config("qwen2", sliding_window=6, use_sliding_window=True, max_window_layers=1),
+    "qwen2_layer_types": testing.tiny_config("qwen2", sliding_window=6, use_sliding_window=True,
+                                             layer_types=["sliding_attention", "full_attention"]),
+    "qwen2_window_unused": testing.tiny_config("qwen2", sliding_window=6),
+    "llama_window_ignored": testing.tiny_config("llama", sliding_window=6),
 }
 
 

@@ -14,6 +14,7 @@ from jlora.engine import Engine
 from jlora.runner import forward, pack_prompts
 from jlora.step import Call, StepOptions
 from jlora.batch_info import LoRABatchInfo
+from jlora.models.config import ModelConfig
 from jlora.models.llama import Batch, CallOptions, Group, KVCache, LoRAInput
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
@@ -26,6 +27,8 @@ MODELS = {
     "qwen2": testing.tiny_config("qwen2", num_key_value_heads=1),  # q/k/v bias, one KV head
     "tied": testing.tiny_config("qwen2", tie_word_embeddings=True),
 }
+# A sliding window of 3 positions in layer 1 only (Qwen2's max_window_layers): shorter than the prompts.
+QWEN2_WINDOW = testing.tiny_config("qwen2", sliding_window=3, use_sliding_window=True, max_window_layers=1)
 # A hidden size the Pallas RMSNorm cannot tile (not a power of two) beside a head_dim the decode attention can.
 ODD_HIDDEN = testing.tiny_config("llama", hidden_size=96, num_attention_heads=6, head_dim=16)
 ADAPTERS = {  # name: (write_adapter kwargs); embed/lm_head LoRA only on untied models
@@ -135,10 +138,31 @@ BROKEN = {
                                     "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     "hidden not a multiple of heads": (_config_edit(num_attention_heads=5, num_key_value_heads=5),
                                        "hidden_size=64 is not a multiple of num_attention_heads=5"),
+    "a gelu activation": (_config_edit(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    "llama attention biases": (_config_edit(attention_bias=True), "attention_bias true is not supported for llama"),
+    "llama MLP biases": (_config_edit(mlp_bias=True), "mlp_bias true is not supported for llama"),
+    "a string sliding window": (_config_edit(model_type="mistral", sliding_window="8"),
+                                "'sliding_window' must be a positive integer or null"),
     "a truncated safetensors": (_write("model.safetensors", _truncated), "model.safetensors: cannot read safetensors"),
     "garbage safetensors": (_write("model.safetensors", b"\xff" * 64), "model.safetensors: cannot read safetensors"),
     "a broken tokenizer.json": (_write("tokenizer.json", b'{"model": '), "tokenizer.json: cannot read the tokenizer"),
 }
+
+
+@pytest.mark.parametrize("hf, window, layers", [
+    (testing.tiny_config("llama", sliding_window=8), None, ()),  # HF's Llama has no window
+    (testing.tiny_config("mistral", sliding_window=8), 8, (0, 1)),
+    (testing.tiny_config("mistral", sliding_window=None), None, ()),
+    (testing.tiny_config("qwen2", sliding_window=8), None, ()),  # use_sliding_window defaults to false
+    (testing.tiny_config("qwen2", sliding_window=8, use_sliding_window=True), None, ()),  # max_window_layers 28
+    (testing.tiny_config("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1), 8, (1,)),
+    (testing.tiny_config("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=0), 8, (0, 1)),
+    (testing.tiny_config("qwen2", sliding_window=8, use_sliding_window=True,
+                         layer_types=["sliding_attention", "full_attention"]), 8, (0,)),
+])
+def test_sliding_windows_are_read_as_hf_reads_them(hf, window, layers):
+    config = ModelConfig.from_hf_config(hf)
+    assert [config.window(i) for i in range(2)] == [window if i in layers else None for i in range(2)]
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
@@ -169,9 +193,10 @@ def test_a_broken_sharded_checkpoint_is_an_error_naming_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("kind, backend", [  # pallas: decode steps in the decode-attention kernel, norms in theirs
-    ("mistral", "auto"), ("mistral", "pallas"), ("odd_hidden", "pallas")])
+    ("mistral", "auto"), ("mistral", "pallas"), ("odd_hidden", "pallas"), ("qwen2_window", "auto"),
+    ("qwen2_window", "pallas")])
 def test_prefill_then_decode_matches_full_forward(tmp_path, kind, backend):
-    config = ODD_HIDDEN if kind == "odd_hidden" else MODELS[kind]
+    config = {"odd_hidden": ODD_HIDDEN, "qwen2_window": QWEN2_WINDOW}.get(kind) or MODELS[kind]
     model_dir = str(tmp_path / kind)
     testing.write_model(model_dir, config, seed=1)
     testing.write_adapter(str(tmp_path / "a"), config, seed=5, r=8, alpha=16, target_modules=LINEAR_MODULES)
