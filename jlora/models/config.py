@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jlora.values import is_integer
+from jlora.values import is_integer, is_real
 
 __all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES"]
 
@@ -74,12 +74,12 @@ class ModelConfig:
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind == "llama3":
-                rope_llama3 = (
-                    float(scaling["factor"]),
-                    float(scaling["low_freq_factor"]),
-                    float(scaling["high_freq_factor"]),
-                    int(scaling["original_max_position_embeddings"]),
-                )
+                keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                values = [scaling.get(k) for k in keys]
+                if not all(is_real(v) and 0 < v < float("inf") for v in values) or not is_integer(values[3]):
+                    raise ValueError(f"config.json: llama3 rope scaling needs finite positive numbers {', '.join(keys)} "
+                                     f"(the last an integer), got {values}")
+                rope_llama3 = (*map(float, values[:3]), int(values[3]))
             elif kind not in ("default", None):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
         activation = hf.get("hidden_act", "silu")

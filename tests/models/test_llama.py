@@ -138,6 +138,10 @@ BROKEN = {
                                     "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     "hidden not a multiple of heads": (_config_edit(num_attention_heads=5, num_key_value_heads=5),
                                        "hidden_size=64 is not a multiple of num_attention_heads=5"),
+    "llama3 rope scaling without its factor": (
+        _config_edit(rope_scaling={"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16}),
+        "llama3 rope scaling needs finite positive numbers factor, "),
     "a gelu activation": (_config_edit(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     "llama attention biases": (_config_edit(attention_bias=True), "attention_bias true is not supported for llama"),
     "llama MLP biases": (_config_edit(mlp_bias=True), "mlp_bias true is not supported for llama"),
