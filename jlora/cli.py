@@ -92,7 +92,8 @@ def _generate(args) -> int:
         with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
             outputs = engine.generate([r["prompt"] for r in requests], [r["adapter"] for r in requests],
                                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_p=args.top_p, stop_token_ids=args.stop, seed=args.seed, progress=bar.update)
+                                      top_p=args.top_p, stop_token_ids=args.stop, seed=args.seed, progress=bar.update,
+                                      ignore_eos=args.ignore_eos)
         out.write(_render(args, requests, outputs))
     return 0
 
@@ -198,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--stop", type=int, action="append", help="stop token id (repeatable)")
+    gen.add_argument("--stop", type=int, action="append",
+                     help="stop token id (repeatable), beside the model's end-of-sequence ids")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="generate past the model's end-of-sequence ids (generation_config.json's eos_token_id)")
     gen.add_argument("--seed", type=int, default=0)
     EngineConfig.add_arguments(gen.add_argument_group("engine options"),
                                skip=("max_loras", "max_cpu_loras", "max_cpu_lora_memory", "device_cache_memory",

@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from jlora.engine_config import EngineConfig
 from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
-from jlora.models.loading import load_model
+from jlora.models.loading import eos_token_ids, load_model
 from jlora.parallel import TensorParallel
 from jlora.runner import ModelRunner, bucket, pack_prompts
 from jlora.sampling import sample_seeds
@@ -117,12 +117,15 @@ class Engine:
     `prefill_chunk` may change between calls (`engine.config = dataclasses.replace(engine.config, ...)`).
     """
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None, **options):
-        """`model` in the dtype `config.dtype` names (None: the model's); `config`, or its fields as `options`."""
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None,
+                 eos_token_ids: Iterable[int] = (), **options):
+        """`model` in the dtype `config.dtype` names (None: the model's); `config`, or its fields as `options`;
+        `eos_token_ids`: where generation stops unless asked not to (`generate`'s `ignore_eos`)."""
         config = _config(config, options)
         self.config = config
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         dtype = jnp.dtype(config.dtype) if config.dtype else model.embed[...].dtype
         tp = TensorParallel.create(self.model_config, config.tensor_parallel) if config.tensor_parallel > 1 else None
         self.pool = AdapterPool(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
@@ -149,7 +152,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None, *, progress: bool = True,
                         **options) -> Engine:
-        """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present).
+        """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present); its
+        end-of-sequence ids come from generation_config.json (else config.json), as HF's `generate` reads them.
 
         Args:
           model_dir: the HF model directory.
@@ -161,9 +165,10 @@ class Engine:
         if config.dtype is None:
             config = dataclasses.replace(config, dtype="bfloat16" if jax.default_backend() == "gpu" else "float32")
         tokenizer = _read_tokenizer(model_dir)  # before the weights: a broken file stops the load at once
+        eos = eos_token_ids(model_dir)
         with _host_staging(config.tensor_parallel):
             model = load_model(model_dir, jnp.dtype(config.dtype), progress=progress)
-        return cls(model, config, tokenizer=tokenizer)
+        return cls(model, config, tokenizer=tokenizer, eos_token_ids=eos)
 
     def register_adapter(self, name: str, adapter_dir: str) -> None:
         """Registers a PEFT adapter directory under `name` without reading it: it is read, checked and given a
@@ -343,6 +348,7 @@ class Engine:
         progress=None,
         logprobs: int | None = None,
         n: int = 1,
+        ignore_eos: bool = False,
     ) -> list[Generation]:
         """Generates for every prompt with its adapter (None: the base model), continuously batched.
 
@@ -352,7 +358,8 @@ class Engine:
           max_new_tokens: tokens to generate per request at most.
           temperature: 0 for greedy decoding.
           top_p: nucleus sampling mass.
-          stop_token_ids: a request stops at any of these (not included in its output).
+          stop_token_ids: a request stops at any of these (not included in its output), and at the model's
+            `eos_token_ids` unless `ignore_eos`.
           seed: sampling seed: request i samples with `seed + i`, or with `seed[i]` when a sequence is given.
             A request's key for its n-th token is `fold_in(key(its seed), n)` (`jlora.sampling`), so its
             output never depends on the other requests of the call, their number or order, or its row.
@@ -362,6 +369,8 @@ class Engine:
           n: samples per prompt, each its own request sharing the first's prefill (a copy of its cache row);
             sample j of a request with seed s samples with `jlora.sampling.sample_seeds(s, n)[j]` (the first with
             s itself).
+          ignore_eos: generate past the model's end-of-sequence ids (always max_new_tokens but for
+            `stop_token_ids`).
 
         Returns:
           n `Generation`s (lists of token ids with `.text`, `.finish_reason` and `.logprobs`) per prompt, prompt
@@ -375,6 +384,8 @@ class Engine:
         _check_logprobs(logprobs)
         if not is_integer(n) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r:.60}")
         if stop_token_ids is not None and not (isinstance(stop_token_ids, Sequence | np.ndarray | set | frozenset)
                                                and all(is_integer(t) for t in stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a collection of integer token ids, got {stop_token_ids!r:.60}")
@@ -386,6 +397,8 @@ class Engine:
         if bad := sorted(t for t in stop if not 0 <= t < vocab):
             raise ValueError(f"stop_token_ids {bad[:5]} are outside [0, {vocab}), the requests' vocabulary: "
                              "they would never match")
+        if not ignore_eos:
+            stop |= self.eos_token_ids
         requests = []
         for prompt, request_seed in zip(prompts, _request_seeds(seed, len(prompts))):
             first = None  # the other samples share its prefill

@@ -38,6 +38,21 @@ def test_generate_json_output_file(dirs, tmp_path):
     assert all(len(r["tokens"]) == 5 and isinstance(r["text"], str) for r in records)
 
 
+def test_generate_stops_at_the_models_eos_unless_told_not_to(dirs, tmp_path, capsys):
+    model = tmp_path / "m"
+    shutil.copytree(dirs / "m", model)
+    run = lambda *extra: (cli.main(["generate", "--model", str(model), "--prompt", "the quick fox", "--json",
+                                    "--max-new-tokens", "6", "--quiet", "--dtype", "float32", *extra]),
+                          json.loads(capsys.readouterr().out))
+    rc, full = run()
+    assert rc == 0 and len(full["tokens"]) == 6 and full["finish_reason"] == "length"
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": full["tokens"][3]}))
+    rc, stopped = run()
+    cut = full["tokens"].index(full["tokens"][3])
+    assert rc == 0 and stopped["tokens"] == full["tokens"][:cut] and stopped["finish_reason"] == "stop"
+    assert run("--ignore-eos")[1] == full
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

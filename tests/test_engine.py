@@ -1,6 +1,7 @@
 """Generation: greedy agreement with the logits, continuous batching, stops, sampling, compilations."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -117,6 +118,35 @@ def test_stop_tokens_with_continuous_batching(engine):
         cut = next((i for i, t in enumerate(f) if t in stops), None)
         assert list(o) == list(f[:cut]) and o.finish_reason == ("length" if cut is None else "stop")
     assert out[0].finish_reason == out[1].finish_reason == "stop"
+
+
+def test_generation_stops_at_the_models_eos_ids_as_hf_generate_does(engine, tmp_path):
+    """A model directory's generation_config.json eos_token_id (a list, as Llama-3 Instruct's) ends generation,
+    with the stop ids beside it; ignore_eos generates past it; config.json's is read when the other is absent."""
+    full = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=6)
+    eos, stop = full[0][2], full[3][1]
+    model = tmp_path / "m"
+    testing.write_model(str(model), CFG, seed=7)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 10**6]}))
+    with_eos = Engine.from_pretrained(str(model), max_loras=3, max_lora_rank=16, dtype="float32", max_batch=2,
+                                      max_seq_len=64, progress=False)
+    assert with_eos.eos_token_ids == {eos, 10**6}
+    for i in range(3):
+        with_eos.load_adapter(f"a{i}", str(engine.root / f"a{i}"))
+    out = with_eos.generate(PROMPTS, ADAPTERS, max_new_tokens=6, stop_token_ids=[stop])
+    for o, f in zip(out, full):
+        cut = next((i for i, t in enumerate(f) if t in (eos, stop)), None)
+        assert list(o) == list(f[:cut]) and o.finish_reason == ("length" if cut is None else "stop")
+    assert out[0].finish_reason == out[3].finish_reason == "stop"
+    past = with_eos.generate(PROMPTS, ADAPTERS, max_new_tokens=6, ignore_eos=True)
+    assert [list(o) for o in past] == [list(f) for f in full]
+    with pytest.raises(ValueError, match="ignore_eos must be a bool"):
+        with_eos.generate(PROMPTS, ADAPTERS, max_new_tokens=6, ignore_eos="yes")
+    (model / "generation_config.json").unlink()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 3}))
+    assert Engine.from_pretrained(str(model), dtype="float32", progress=False).eos_token_ids == {3}
+    assert engine.eos_token_ids == frozenset()  # the fixture's model names none
 
 
 def test_a_request_cancelled_while_its_prompt_goes_in_pieces_frees_its_row(engine):

@@ -18,8 +18,9 @@ from tqdm.auto import tqdm
 
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
+from jlora.values import is_integer
 
-__all__ = ["checkpoint_files", "load_model", "read_config", "read_json_object"]
+__all__ = ["checkpoint_files", "eos_token_ids", "load_model", "read_config", "read_json_object"]
 
 
 def read_config(model_dir: str) -> ModelConfig:
@@ -31,6 +32,21 @@ def read_config(model_dir: str) -> ModelConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
     return ModelConfig.from_hf_config(read_json_object(path))
+
+
+def eos_token_ids(model_dir: str) -> frozenset[int]:
+    """The model's end-of-sequence ids (generation_config.json, else config.json): where generation stops, as
+    in HF's `generate`."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            value = read_json_object(path).get("eos_token_id")
+            if value is not None:
+                ids = value if isinstance(value, list) else [value]
+                if not all(is_integer(i) and i >= 0 for i in ids):
+                    raise ValueError(f"{path}: eos_token_id must be a token id or a list of them")
+                return frozenset(ids)
+    return frozenset()
 
 
 def read_json_object(path: str) -> dict:

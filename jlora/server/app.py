@@ -58,13 +58,12 @@ logger = logging.getLogger("jlora.server")
 class _Api:
     """The routes' shared state and request handling: the online engine, options, chat template, stop tokens."""
 
-    def __init__(self, online: OnlineEngine, config: ServerConfig, chat: ChatTemplate, eos_token_ids: frozenset[int]):
+    def __init__(self, online: OnlineEngine, config: ServerConfig, chat: ChatTemplate):
         self.online = online
         self.engine = online.engine
         self.config = config
         self.name = config.served_model_name
         self.chat = chat
-        self.eos = eos_token_ids
         self.key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         tokenizer = self.engine.tokenizer
         # A text longer than this has more than max_seq_len tokens whatever it holds (a token covers at most its
@@ -159,8 +158,8 @@ class _Api:
     def tokenizer_info(self) -> dict:
         self.need_tokenizer("tokenizer_info", "model")
         special = dict(self.chat.special)
-        if special["eos_token"] is None and self.eos:
-            special["eos_token"] = self.engine.tokenizer.id_to_token(min(self.eos))
+        if special["eos_token"] is None and self.engine.eos_token_ids:
+            special["eos_token"] = self.engine.tokenizer.id_to_token(min(self.engine.eos_token_ids))
         return {"tokenizer_class": "tokenizers.Tokenizer", **special, "chat_template": self.chat.source,
                 "model_max_length": self.engine.config.max_seq_len,
                 "vocab_size": self.engine.tokenizer.get_vocab_size()}
@@ -204,7 +203,7 @@ class _Api:
             raise ApiError(400, f"stop token ids {bad[:5]} are outside [0, {vocab}), the model's vocabulary: "
                                 "they would never match", "stop_token_ids")
         if not request.ignore_eos:
-            ids |= self.eos
+            ids |= self.engine.eos_token_ids
         strings = [s for s in stop if isinstance(s, str) and s]
         if strings and self.engine.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer; the model directory has no tokenizer.json", "stop")
@@ -528,13 +527,12 @@ class _Sample:
             self.sent.offset = legacy["text_offset"][-1] + len(legacy["tokens"][-1])
 
 
-def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate,
-              eos_token_ids: frozenset[int] = frozenset()) -> Starlette:
-    """The Starlette app serving `online` (started and stopped with the app). `config.served_model_name` must
-    be set."""
+def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate) -> Starlette:
+    """The Starlette app serving `online` (started and stopped with the app); requests stop at the engine's
+    `eos_token_ids` unless they ask not to. `config.served_model_name` must be set."""
     if not config.served_model_name:
         raise ValueError("config.served_model_name must be set")
-    api = _Api(online, config, chat, frozenset(eos_token_ids))
+    api = _Api(online, config, chat)
 
     def handler(fn):
         async def wrapped(request: HTTPRequest) -> Response:

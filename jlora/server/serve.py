@@ -11,25 +11,10 @@ from collections.abc import Sequence
 
 from jlora.adapters.config import check_start_adapters
 from jlora.engine_config import EngineConfig
-from jlora.models.loading import read_json_object
+from jlora.models.loading import eos_token_ids
 from jlora.server.config import ServerConfig
-from jlora.values import is_integer
 
-__all__ = ["ServerConfig", "build", "check_start", "eos_token_ids", "serve", "served_name"]
-
-
-def eos_token_ids(model_dir: str) -> frozenset[int]:
-    """The model's end-of-sequence ids (generation_config.json, else config.json): where generation stops."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            value = read_json_object(path).get("eos_token_id")
-            if value is not None:
-                ids = value if isinstance(value, list) else [value]
-                if not all(is_integer(i) and i >= 0 for i in ids):
-                    raise ValueError(f"{path}: eos_token_id must be a token id or a list of them")
-                return frozenset(ids)
-    return frozenset()
+__all__ = ["ServerConfig", "build", "check_start", "serve", "served_name"]
 
 
 def served_name(model_dir: str, config: ServerConfig) -> str:
@@ -40,8 +25,9 @@ def served_name(model_dir: str, config: ServerConfig) -> str:
 def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str, str]]):
     """What a start reads before the weights, so that a bad file or name stops it before the minutes a large
     checkpoint takes: the `--lora` adapters (`check_start_adapters`), the chat template and the end-of-sequence
-    ids.
-    Returns (the `ChatTemplate`, the eos ids).
+    ids (which `Engine.from_pretrained` reads).
+
+    Returns the `ChatTemplate`.
 
     Raises:
       ValueError: naming the option or file at fault (`AdapterError` for an adapter's config).
@@ -49,7 +35,8 @@ def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str,
     from jlora.server.chat import ChatTemplate
 
     check_start_adapters(loras, reserved=served_name(model_dir, config))
-    return ChatTemplate(model_dir), eos_token_ids(model_dir)
+    eos_token_ids(model_dir)
+    return ChatTemplate(model_dir)
 
 
 def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = EngineConfig(), *,
@@ -71,7 +58,7 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
     from jlora.server.online import OnlineEngine
 
     config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
-    chat, eos = check_start(model_dir, config, loras)
+    chat = check_start(model_dir, config, loras)
     engine = Engine.from_pretrained(model_dir, engine_config)
     for name, path in loras:
         engine.load_adapter(name, path)
@@ -82,7 +69,7 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
         for sub, why in scan.skipped:
             print(f"jlora: skipped {os.path.join(root, sub)}: {why}", file=sys.stderr, flush=True)
     online = OnlineEngine(engine, max_waiting=config.max_waiting)
-    app = build_app(online, config, chat=chat, eos_token_ids=eos)
+    app = build_app(online, config, chat=chat)
     gc.collect()  # the objects alive after loading (JAX's, the model's) left out of later collections, which a
     gc.freeze()   # large request's parse triggers while it holds the interpreter lock
     return app, online, config

@@ -109,6 +109,18 @@ def test_an_exception_mid_stream_ends_the_stream_with_an_error_event(served, mon
     assert ok.status_code == 200
 
 
+def test_requests_stop_at_the_engines_eos_unless_they_ignore_it(served, monkeypatch):
+    engine, app, online = served
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0}
+    full = run(app, lambda c: c.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+    monkeypatch.setattr(engine, "eos_token_ids", frozenset({full[2]}))
+    cut = full.index(full[2])
+    stopped = run(app, lambda c: c.post("/v1/completions", json=body)).json()["choices"][0]
+    assert stopped["token_ids"] == full[:cut] and stopped["finish_reason"] == "stop"
+    past = run(app, lambda c: c.post("/v1/completions", json={**body, "ignore_eos": True})).json()["choices"][0]
+    assert past["token_ids"] == full and past["finish_reason"] == "length"
+
+
 def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(served, monkeypatch):
     """A step fails and the fresh cache to start over on cannot be made either (the device out of memory): the
     request in flight fails, /health answers 503 with the reason, and every later request and unload answers
