@@ -26,6 +26,12 @@ _UNSUPPORTED = {  # config key: (value that is fine, what to say)
     "layer_replication": (None, "layer_replication"),
     "use_qalora": (False, "QALoRA (use_qalora=True)"),
     "target_parameters": (None, "target_parameters (LoRA on raw parameters)"),
+    # PEFT's LoRA variants whose forward differs from LoRA's (VeLoRA changes only the backward pass: taken)
+    "alora_invocation_tokens": (None, "Activated LoRA (alora_invocation_tokens)"),
+    "use_bdlora": (None, "BD-LoRA (use_bdlora)"),
+    "arrow_config": (None, "Arrow routing (arrow_config)"),
+    "kasa_config": (None, "KaSA (kasa_config)"),
+    "monteclora_config": (None, "MonteCLoRA (monteclora_config)"),
 }
 
 

@@ -73,6 +73,12 @@ MUTATIONS = {
     "not UTF-8": (lambda c: json.dumps(c).encode()[:-1] + b' "\xff"}', "not valid UTF-8"),
     "larger than 1 MiB": (lambda c: json.dumps(c | {"x": "a" * MAX_CONFIG_BYTES}), "larger than 1048576 bytes"),
     "trained base biases": ({"bias": "all"}, "trained biases of the base layers"),
+    # PEFT 0.21's LoRA variants whose forward is not LoRA's, as their configs save them
+    "activated LoRA": ({"alora_invocation_tokens": [5, 6]}, r"Activated LoRA \(alora_invocation_tokens\) is not"),
+    "BD-LoRA": ({"use_bdlora": {"target_modules_bd_a": ["q_proj"], "nblocks": 2}}, r"BD-LoRA \(use_bdlora\)"),
+    "Arrow routing": ({"arrow_config": {"top_k": 3}}, r"Arrow routing \(arrow_config\)"),
+    "KaSA": ({"kasa_config": {"beta": 1}}, r"KaSA \(kasa_config\)"),
+    "MonteCLoRA": ({"monteclora_config": {"num_samples": 4}}, r"MonteCLoRA \(monteclora_config\)"),
 }
 
 
@@ -103,7 +109,8 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
                      max_leaves=12)
 _FIELDS = ["r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "layers_to_transform", "use_rslora",
            "use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "context_length", "peft_type", "bias",
-           "fan_in_fan_out", "layer_replication", "use_qalora", "target_parameters"]
+           "fan_in_fan_out", "layer_replication", "use_qalora", "target_parameters", "alora_invocation_tokens",
+           "use_bdlora", "arrow_config", "kasa_config", "monteclora_config"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
