@@ -221,7 +221,7 @@ def test_serve_on_a_local_ray_cluster_checks_its_address_before_starting_ray(dir
 
 @pytest.mark.parametrize("file, content, message", [
     ("tokenizer_config.json", "{oops", "tokenizer_config.json is not valid JSON"),
-    ("tokenizer_config.json", '{"chat_template": "{% for m in messages %}{{ m }"}', "chat_template does not compile"),
+    ("tokenizer_config.json", '{"chat_template": "{% for m in messages %}{{ m }"}', "the chat template does not compile"),
     ("tokenizer_config.json", '{"chat_template": 5}', "chat_template must be a string or a list of named templates"),
     ("generation_config.json", '{"eos_token_id": "2"}', "eos_token_id must be a token id or a list of them"),
     ("generation_config.json", "[2]", "generation_config.json must hold a JSON object"),

@@ -1,11 +1,17 @@
-"""Chat prompts: a model's `chat_template` (tokenizer_config.json) rendered with jinja2 as transformers
-renders it (a sandboxed environment with trim_blocks and lstrip_blocks, `raise_exception`, the special
-tokens as variables, `add_generation_prompt`)."""
+"""Chat prompts: a model's chat template (chat_template.jinja, else tokenizer_config.json's `chat_template`, as
+transformers looks for it) rendered with jinja2 as transformers renders it: a sandboxed environment with
+trim_blocks and lstrip_blocks, loop controls and the `{% generation %}` tag, its `tojson` (no HTML escaping,
+keys in order), `raise_exception` and `strftime_now`, the special tokens as variables, `tools` and `documents`
+none, `add_generation_prompt`."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 
+import jinja2.ext
+import jinja2.nodes
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -22,6 +28,28 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's text with it): its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
 def _token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     return value.get("content") if isinstance(value, dict) else value
@@ -31,8 +59,8 @@ class ChatTemplate:
     """The chat template of a model directory (None-safe: `render` raises when the model has none)."""
 
     def __init__(self, model_dir: str):
-        """Raises ValueError, naming the file, when tokenizer_config.json is not a JSON object or its
-        chat_template is not a template that compiles."""
+        """Raises ValueError, naming the file, when tokenizer_config.json is not a JSON object, chat_template.jinja
+        is not UTF-8 text, or the template is not one that compiles."""
         path = os.path.join(model_dir, "tokenizer_config.json")
         config = {}
         if os.path.isfile(path):
@@ -43,24 +71,36 @@ class ChatTemplate:
                             None)
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{path}: chat_template must be a string or a list of named templates")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
+        jinja = os.path.join(model_dir, "chat_template.jinja")  # what transformers saves now; it comes first
+        if os.path.isfile(jinja):
+            path = jinja
+            try:
+                with open(jinja, encoding="utf-8") as f:
+                    template = f.read()
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{jinja}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_Generation, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         self.source = template or None  # the template's text (/tokenizer_info)
         try:
             self.template = env.from_string(template) if template else None
         except TemplateError as err:
-            raise ValueError(f"{path}: chat_template does not compile ({err})") from None
-        self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
-                                                                            "pad_token")}
+            raise ValueError(f"{path}: the chat template does not compile ({err})") from None
+        self.special = {name: _token_text(config.get(name)) for name in (
+            "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
 
     def render(self, messages: list[dict]) -> str:
         """The prompt text of `messages` ([{"role", "content"}]), ending with the assistant's turn."""
         if self.template is None:
-            raise ChatTemplateError("the model has no chat_template in tokenizer_config.json; use /v1/completions")
+            raise ChatTemplateError("the model has no chat template (chat_template.jinja, or chat_template in "
+                                    "tokenizer_config.json); use /v1/completions")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ChatTemplateError(f"messages[{i}] must be an object with string 'role' and 'content'")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                        **self.special)
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template refused the messages: {err}") from None

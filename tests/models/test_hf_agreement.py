@@ -36,3 +36,23 @@ def test_logits_match_transformers(tmp_path, name):
         ref = hf(torch.tensor([prompt])).logits[0].numpy()
     assert rel_err(ours, ref) < 1e-4
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_generation_stops_where_hf_generate_stops(tmp_path):
+    """generation_config.json's eos ids end generation in both (HF's `generate` reads them by default)."""
+    testing.write_model(str(tmp_path), CONFIGS["llama3_rope"], seed=4)
+    prompt = [5, 17, 3, 88, 42, 7]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    greedy = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
+    with torch.no_grad():
+        free = hf.generate(torch.tensor([prompt]), **greedy, eos_token_id=None)[0, len(prompt):].tolist()
+    eos = [free[3], 10**6 % CONFIGS["llama3_rope"]["vocab_size"]]
+    (tmp_path / "generation_config.json").write_text(f'{{"eos_token_id": {eos}}}')
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), **greedy)[0, len(prompt):].tolist()
+    assert want[-1] in eos and len(want) < 8  # HF keeps the eos token; jlora's output leaves it out
+    engine = Engine.from_pretrained(str(tmp_path), dtype="float32", progress=False)
+    out = engine.generate([prompt], [None], max_new_tokens=8)[0]
+    assert list(out) == want[:-1] and out.finish_reason == "stop"
+    assert list(engine.generate([prompt], [None], max_new_tokens=8, ignore_eos=True)[0]) == free
