@@ -22,10 +22,14 @@ __all__ = ["ChatRequest", "CompletionRequest", "DetokenizeRequest", "LoadLoraReq
 
 MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_N = 128  # choices per prompt (n, best_of)
-# Fields of the OpenAI request bodies we do not implement: a request that sets one (to anything but null, false
-# or 0) is refused, naming it.
+# Fields of the OpenAI request bodies, and vLLM's sampling fields that its clients send (`extra_body`), that we do
+# not implement: a request that sets one to anything but its unset values (null, false or 0 unless said) is
+# refused, naming it, rather than sampled as if it were not there.
 UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "presence_penalty", "frequency_penalty")
+               "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+               "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
+               "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids",
+               "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 # What a field of a union type must be: its message when the body's value fits none of the forms (N: any index).
 _FORMS = {"prompt": f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
           "stop": "a string or a list of at most 16 strings (of at most 1024 characters) or token ids",
@@ -50,10 +54,16 @@ class StreamOptions(TypedDict, total=False):
     include_usage: bool
 
 
-# The unsupported fields, each typed to take only its unset values; response_format also its default, plain text
-# (which some clients always send).
+# The unsupported fields, each typed to take only its unset values: response_format also its default, plain text
+# (which some clients always send); vLLM's fields their defaults.
 _Unsupported = create_model("_Unsupported", __base__=_Strict, **{
-    **{f: (Off, None) for f in UNSUPPORTED}, "response_format": (Off | _TextFormat, None)})
+    **{f: (Off, None) for f in UNSUPPORTED}, "response_format": (Off | _TextFormat, None),
+    "top_k": (Literal[None, -1, 0], None), "min_p": (Annotated[float, Field(ge=0, le=0)] | None, None),
+    "repetition_penalty": (Annotated[float, Field(ge=1, le=1)] | None, None),
+    "length_penalty": (Annotated[float, Field(ge=1, le=1)] | None, None),
+    "skip_special_tokens": (Literal[None, True], None), "spaces_between_special_tokens": (Literal[None, True], None),
+    "bad_words": (Literal[None] | Annotated[list, Field(max_length=0)], None),
+    "prompt_logprobs": (Literal[None], None), "truncate_prompt_tokens": (Literal[None], None)})
 
 
 class _Generation(_Unsupported):

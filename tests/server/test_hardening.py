@@ -304,7 +304,8 @@ _scalar = (st.none() | st.booleans() | st.integers(-3, 40) | st.integers(min_val
 _json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                             max_size=4), max_leaves=10)
 _FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids",
-           "ignore_eos", "stream", "n", "best_of", "logprobs", "top_logprobs", "echo", "user", "stream_options"]
+           "ignore_eos", "stream", "n", "best_of", "logprobs", "top_logprobs", "echo", "user", "stream_options",
+           "top_k", "min_p", "repetition_penalty", "skip_special_tokens", "bad_words", "prompt_logprobs"]
 _VALID = {"/v1/completions": {"model": "m", "prompt": "the quick fox", "max_tokens": 3},
           "/v1/chat/completions": {"model": "a", "messages": [{"role": "user", "content": "the dog"}],
                                    "max_completion_tokens": 3}}

@@ -72,3 +72,24 @@ def test_unset_unsupported_fields_and_unknown_fields_pass():
     request = parse(CompletionRequest, json.dumps({"model": "m", "prompt": [1], "echo": False, "logprobs": None,
                                                    "user": {"any": ["thing"]}, "stream_options": {}}).encode())
     assert request.prompt == [1] and request.stream is False
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ({"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "min_tokens": 0, "use_beam_search": False,
+      "skip_special_tokens": True, "bad_words": [], "prompt_logprobs": None, "guided_json": None}, None),
+    ({"top_k": 50}, "top_k"), ({"top_k": True}, "top_k"), ({"min_p": 0.05}, "min_p"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"min_tokens": 4}, "min_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"bad_words": ["the"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+])
+def test_vllm_sampling_fields_are_taken_only_at_their_defaults(extra, refused):
+    """vLLM's sampling fields, which its clients send in extra_body, change what is sampled: a value other than
+    the default is refused, naming the field, not sampled as if it were absent."""
+    for model in (CompletionRequest, ChatRequest):
+        body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}], **extra}
+        if refused is None:
+            parse(model, json.dumps(body).encode())
+        else:
+            with pytest.raises(ApiError, match=f"'{refused}' is not supported by this server"):
+                parse(model, json.dumps(body).encode())
