@@ -82,6 +82,10 @@ class ModelConfig:
                 rope_llama3 = (*map(float, values[:3]), int(values[3]))
             elif kind not in ("default", None):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+        if quantization := hf.get("quantization_config"):
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise ValueError(f"config.json: a quantized checkpoint ({method or 'quantization_config'}) is not "
+                             "supported; load its unquantized bf16, fp16 or fp32 weights")
         activation = hf.get("hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"config.json: hidden_act {activation!r:.40} is not supported (only 'silu')")

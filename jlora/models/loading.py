@@ -111,6 +111,9 @@ def _param_sources(config: ModelConfig) -> dict[tuple, tuple[list[str], Callable
     return sources
 
 
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names
+
+
 def load_model(model_dir: str, dtype=jnp.bfloat16, *, progress: bool = True) -> Transformer:
     """Builds the `Transformer` of an HF directory and fills it from its safetensors, on the default device.
 
@@ -136,6 +139,9 @@ def load_model(model_dir: str, dtype=jnp.bfloat16, *, progress: bool = True) -> 
                 handle = handles.get(files[name])
                 if handle is None:
                     handle = handles[files[name]] = _safetensors(files[name])
+                stored = handle.get_slice(name).get_dtype()  # fp8 or integer weights hold scales elsewhere
+                if stored not in _FLOAT_DTYPES:
+                    raise ValueError(f"tensor {name!r} is {stored}: jlora loads BF16, F16 or F32 weights")
                 tensors.append(handle.get_tensor(name))
             value = combine(*tensors).astype(dtype)
             if value.shape != var.shape:

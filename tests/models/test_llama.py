@@ -116,14 +116,23 @@ def _config_edit(**changes):
 
 def _write(name, data):
     def edit(model_dir):
+        content = data(model_dir) if callable(data) else data  # read before the file is opened for writing
         with open(os.path.join(model_dir, name), "wb") as f:
-            f.write(data(model_dir) if callable(data) else data)
+            f.write(content)
     return edit
 
 
 def _truncated(model_dir, name="model.safetensors"):
     with open(os.path.join(model_dir, name), "rb") as f:
         return f.read()[:-100]  # the header reads; the data it promises is not all there
+
+
+def _retyped(model_dir, name, dtype):
+    """The checkpoint's bytes with tensor `name` stored as `dtype`."""
+    from safetensors.flax import load_file, save
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    tensors[name] = tensors[name].astype(jnp.dtype(dtype))
+    return save(tensors)
 
 
 _DROP = object()
@@ -142,6 +151,13 @@ BROKEN = {
         _config_edit(rope_scaling={"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 16}),
         "llama3 rope scaling needs finite positive numbers factor, "),
+    "a quantized checkpoint": (_config_edit(quantization_config={"quant_method": "fp8"}),
+                               r"a quantized checkpoint \(fp8\) is not supported"),
+    "an fp8 weight": (_write("model.safetensors", lambda d: _retyped(d, "model.layers.0.mlp.up_proj.weight",
+                                                                    "float8_e4m3fn")),
+                      "tensor 'model.layers.0.mlp.up_proj.weight' is F8_E4M3"),
+    "an int8 weight": (_write("model.safetensors", lambda d: _retyped(d, "model.norm.weight", "int8")),
+                       "tensor 'model.norm.weight' is I8: jlora loads BF16, F16 or F32 weights"),
     "a gelu activation": (_config_edit(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     "llama attention biases": (_config_edit(attention_bias=True), "attention_bias true is not supported for llama"),
     "llama MLP biases": (_config_edit(mlp_bias=True), "mlp_bias true is not supported for llama"),
