@@ -92,8 +92,8 @@ def _generate(args) -> int:
         with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
             outputs = engine.generate([r["prompt"] for r in requests], [r["adapter"] for r in requests],
                                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_p=args.top_p, stop_token_ids=args.stop, seed=args.seed, progress=bar.update,
-                                      ignore_eos=args.ignore_eos)
+                                      top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop_token_ids=args.stop,
+                                      seed=args.seed, progress=bar.update, ignore_eos=args.ignore_eos)
         out.write(_render(args, requests, outputs))
     return 0
 
@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="sample among the tokens at least this fraction as likely as the top one (0: off)")
     gen.add_argument("--stop", type=int, action="append",
                      help="stop token id (repeatable), beside the model's end-of-sequence ids")
     gen.add_argument("--ignore-eos", action="store_true",

@@ -343,6 +343,8 @@ class Engine:
         max_new_tokens: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
         stop_token_ids: Sequence[int] | None = None,
         seed: int | Sequence[int] = 0,
         progress=None,
@@ -357,7 +359,10 @@ class Engine:
           adapters: one loaded adapter name or None per prompt.
           max_new_tokens: tokens to generate per request at most.
           temperature: 0 for greedy decoding.
-          top_p: nucleus sampling mass.
+          top_p: nucleus sampling mass (1: off).
+          top_k: sample among the k most likely tokens (0: off).
+          min_p: sample among the tokens at least min_p times as likely as the most likely one (0: off); the
+            three filters apply in HF's order (`jlora.sampling.sample_tokens`).
           stop_token_ids: a request stops at any of these (not included in its output), and at the model's
             `eos_token_ids` unless `ignore_eos`.
           seed: sampling seed: request i samples with `seed + i`, or with `seed[i]` when a sequence is given.
@@ -381,6 +386,10 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if not (is_real(temperature) and is_real(top_p) and 0 <= temperature < float("inf") and 0 < top_p <= 1):
             raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
+        if not (is_integer(top_k) and 0 <= top_k < 2**31):
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r:.60}")
+        if not (is_real(min_p) and 0 <= min_p <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1] (0: off), got {min_p!r:.60}")
         _check_logprobs(logprobs)
         if not is_integer(n) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
@@ -404,7 +413,7 @@ class Engine:
             first = None  # the other samples share its prefill
             for sample_seed in sample_seeds(request_seed, n):
                 requests.append(Request(prompt, -1, max_new_tokens, temperature, top_p, sample_seed, stop,
-                                        logprobs=logprobs, fork_of=first))
+                                        int(top_k), float(min_p), logprobs=logprobs, fork_of=first))
                 first = first or requests[-1]
         self._run(requests, [a for a in adapters for _ in range(n)], progress)
         vocab = self.model_config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here

@@ -1,6 +1,6 @@
 """Log-probabilities: computed in the jitted step, carried to the host, and kept per request.
 
-They are `log_softmax` of the float32 logits the sampler sees, before temperature and top-p (vLLM's default
+They are `log_softmax` of the float32 logits the sampler sees, before temperature and the filters (vLLM's default
 "raw" log-probabilities, and what HF's `log_softmax(logits)` gives): a token's log-probability under the
 model with its adapter, whatever the request's sampling settings. Tokens outside a request's vocabulary
 (another adapter's added tokens) have logits of -inf, so they take no probability mass.

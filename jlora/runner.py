@@ -118,7 +118,7 @@ def generate_step(model_def: ModelDef, params, step: Step, cache: KVCache, lora:
                   options: StepOptions):
     """One `Step` of the engine over its R cache rows: every row's decode token and the prompt pieces, in one
     model call. Row r samples its next token with its own key (`request_keys` of its seed and token index;
-    `step.nucleus`: see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's decode
+    `step.filtered`: see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's decode
     tokens, the cache, and with `step.logprobs` a `StepLogprobs`, else None): with prompt pieces the logits of
     every piece token are computed, scored against `step.prefill_next`. The key folding and that layout live
     here so the engine's pipelined loop dispatches nothing else per step.
@@ -140,7 +140,7 @@ def generate_step(model_def: ModelDef, params, step: Step, cache: KVCache, lora:
         logits = logits[:r].at[target].set(pieces[last] if width else pieces, mode="drop")
     sampling = step.sampling
     keys = request_keys(sampling.seeds, sampling.token_index)
-    next_tokens = sample_tokens(logits, keys, sampling.temperature, sampling.top_p, nucleus=step.nucleus)
+    next_tokens = sample_tokens(logits, keys, sampling, filtered=step.filtered)
     lp = None
     if width:
         lp = StepLogprobs(top_logprobs(logits, next_tokens, width),

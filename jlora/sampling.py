@@ -1,4 +1,5 @@
-"""Token sampling inside the jitted step: greedy, temperature and nucleus (top-p), one key per request.
+"""Token sampling inside the jitted step: greedy, temperature, and the top-k, top-p (nucleus) and min-p filters
+as HF's `generate` applies them, one key per request.
 
 The contract: a request's sampled tokens depend only on its logits, its settings and its own key stream,
 `fold_in(key(seed), i)` for its i-th generated token, never on its row or on the other requests of a batch.
@@ -6,10 +7,35 @@ The contract: a request's sampled tokens depend only on its logits, its settings
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["request_keys", "sample_seeds", "sample_tokens"]
+__all__ = ["Sampling", "request_keys", "sample_seeds", "sample_tokens"]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["seeds", "token_index", "temperature", "top_p", "top_k", "min_p"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Each row's sampling [R]: its request's seed and the index of the token it samples (its key is
+    `request_keys(seeds, token_index)`), temperature (0: greedy), top_p (1: off), top_k (0: off) and min_p
+    (0: off)."""
+
+    seeds: np.ndarray
+    token_index: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+
+    def filtered(self) -> bool:
+        """Whether some row samples from a filtered set (on host arrays): the step's static `filtered`."""
+        filters = (self.top_p < 1) | (self.top_k > 0) | (self.min_p > 0)
+        return bool(((self.temperature > 0) & filters).any())
 
 
 def sample_seeds(seed: int, n: int) -> list[int]:
@@ -28,28 +54,32 @@ def request_keys(seeds: jax.Array, token_index: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, token_index)
 
 
-def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
-                  nucleus: bool) -> jax.Array:
-    """Next tokens [B] int32 from logits [B, V] f32, per row keys [B] (`request_keys`), temperature [B]
-    (0: greedy) and top_p [B].
+def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: Sampling, *, filtered: bool) -> jax.Array:
+    """Next tokens [B] int32 from logits [B, V] f32, per row keys [B] (`request_keys`) and each row's `sampling`.
 
-    Top-p keeps the smallest set of most likely tokens whose probability reaches top_p (at least one). It
-    sorts every row's logits (the sort dominates sampling at large vocabularies), so it runs only when the
-    static `nucleus` is set: the caller knows whether any row samples with top_p < 1. Without it, rows with
-    temperature > 0 sample from all tokens (their top_p is taken as 1). Rows with top_p >= 1 draw the same
-    token either way, so no row's draw depends on the other rows' settings.
+    A row with temperature 0 takes the argmax; the others sample from logits / temperature, filtered in HF's
+    order: top-k keeps the tokens at least as likely as the k-th, top-p the smallest set of those whose
+    probability (renormalized over them) reaches top_p, min-p those at least min_p times as likely as the top
+    token (always at least the top token). The filters sort every row's logits (the sort dominates sampling at
+    large vocabularies), so they run only when the static `filtered` is set: the caller knows whether any row
+    asks for one (`Sampling.filtered`). Without it, rows sample from all tokens (their filters taken as off).
+    Rows without filters draw the same token either way, so no row's draw depends on the other rows' settings.
     """
     greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
     categorical = jax.vmap(lambda key, row: jax.random.categorical(key, row))  # each row its own key
     sampled = categorical(keys, scaled)
-    if nucleus:
+    if filtered:
         order = jnp.argsort(-scaled, axis=-1)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
-        sorted_logits = jnp.where(before < top_p[:, None], sorted_logits, -jnp.inf)
-        choice = categorical(keys, sorted_logits)
+        ranked = jnp.take_along_axis(scaled, order, axis=-1)
+        vocab = ranked.shape[-1]
+        k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)
+        keep = ranked >= jnp.take_along_axis(ranked, k[:, None] - 1, axis=-1)  # ties with the k-th kept, as HF
+        probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+        keep &= jnp.cumsum(probs, axis=-1) - probs < sampling.top_p[:, None]  # the mass ranked above each token
+        keep &= ranked >= ranked[:, :1] + jnp.log(sampling.min_p)[:, None]  # p >= min_p * p_top; log 0 = -inf
+        choice = categorical(keys, jnp.where(keep, ranked, -jnp.inf))
         cut = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-        sampled = jnp.where(top_p < 1, cut, sampled)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+        filters = (sampling.top_p < 1) | (sampling.top_k > 0) | (sampling.min_p > 0)
+        sampled = jnp.where(filters, cut, sampled)
+    return jnp.where(sampling.temperature > 0, sampled, greedy).astype(jnp.int32)

@@ -38,7 +38,8 @@ from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
 from jlora.models.llama import Group
 from jlora.paging import BlockPool, block_keys
 from jlora.runner import ModelRunner, bucket, pack_prompts
-from jlora.step import Sampling, Step
+from jlora.sampling import Sampling
+from jlora.step import Step
 
 __all__ = ["Batcher", "Request"]
 
@@ -69,6 +70,8 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop: frozenset[int] = frozenset()
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     on_update: Callable[[Request], None] | None = None
     out: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
@@ -420,6 +423,7 @@ class Batcher:
         n = self.num_rows
         slots, seeds = np.full(n, -1, np.int32), np.zeros(n, np.uint32)
         temps, top_ps = np.zeros(n, np.float32), np.ones(n, np.float32)
+        top_ks, min_ps = np.zeros(n, np.int32), np.zeros(n, np.float32)
         token_index = np.zeros(n, np.int32)
         active = np.zeros(n, bool)
         for row in decode:
@@ -427,7 +431,8 @@ class Batcher:
             slots[row] = self.running[row].slot
             token_index[row] = len(self.running[row].out) + (row in sampled)
         for row, r in sampling:
-            seeds[row], temps[row], top_ps[row] = r.seed, r.temperature, r.top_p
+            seeds[row], temps[row], top_ps[row], top_ks[row], min_ps[row] = (r.seed, r.temperature, r.top_p,
+                                                                            r.top_k, r.min_p)
         asked = ([r.logprobs for _, r in sampling if r.logprobs is not None]
                  + [r.prompt_logprobs for _, r, _, _ in pieces if r.prompt_logprobs is not None])
         width = top_width(max(asked)) if asked else 0
@@ -447,9 +452,9 @@ class Batcher:
         if pieces:
             prefill, prefill_slots, prefill_last, prefill_next = self._pack(pieces)
             slots = np.concatenate([slots, prefill_slots.reshape(-1)])
-        return Step(decode_group, prefill, slots, self.runner.pool.ranks.copy(),
-                    Sampling(seeds, token_index, temps, top_ps), prefill_last, prefill_next if width else None,
-                    nucleus=_nucleus(temps, top_ps), logprobs=width)
+        sampling = Sampling(seeds, token_index, temps, top_ps, top_ks, min_ps)
+        return Step(decode_group, prefill, slots, self.runner.pool.ranks.copy(), sampling, prefill_last,
+                    prefill_next if width else None, filtered=sampling.filtered(), logprobs=width)
 
     def _pack(self, pieces: list[tuple[int, Request, int, int]]) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
         """The prompt pieces as a padded group [Bp, Sp] (padding requests: slot -1, no valid token, so no cache
@@ -491,8 +496,3 @@ class _Swapped:
     blocks: object
     position: int
     admitted: int
-
-
-def _nucleus(temps: np.ndarray, top_ps: np.ndarray) -> bool:
-    """Whether a step needs the top-p sort: some row samples with top_p < 1."""
-    return bool(((temps > 0) & (top_ps < 1)).any())

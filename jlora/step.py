@@ -2,7 +2,7 @@
 sampling), `Call` (a plain model call) and `StepOptions` (their static options).
 
 `Step` and `Call` are pytrees of arrays, so the jitted runner functions take each as one argument and
-recompile only when their shapes (or a step's static `nucleus` / `logprobs`) change.
+recompile only when their shapes (or a step's static `filtered` / `logprobs`) change.
 """
 
 from __future__ import annotations
@@ -15,21 +15,9 @@ import numpy as np
 
 from jlora.models.llama import Batch, Group
 from jlora.parallel import TensorParallel
+from jlora.sampling import Sampling
 
-__all__ = ["Call", "Sampling", "Step", "StepOptions"]
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["seeds", "token_index", "temperature", "top_p"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Each row's sampling [R]: its request's seed and the index of the token it samples (its key is
-    `request_keys(seeds, token_index)`), temperature (0: greedy) and top_p."""
-
-    seeds: np.ndarray
-    token_index: np.ndarray
-    temperature: np.ndarray
-    top_p: np.ndarray
+__all__ = ["Call", "Step", "StepOptions"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["batch", "token_slot", "ranks"], meta_fields=[])
@@ -50,7 +38,7 @@ class Call:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["decode", "prefill", "token_slot", "ranks", "sampling", "prefill_last",
                                 "prefill_next"],
-                   meta_fields=["nucleus", "logprobs"])
+                   meta_fields=["filtered", "logprobs"])
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One step of the engine over its R cache rows (`jlora.runner.generate_step`).
@@ -60,11 +48,12 @@ class Step:
       prefill: prompt pieces [Bp, Sp] written into other rows, or None.
       token_slot: [R + Bp·Sp] the decode tokens' adapter slots, then the pieces'.
       ranks: [L] each slot's rank.
-      sampling: each row's `Sampling`.
+      sampling: each row's `jlora.sampling.Sampling`.
       prefill_last: [Bp] the index in its piece of the token whose logits give that row its first token (-1:
         none: the prompt goes on in a later step, or a padding request).
       prefill_next: with `logprobs`, [Bp, Sp] the prompt token each piece token predicts (-1: none).
-      nucleus: whether some row samples with top_p < 1 (the top-p sort runs only then).
+      filtered: whether some row samples with a top-k, top-p or min-p filter (`Sampling.filtered`: the sort they
+        need runs only then).
       logprobs: the top-k width of the step's log-probabilities (`jlora.logprobs.top_width`); 0: none.
     """
 
@@ -75,7 +64,7 @@ class Step:
     sampling: Sampling
     prefill_last: np.ndarray | None = None
     prefill_next: np.ndarray | None = None
-    nucleus: bool = False
+    filtered: bool = False
     logprobs: int = 0
 
     @property

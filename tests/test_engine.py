@@ -174,8 +174,16 @@ def test_sampling_is_seeded(engine):
     assert [list(x) for x in a] == [list(x) for x in engine.generate(PROMPTS, ADAPTERS, seed=1, **kw)]
     assert [list(x) for x in a] != [list(x) for x in engine.generate(PROMPTS, ADAPTERS, seed=2, **kw)]
     greedy = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=8)
-    nucleus_of_one = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=8, temperature=1.0, top_p=1e-6)
-    assert [list(x) for x in greedy] == [list(x) for x in nucleus_of_one]
+    for one in (dict(top_p=1e-6), dict(top_k=1), dict(min_p=1.0)):  # each filter keeping the top token alone
+        sampled = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=8, temperature=1.0, **one)
+        assert [list(x) for x in greedy] == [list(x) for x in sampled], one
+    # Sampled at a high temperature with top_k=2, every token is one of the two most likely at its position.
+    out = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=8, temperature=5.0, top_k=2, seed=3)
+    ranks = []
+    for prompt, adapter, gen in zip(PROMPTS, ADAPTERS, out):
+        logits = engine.prefill_logits([prompt + list(gen)], [adapter])[0][len(prompt) - 1: -1]
+        ranks += [int((row > row[t]).sum()) for row, t in zip(logits, gen)]
+    assert set(ranks) == {0, 1}
 
 
 def test_compilations_bounded_over_1000_decode_steps_with_loads(engine):
@@ -245,6 +253,8 @@ def test_generation_errors(engine):
                    (dict(seed="7"), "seed must be an integer or a sequence of integers"),
                    (dict(stop_token_ids=5), "stop_token_ids must be a collection of integer token ids"),
                    (dict(stop_token_ids=[1.0]), "stop_token_ids must be a collection of integer token ids"),
+                   (dict(top_k=-1), "top_k must be an integer >= 0"), (dict(top_k=2.0), "top_k must be"),
+                   (dict(min_p=1.5), r"min_p must be a number in \[0, 1\]"), (dict(min_p=None), "min_p must be"),
                    (dict(stop_token_ids=[-1]), r"stop_token_ids \[-1\] are outside \[0, "),
                    (dict(stop_token_ids=[3, 10**6]), r"stop_token_ids \[1000000\] are outside \[0, \d+\), the requests' vocabulary")]
     for options, message in bad_options:

@@ -216,7 +216,8 @@ class _Api:
         # echo shows the prompt's with logprobs; a scoring request (max_tokens 0) asks for them to run at all
         prompt_logprobs = (logprobs or 0) if echo is not None and (logprobs is not None or max_tokens == 0) else None
         settings = dict(max_new=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
-                        top_p=1.0 if request.top_p is None else request.top_p, stop=ids, logprobs=sample_logprobs,
+                        top_p=1.0 if request.top_p is None else request.top_p, top_k=max(request.top_k or 0, 0),
+                        min_p=request.min_p or 0.0, stop=ids, logprobs=sample_logprobs,
                         prompt_logprobs=prompt_logprobs)
         return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream,
                          stream_usage, request.n, logprobs, echo)
@@ -485,7 +486,7 @@ class _Prepared:
 
     prompts: list[list[int]]
     adapter: str | None
-    settings: dict  # Request's fields: max_new, temperature, top_p, stop, logprobs; prompt_logprobs (the first's)
+    settings: dict  # Request's max_new, temperature, top_p, top_k, min_p, stop, logprobs; the first's prompt_logprobs
     seeds: list[int]  # each prompt's samples' (best_of of them)
     strings: list[str]  # stop strings
     stream: bool

@@ -121,6 +121,26 @@ def test_requests_stop_at_the_engines_eos_unless_they_ignore_it(served, monkeypa
     assert past["token_ids"] == full and past["finish_reason"] == "length"
 
 
+def test_top_k_and_min_p_per_request(served):
+    """top_k 1 (or min_p 1) samples the argmax; a sampled request beside a filtered one draws what it draws alone
+    (the filtered step runs for both)."""
+    engine, app, online = served
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}
+    tokens = lambda r: r.json()["choices"][0]["token_ids"]
+    greedy = tokens(run(app, lambda c: c.post("/v1/completions", json={**body, "temperature": 0})))
+    for one in ({"top_k": 1}, {"min_p": 1.0}):
+        assert tokens(run(app, lambda c: c.post("/v1/completions", json={**body, "temperature": 1.5, **one}))) == greedy
+    plain = {**body, "temperature": 1.0, "seed": 7}
+    alone = tokens(run(app, lambda c: c.post("/v1/completions", json=plain)))
+
+    async def both(c):
+        return await asyncio.gather(c.post("/v1/completions", json=plain), c.post(
+            "/v1/completions", json={**body, "temperature": 1.0, "seed": 8, "top_k": 3, "min_p": 0.05}))
+
+    beside, filtered = run(app, both)
+    assert tokens(beside) == alone and len(tokens(filtered)) == 8
+
+
 def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(served, monkeypatch):
     """A step fails and the fresh cache to start over on cannot be made either (the device out of memory): the
     request in flight fails, /health answers 503 with the reason, and every later request and unload answers

@@ -75,15 +75,14 @@ def test_unset_unsupported_fields_and_unknown_fields_pass():
 
 
 @pytest.mark.parametrize("extra, refused", [
-    ({"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "min_tokens": 0, "use_beam_search": False,
-      "skip_special_tokens": True, "bad_words": [], "prompt_logprobs": None, "guided_json": None}, None),
-    ({"top_k": 50}, "top_k"), ({"top_k": True}, "top_k"), ({"min_p": 0.05}, "min_p"),
+    ({"repetition_penalty": 1, "min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True,
+      "bad_words": [], "prompt_logprobs": None, "guided_json": None}, None),
     ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"min_tokens": 4}, "min_tokens"),
     ({"use_beam_search": True}, "use_beam_search"), ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"bad_words": ["the"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
 ])
-def test_vllm_sampling_fields_are_taken_only_at_their_defaults(extra, refused):
+def test_vllm_fields_jlora_lacks_are_taken_only_at_their_defaults(extra, refused):
     """vLLM's sampling fields, which its clients send in extra_body, change what is sampled: a value other than
     the default is refused, naming the field, not sampled as if it were absent."""
     for model in (CompletionRequest, ChatRequest):
@@ -93,3 +92,14 @@ def test_vllm_sampling_fields_are_taken_only_at_their_defaults(extra, refused):
         else:
             with pytest.raises(ApiError, match=f"'{refused}' is not supported by this server"):
                 parse(model, json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"top_k": -2}, "invalid 'top_k'"), ({"top_k": 2**31}, "invalid 'top_k'"), ({"top_k": 1.0}, "invalid 'top_k'"),
+    ({"min_p": 1.5}, "invalid 'min_p'"), ({"min_p": -0.1}, "invalid 'min_p'"), ({"min_p": "0.1"}, "invalid 'min_p'"),
+])
+def test_top_k_and_min_p_are_checked(extra, message):
+    for top_k, min_p in ((-1, 0), (0, 0.0), (50, 0.05), (None, None)):  # vLLM's off values and real ones
+        parse(CompletionRequest, json.dumps({"model": "m", "prompt": "x", "top_k": top_k, "min_p": min_p}).encode())
+    with pytest.raises(ApiError, match=message):
+        parse(CompletionRequest, json.dumps({"model": "m", "prompt": "x", **extra}).encode())
