@@ -77,8 +77,8 @@ class ModelConfig:
                 keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                 values = [scaling.get(k) for k in keys]
                 if not all(is_real(v) and 0 < v < float("inf") for v in values) or not is_integer(values[3]):
-                    raise ValueError(f"config.json: llama3 rope scaling needs finite positive numbers {', '.join(keys)} "
-                                     f"(the last an integer), got {values}")
+                    raise ValueError(f"config.json: llama3 rope scaling needs finite positive numbers "
+                                     f"{', '.join(keys)} (the last an integer), got {values}")
                 rope_llama3 = (*map(float, values[:3]), int(values[3]))
             elif kind not in ("default", None):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
