@@ -41,7 +41,7 @@ from jlora.adapters import AdapterError, check_adapter_name
 from jlora.logprobs import TokenLogprob
 from jlora.sampling import sample_seeds
 from jlora.scheduler import Request
-from jlora.server.chat import ChatTemplate, ChatTemplateError
+from jlora.server.chat import ChatOptions, ChatTemplate, ChatTemplateError
 from jlora.server.config import ServerConfig
 from jlora.server.errors import ApiError
 from jlora.server.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
@@ -113,21 +113,23 @@ class _Api:
         adapter = self.adapter_of(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        prompt = self.tokenize(self.render(request.messages), "messages", add_special_tokens=False)
+        prompt = self.tokenize(self.render(request), "messages", add_special_tokens=False)
         if not prompt:
             raise ApiError(400, "the rendered chat prompt is empty", "messages")
         return self.prepared(request, [prompt], adapter, "messages",
                              logprobs=(request.top_logprobs or 0) if request.logprobs else None)
 
-    def render(self, messages: list[dict]) -> str:
-        """The chat prompt's text, its size bounded first."""
+    def render(self, request: ChatRequest | TokenizeRequest) -> str:
+        """The chat prompt's text of the request's messages, rendered with its options, its size bounded first."""
         self.need_tokenizer("chat", "messages")
-        messages = [_with_text_content(m, i) for i, m in enumerate(messages)]
+        messages = [_with_text_content(m, i) for i, m in enumerate(request.messages)]
         if sum(len(m["content"]) for m in messages) > self.max_prompt_chars:
             raise ApiError(400, "the messages are longer than the maximum context of "
                                 f"{self.engine.config.max_seq_len} tokens can hold", "messages")
+        options = ChatOptions(request.add_generation_prompt, request.continue_final_message,
+                              request.chat_template_kwargs or {})
         try:
-            return self.chat.render(messages)
+            return self.chat.render(messages, options)
         except ChatTemplateError as err:
             raise ApiError(400, str(err), "messages") from None
 
@@ -141,7 +143,7 @@ class _Api:
         if (request.prompt is None) == (request.messages is None):
             raise ApiError(400, "give either 'prompt' or 'messages'", "prompt")
         if request.messages is not None:
-            ids = self.tokenize(self.render(request.messages), "messages", add_special_tokens=False)
+            ids = self.tokenize(self.render(request), "messages", add_special_tokens=False)
         else:
             self.need_tokenizer("tokenizing", "prompt")
             ids = self.tokenize(request.prompt, "prompt", request.add_special_tokens)

@@ -6,6 +6,7 @@ none, `add_generation_prompt`."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -17,7 +18,19 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from jlora.models.loading import read_json_object
 
-__all__ = ["ChatTemplate", "ChatTemplateError"]
+__all__ = ["ChatOptions", "ChatTemplate", "ChatTemplateError"]
+
+
+_CONTINUE = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker: the same text cuts the same way
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How messages are rendered (vLLM's request fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 class ChatTemplateError(ValueError):
@@ -91,16 +104,38 @@ class ChatTemplate:
         self.special = {name: _token_text(config.get(name)) for name in (
             "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text of `messages` ([{"role", "content"}]), ending with the assistant's turn."""
+    def render(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
+        """The prompt text of `messages` ([{"role", "content"}]): with `add_generation_prompt`, ending with the
+        assistant's turn; with `continue_final_message`, ending inside the last message, cut where its text
+        ends (as transformers cuts it); `chat_template_kwargs` are the template's variables beside these."""
         if self.template is None:
             raise ChatTemplateError("the model has no chat template (chat_template.jinja, or chat_template in "
                                     "tokenizer_config.json); use /v1/completions")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ChatTemplateError(f"messages[{i}] must be an object with string 'role' and 'content'")
+        if options.add_generation_prompt and options.continue_final_message:
+            raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true")
+        reserved = sorted({"messages", "tools", "documents", "add_generation_prompt"}
+                          & set(options.chat_template_kwargs))
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
+        final = messages[-1]["content"]
+        if options.continue_final_message:  # a marker after the final text shows where the template put it
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE}]
         try:
-            return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                                        **self.special)
+            text = self.template.render(messages=messages, tools=None, documents=None,
+                                        add_generation_prompt=options.add_generation_prompt,
+                                        **{**self.special, **options.chat_template_kwargs})
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template refused the messages: {err}") from None
+        except Exception as err:  # the request's values where the template wants others ({{ x + 1 }} of a string)
+            raise ChatTemplateError(f"the chat template failed on the request's values: {type(err).__name__}: "
+                                    f"{str(err)[:200]}") from None
+        if not options.continue_final_message:
+            return text
+        if final.strip() not in text or _CONTINUE.strip() not in text:
+            raise ChatTemplateError("continue_final_message: the chat template does not keep the final message's "
+                                    "text, so there is nothing to continue")
+        at = text.rindex(_CONTINUE.strip())
+        return text[:at] if text.startswith(_CONTINUE, at) else text[:at].rstrip()  # trimmed spacing: trim it too

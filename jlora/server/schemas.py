@@ -8,7 +8,7 @@ the field. Fields beyond OpenAI's that vLLM also takes: `top_k`, `min_p`, `stop_
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -104,14 +104,22 @@ class ChatMessage(TypedDict):  # a dict, not a model: 3x cheaper to build per me
     content: str | Annotated[list[ContentPart], Field(min_length=1, fail_fast=True)]
 
 
-class ChatRequest(_Generation):
+class _ChatOptions(_Strict):
+    """How messages are rendered: `jlora.server.chat.ChatOptions`'s fields."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatRequest(_Generation, _ChatOptions):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatOptions):
     """vLLM's /tokenize: a text, or chat messages rendered by the chat template."""
 
     prompt: str | None = None

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("jinja2")
 
 from jlora import testing  # noqa: E402
-from jlora.server.chat import ChatTemplate, ChatTemplateError  # noqa: E402
+from jlora.server.chat import ChatOptions, ChatTemplate, ChatTemplateError  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the <quick> fox: café"},
             {"role": "assistant", "content": "jumps"}, {"role": "user", "content": "over"}]
@@ -23,6 +23,9 @@ TEMPLATES = {
     "break and the date": (
         "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.role }}: {{ m.content }}\n"
         "{% endfor %}today {{ strftime_now('%d %b %Y') }}{{ eos_token }}"),
+    "options": (  # continue_final_message cuts where the last message ends, before its end-of-turn
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}{% if enable_thinking %}<think>{% endif %}"),
     "tools defined as none": (
         "{% if tools is defined and tools is none %}no tools{% endif %}"
         "{% if documents is defined and documents is none %}, no documents{% endif %}"
@@ -54,6 +57,35 @@ def test_the_environment_is_transformers(tmp_path, jinja):
     assert chat.render(MESSAGES[:1]) == 'no tools, no documents[system]"be brief"'
 
 
+# (options, transformers' apply_chat_template keywords): the same rendering asked each way
+OPTIONS = [(ChatOptions(), {}), (ChatOptions(add_generation_prompt=False), {"add_generation_prompt": False}),
+           (ChatOptions(False, True), {"add_generation_prompt": False, "continue_final_message": True}),
+           (ChatOptions(chat_template_kwargs={"enable_thinking": True}), {"enable_thinking": True})]
+
+
+def test_the_options(tmp_path):
+    chat = ChatTemplate(_model(tmp_path, TEMPLATES["options"], jinja=True))
+    turns = "<system>be brief</system>\n<user>the <quick> fox: café</user>\n<assistant>jumps</assistant>\n"
+    assert chat.render(MESSAGES[:3], OPTIONS[0][0]) == turns + "<assistant>"
+    assert chat.render(MESSAGES[:3], OPTIONS[1][0]) == turns
+    assert chat.render(MESSAGES[:3], OPTIONS[2][0]) == turns[:-len("</assistant>\n")]
+    assert chat.render(MESSAGES[:3], OPTIONS[3][0]) == turns + "<assistant><think>"
+    for options, message in ((ChatOptions(True, True), "cannot both be true"),
+                             (ChatOptions(chat_template_kwargs={"messages": []}), "cannot set messages"),
+                             (ChatOptions(chat_template_kwargs={"enable_thinking": {"a": 1}}), None)):
+        if message is None:  # a dict where a boolean goes renders as the template makes it
+            chat.render(MESSAGES, options)
+            continue
+        with pytest.raises(ChatTemplateError, match=message):
+            chat.render(MESSAGES, options)
+    dropped = ChatTemplate(_model(tmp_path / "d", "{% for m in messages %}{{ m.role }}{% endfor %}", jinja=True))
+    with pytest.raises(ChatTemplateError, match="does not keep the final message's text"):
+        dropped.render(MESSAGES, OPTIONS[2][0])
+    failing = ChatTemplate(_model(tmp_path / "f", "{{ enable_thinking + 1 }}", jinja=True))
+    with pytest.raises(ChatTemplateError, match="failed on the request's values: TypeError"):
+        failing.render(MESSAGES, ChatOptions(chat_template_kwargs={"enable_thinking": "yes"}))
+
+
 def test_chat_template_jinja_comes_before_tokenizer_config(tmp_path):
     path = _model(tmp_path, "{{ 'from the config' }}", jinja=False)
     (tmp_path / "chat_template.jinja").write_text("{{ 'from the file' }}")
@@ -75,6 +107,12 @@ def test_renders_what_transformers_renders(tmp_path, name, jinja):
     transformers = pytest.importorskip("transformers")
     path = _model(tmp_path, TEMPLATES[name], jinja=jinja)
     hf = transformers.AutoTokenizer.from_pretrained(path)
-    for messages in (MESSAGES, MESSAGES[:2]):
-        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ChatTemplate(path).render(messages) == want
+    for messages in (MESSAGES, MESSAGES[:2], MESSAGES[:3]):
+        for options, keywords in OPTIONS:
+            try:
+                want = hf.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **keywords})
+            except ValueError:  # a template that drops the final message: nothing to continue, in both
+                with pytest.raises(ChatTemplateError, match="nothing to continue"):
+                    ChatTemplate(path).render(messages, options)
+                continue
+            assert ChatTemplate(path).render(messages, options) == want, (messages, options)

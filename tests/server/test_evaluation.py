@@ -155,6 +155,9 @@ def test_tokenizer_routes(server):
     assert post(server, "/detokenize", {"tokens": [1, 7, 40]})["prompt"] == "the lazy w40"
     chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "the dog"}]})["tokens"]
     assert chat == [10, 1, 8, 11]  # the template: "user the dog assistant"
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "the dog"}],
+                                      "add_generation_prompt": False})["tokens"]
+    assert chat == [10, 1, 8]
     for path, body, match in [("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
                                "either 'prompt' or 'messages'"),
                               ("/detokenize", {"tokens": [1, 500]}, "outside the tokenizer's"),

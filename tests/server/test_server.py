@@ -92,6 +92,16 @@ def test_completions_and_chat_equal_the_engine(server, engine):
     assert done.choices[0].message.content == want and done.choices[0].message.role == "assistant"
     stream = api.chat.completions.create(model="a0", messages=messages, max_tokens=5, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    # vLLM's chat options: the assistant's answer continued from its start; the template's variables
+    begun = messages + [{"role": "assistant", "content": "the quick"}]
+    continued = engine.generate([engine.tokenizer.encode("user the lazy dog assistant the quick").ids], ["a0"],
+                                max_new_tokens=5)[0].text
+    done = api.chat.completions.create(model="a0", messages=begun, max_tokens=5, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "chat_template_kwargs": {"unused": 1}})
+    assert done.choices[0].message.content == continued != want
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt and continue_final_message cannot"):
+        api.chat.completions.create(model="a0", messages=begun, max_tokens=5,
+                                    extra_body={"continue_final_message": True})
     # Content as OpenAI's text parts, joined by a newline ("the lazy\ndog" renders to the same tokens here).
     parts = [{"role": "user", "content": [{"type": "text", "text": "the lazy"}, {"type": "text", "text": "dog"}]}]
     done = api.chat.completions.create(model="a0", messages=parts, max_tokens=5, temperature=0,
