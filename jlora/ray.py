@@ -51,10 +51,11 @@ from jlora.server.errors import ApiError
 from jlora.server.serve import check_start, listening_socket, served_name
 from jlora.values import is_integer
 
-__all__ = ["MetricsHub", "ReplicaSpec", "Replica", "Router", "app", "deployment", "merged_metrics", "run"]
+__all__ = ["MetricsHub", "ReplicaSpec", "Replica", "Router", "app", "deployment", "merged_metrics", "remove_app",
+           "run"]
 
 _ROUTED = ("/v1/completions", "/v1/chat/completions")  # the routes whose body names an adapter
-_METRICS_HUB = "jlora-metrics"  # the named actor holding each replica's latest metrics
+_METRICS_HUB = "jlora-metrics"  # the named actor holding each replica's latest metrics, in namespace "jlora"
 _METRICS_PUSH_SECONDS = 2.0  # how often a replica sends its metrics there; 5 of these without: gone
 
 
@@ -142,7 +143,8 @@ class Replica:
             return await self._load(name)
 
         self.get_adapter = serve.multiplexed(max_num_models_per_replica=capacity)(load)
-        self.hub = MetricsHub.options(name=_METRICS_HUB, get_if_exists=True, lifetime="detached").remote()
+        self.hub = MetricsHub.options(name=_METRICS_HUB, namespace="jlora", get_if_exists=True,
+                                      lifetime="detached").remote()
         self.stopped = threading.Event()
         threading.Thread(target=self._send_metrics, name="jlora-metrics", daemon=True).start()
 
@@ -385,8 +387,19 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
         print("jlora: shutting down", flush=True)
     finally:
         with contextlib.suppress(KeyboardInterrupt):  # a second interrupt leaves the rest to Ray's exit hooks
-            serve.shutdown()
+            if os.environ.get("RAY_ADDRESS"):  # a cluster others may use: only what this command deployed
+                remove_app()
+            else:
+                serve.shutdown()
             ray.shutdown()
+
+
+def remove_app() -> None:
+    """Deletes the "jlora" application and its metrics actor (detached: it would outlive the replicas),
+    leaving Ray Serve and the cluster's other applications running."""
+    serve.delete("jlora")
+    with contextlib.suppress(ValueError):  # no replica ever started
+        ray.kill(ray.get_actor(_METRICS_HUB, namespace="jlora"))
 
 
 def _deploy(application: serve.Application) -> None:

@@ -51,6 +51,9 @@ def test_generate_stops_at_the_models_eos_unless_told_not_to(dirs, tmp_path, cap
     cut = full["tokens"].index(full["tokens"][3])
     assert rc == 0 and stopped["tokens"] == full["tokens"][:cut] and stopped["finish_reason"] == "stop"
     assert run("--ignore-eos")[1] == full
+    assert run("--ignore-eos", "--temperature", "1.5", "--top-k", "1")[1] == full  # top-k 1: the argmax
+    assert cli.main(["generate", "--model", str(model), "--prompt", "the", "--top-k", "-2", "--quiet"]) == 1
+    assert "top_k must be an integer >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

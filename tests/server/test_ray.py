@@ -218,6 +218,23 @@ def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(url):
     assert sum(status.replica_states.values()) >= 2 or status.status == "HEALTHY"
 
 
+def test_removing_the_app_leaves_serve_and_kills_its_metrics_actor(url):
+    """What `jlora serve --replicas` leaves on a shared cluster (RAY_ADDRESS) when it stops: no "jlora" app and no
+    detached metrics actor, but Ray Serve still running for the cluster's other applications. (Runs last of the
+    tests that use the deployment.)"""
+    from jlora.ray import remove_app
+
+    named = lambda: {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert "jlora-metrics" in named() and "jlora" in serve.status().applications
+    remove_app()
+    deadline = time.time() + 60
+    while "jlora" in serve.status().applications and time.time() < deadline:
+        time.sleep(0.5)
+    assert "jlora" not in serve.status().applications and "jlora-metrics" not in named()
+    assert serve.status().proxies  # Serve itself is up
+    remove_app()  # again: nothing to remove is not an error
+
+
 def test_a_replica_whose_engine_stopped_for_good_fails_its_health_check():
     """Ray Serve replaces a replica whose `check_health` raises: one whose engine loop stopped for good (a failure
     it could not start over from) says why; a running one passes."""
