@@ -402,9 +402,9 @@ class Engine:
         logprobs = None if logprobs is None else int(logprobs)
         self._check_prompts(prompts, adapters, max_new_tokens)
         stop = frozenset(() if stop_token_ids is None else (int(t) for t in stop_token_ids))
-        vocab = max(map(self.vocab_size, set(adapters)))
-        if bad := sorted(t for t in stop if not 0 <= t < vocab):
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside [0, {vocab}), the requests' vocabulary: "
+        largest = max(map(self.vocab_size, set(adapters)))  # the widest vocabulary of the requests' adapters
+        if bad := sorted(t for t in stop if not 0 <= t < largest):
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside [0, {largest}), the requests' vocabulary: "
                              "they would never match")
         if not ignore_eos:
             stop |= self.eos_token_ids

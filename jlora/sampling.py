@@ -32,10 +32,13 @@ class Sampling:
     top_k: np.ndarray
     min_p: np.ndarray
 
+    def row_filters(self):
+        """[R] bool: the rows that ask for a filter (NumPy or JAX arrays, as the fields are)."""
+        return (self.top_p < 1) | (self.top_k > 0) | (self.min_p > 0)
+
     def filtered(self) -> bool:
         """Whether some row samples from a filtered set (on host arrays): the step's static `filtered`."""
-        filters = (self.top_p < 1) | (self.top_k > 0) | (self.min_p > 0)
-        return bool(((self.temperature > 0) & filters).any())
+        return bool(((self.temperature > 0) & self.row_filters()).any())
 
 
 def sample_seeds(seed: int, n: int) -> list[int]:
@@ -80,6 +83,5 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: Sampling, *, fil
         keep &= ranked >= ranked[:, :1] + jnp.log(sampling.min_p)[:, None]  # p >= min_p * p_top; log 0 = -inf
         choice = categorical(keys, jnp.where(keep, ranked, -jnp.inf))
         cut = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-        filters = (sampling.top_p < 1) | (sampling.top_k > 0) | (sampling.min_p > 0)
-        sampled = jnp.where(filters, cut, sampled)
+        sampled = jnp.where(sampling.row_filters(), cut, sampled)
     return jnp.where(sampling.temperature > 0, sampled, greedy).astype(jnp.int32)
