@@ -3,11 +3,12 @@
 A seeded generator draws rounds of `generate` calls on one engine: `max_batch` in {1, 2, 3, 4, 8}, 1 to
 max_batch + 3 requests (so batches are full, partly filled and refilled), prompt lengths from 1 to what
 max_seq_len allows, any mix of adapters (several requests per adapter) and base-model requests, stop tokens,
-greedy and sampled requests, adapters unloaded and loaded between rounds (so they change slots), prompts
-prefilled in pieces of 16 to 64 tokens or whole, beside rows that decode, over a contiguous cache or a paged
-one, sometimes with fewer blocks than the rows could hold. Each request must equal the same request run alone
-on the same engine, its prompt prefilled whole into a contiguous cache, token for token (float32): greedy
-ones exactly, sampled ones too, since a request's key depends on its seed and token index only.
+greedy and sampled requests (with or without top-p, top-k and min-p), adapters unloaded and loaded between
+rounds (so they change slots), prompts prefilled in pieces of 16 to 64 tokens or whole, beside rows that
+decode, over a contiguous cache or a paged one, sometimes with fewer blocks than the rows could hold. Each
+request must equal the same request run alone on the same engine, its prompt prefilled whole into a contiguous
+cache, token for token (float32): greedy ones exactly, sampled ones too, since a request's key depends on its
+seed and token index only.
 """
 
 import dataclasses
@@ -57,7 +58,8 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
         names = engine.adapters + [None]
         adapters = [names[i] for i in rng.integers(0, len(names), n)]
         stop = rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 4))).tolist()
-        sampling = dict(temperature=0.9, top_p=float(rng.choice([1.0, 0.8]))) if rng.random() < 0.4 else {}
+        sampling = (dict(temperature=0.9, top_p=float(rng.choice([1.0, 0.8])), top_k=int(rng.choice([0, 3])),
+                         min_p=float(rng.choice([0.0, 0.05]))) if rng.random() < 0.4 else {})
         seeds = rng.integers(0, 2**32, n).tolist()
         chunk = int(rng.choice([16, 32, 64, 512]))
         # A paged cache of 16-position blocks, sometimes so few that requests wait for blocks to free.
