@@ -40,7 +40,6 @@ from jlora import testing  # noqa: E402
 from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
-from jlora.server.chat import ChatTemplate  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
 from jlora.server.online import OnlineEngine  # noqa: E402
 
@@ -215,7 +214,7 @@ def main() -> None:
         print(f"# {device}: bare engine loop, batch {args.max_batch} on {ADAPTERS} r={RANK} adapters: "
               f"{bare['step_ms']:.2f} ms per decode step, {bare['tokens_per_s']:.0f} tok/s", flush=True)
         online = OnlineEngine(engine, max_waiting=100_000)
-        stop_server, url = start_server(build_app(online, ServerConfig(served_model_name="base"), chat=ChatTemplate(root)))
+        stop_server, url = start_server(build_app(online, ServerConfig(served_model_name="base")))
         vocab = engine.model_config.vocab_size
         client = multiprocessing.get_context("spawn").Pool(1)
         compile_waves(client, url, rng, vocab, args.max_batch, ["a0", "base"])  # with and without LoRA

@@ -55,7 +55,6 @@ from model import bench_model  # noqa: E402
 from jlora.admission import AdapterStats  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
-from jlora.server.chat import ChatTemplate  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
 from jlora.server.online import OnlineEngine  # noqa: E402
 from serve import compile_waves, percentile, random_requests, send, start_server, summarize  # noqa: E402
@@ -202,7 +201,7 @@ def main() -> None:
         start = time.perf_counter()
         paths = write_adapters(root, cfg, max(counts), rng)
         print(f"# {len(paths)} adapters written in {time.perf_counter() - start:.0f} s", flush=True)
-        servers = [Server(engine, paths, root) for engine in engines]
+        servers = [Server(engine, paths) for engine in engines]
         served, control = servers[0], (servers[1] if len(servers) > 1 else None)
         vocab = engines[0].model_config.vocab_size
         client = multiprocessing.get_context("spawn").Pool(1)
@@ -263,12 +262,11 @@ def main() -> None:
 class Server:
     """An engine with the benchmark's adapters registered, served by uvicorn on a localhost port."""
 
-    def __init__(self, engine: Engine, paths: list[str], root: str):
+    def __init__(self, engine: Engine, paths: list[str]):
         for i, path in enumerate(paths):
             engine.register_adapter(f"a{i}", path)
         self.online = OnlineEngine(engine, max_waiting=100_000)
-        self.stop, self.url = start_server(build_app(self.online, ServerConfig(served_model_name="base"),
-                                                     chat=ChatTemplate(root)))
+        self.stop, self.url = start_server(build_app(self.online, ServerConfig(served_model_name="base")))
 
     def measure(self, client, args, trace_seed: int, models: list[str]) -> tuple[list[dict], dict]:
         """The α's arrivals (`trace_seed`) asking for `models`: the client's record, and the run's row: latency,

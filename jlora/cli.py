@@ -19,7 +19,7 @@ from jlora.values import is_integer
 __all__ = ["main"]
 
 BENCH_SCRIPTS = {"kernels": "kernels.py", "model": "model.py"}
-REQUEST_KEYS = frozenset({"prompt", "prompt_ids", "adapter"})  # a --prompts-file line's keys
+REQUEST_KEYS = frozenset({"prompt", "prompt_ids", "messages", "adapter"})  # a --prompts-file line's keys
 
 
 def _parse_lora(spec: str) -> tuple[str, str]:
@@ -36,8 +36,11 @@ def _parse_lora(spec: str) -> tuple[str, str]:
 
 
 def _read_requests(args) -> list[dict]:
+    """Each request as {"prompt": text or ids, "adapter": name or None}; with --chat {"messages": [...], ...}
+    (a text prompt as one user message)."""
     if args.prompt is not None:
-        return [{"prompt": args.prompt, "adapter": args.adapter}]
+        return [_chat_request(args.prompt, args.adapter) if args.chat else {"prompt": args.prompt,
+                                                                             "adapter": args.adapter}]
     requests = []
     with open(args.prompts_file, "rb") as f:
         for n, line in enumerate(f, 1):
@@ -57,20 +60,37 @@ def _read_requests(args) -> list[dict]:
                 raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}: a request takes "
                                  f"{', '.join(map(repr, sorted(REQUEST_KEYS)))}; the generation's settings are "
                                  f"the command's options (--max-new-tokens, --temperature, ...)")
-            if ("prompt" in req) == ("prompt_ids" in req):
-                raise ValueError(f"{where}: give exactly one of 'prompt' (text) or 'prompt_ids'")
+            if sum(key in req for key in ("prompt", "prompt_ids", "messages")) != 1:
+                raise ValueError(f"{where}: give exactly one of 'prompt' (text), 'prompt_ids' or 'messages'")
             if "prompt" in req and not isinstance(req["prompt"], str):
                 raise ValueError(f"{where}: 'prompt' must be text (token ids go in 'prompt_ids')")
             ids = req.get("prompt_ids", [])
             if not isinstance(ids, list) or not all(is_integer(t) for t in ids):
                 raise ValueError(f"{where}: 'prompt_ids' must be a list of integer token ids")
+            messages = req.get("messages")
+            if "messages" in req and not (isinstance(messages, list) and messages
+                                          and all(isinstance(m, dict) for m in messages)):
+                raise ValueError(f"{where}: 'messages' must be a non-empty list of message objects")
+            if "messages" in req and not args.chat:
+                raise ValueError(f"{where}: 'messages' needs --chat")
+            if "prompt_ids" in req and args.chat:
+                raise ValueError(f"{where}: --chat renders text: give 'prompt' or 'messages', not 'prompt_ids'")
             adapter = req.get("adapter", args.adapter)
             if adapter is not None and not isinstance(adapter, str):
                 raise ValueError(f"{where}: 'adapter' must be a name or null")
-            requests.append({"prompt": req.get("prompt", req.get("prompt_ids")), "adapter": adapter})
+            if "messages" in req:
+                requests.append({"messages": messages, "adapter": adapter})
+            elif args.chat:
+                requests.append(_chat_request(req["prompt"], adapter))
+            else:
+                requests.append({"prompt": req.get("prompt", req.get("prompt_ids")), "adapter": adapter})
     if not requests:
         raise ValueError(f"{args.prompts_file} holds no requests")
     return requests
+
+
+def _chat_request(text: str, adapter: str | None) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "adapter": adapter}
 
 
 def _generate(args) -> int:
@@ -90,18 +110,19 @@ def _generate(args) -> int:
         for name, path in args.lora:
             engine.load_adapter(name, path)
         with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
-            outputs = engine.generate([r["prompt"] for r in requests], [r["adapter"] for r in requests],
-                                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop_token_ids=args.stop,
-                                      seed=args.seed, progress=bar.update, ignore_eos=args.ignore_eos)
+            run = engine.chat if args.chat else engine.generate
+            outputs = run([r["messages" if args.chat else "prompt"] for r in requests],
+                          [r["adapter"] for r in requests], max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          stop_token_ids=args.stop, seed=args.seed, progress=bar.update, ignore_eos=args.ignore_eos)
         out.write(_render(args, requests, outputs))
     return 0
 
 
 def _render(args, requests: list[dict], outputs) -> str:
     """The output's text: a JSON line per request (--json), else a line of each request's adapter and text."""
-    records = [{"prompt": r["prompt"], "adapter": r["adapter"], "tokens": list(o), "text": o.text,
-                "finish_reason": o.finish_reason} for r, o in zip(requests, outputs)]
+    records = [{**r, "tokens": list(o), "text": o.text, "finish_reason": o.finish_reason}
+               for r, o in zip(requests, outputs)]
     if args.json:
         return "".join(json.dumps(rec) + "\n" for rec in records)
     return "".join(f"[{rec['adapter'] or 'base'}] {rec['text'] if rec['text'] is not None else rec['tokens']}\n"
@@ -194,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="a PEFT adapter directory to load under NAME (repeatable)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one text prompt (needs tokenizer.json in the model directory)")
-    src.add_argument("--prompts-file", help="JSONL: {'prompt': text | 'prompt_ids': [ids], 'adapter': name|null}")
+    src.add_argument("--prompts-file", help="JSONL: {'prompt': text | 'prompt_ids': [ids] | 'messages': [...] "
+                                            "(with --chat), 'adapter': name|null}")
+    gen.add_argument("--chat", action="store_true",
+                     help="render each prompt (one user message) or 'messages' with the model's chat template, as "
+                          "transformers' apply_chat_template does")
     gen.add_argument("--adapter", help="adapter for requests that name none (default: the base model)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

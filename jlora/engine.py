@@ -25,6 +25,7 @@ from jlora.adapters.registry import AdapterRegistry
 from jlora.adapters.reader import ProcessReader
 from jlora.adapters.tiers import AdapterCache, AdapterTiers
 from jlora.admission import Admission
+from jlora.chat import ChatOptions, ChatTemplate, ChatTemplateError
 from jlora.engine_config import EngineConfig
 from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
 from jlora.models.config import ModelConfig
@@ -118,14 +119,16 @@ class Engine:
     """
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None,
-                 eos_token_ids: Iterable[int] = (), **options):
+                 eos_token_ids: Iterable[int] = (), chat_template: ChatTemplate | None = None, **options):
         """`model` in the dtype `config.dtype` names (None: the model's); `config`, or its fields as `options`;
-        `eos_token_ids`: where generation stops unless asked not to (`generate`'s `ignore_eos`)."""
+        `eos_token_ids`: where generation stops unless asked not to (`generate`'s `ignore_eos`);
+        `chat_template`: what `chat` renders conversations with (None: no template)."""
         config = _config(config, options)
         self.config = config
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.chat_template = chat_template or ChatTemplate()
         dtype = jnp.dtype(config.dtype) if config.dtype else model.embed[...].dtype
         tp = TensorParallel.create(self.model_config, config.tensor_parallel) if config.tensor_parallel > 1 else None
         self.pool = AdapterPool(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
@@ -153,7 +156,8 @@ class Engine:
     def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None, *, progress: bool = True,
                         **options) -> Engine:
         """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present); its
-        end-of-sequence ids come from generation_config.json (else config.json), as HF's `generate` reads them.
+        end-of-sequence ids come from generation_config.json (else config.json), as HF's `generate` reads them,
+        and its chat template from chat_template.jinja (else tokenizer_config.json), as transformers finds it.
 
         Args:
           model_dir: the HF model directory.
@@ -165,10 +169,10 @@ class Engine:
         if config.dtype is None:
             config = dataclasses.replace(config, dtype="bfloat16" if jax.default_backend() == "gpu" else "float32")
         tokenizer = _read_tokenizer(model_dir)  # before the weights: a broken file stops the load at once
-        eos = eos_token_ids(model_dir)
+        eos, chat = eos_token_ids(model_dir), ChatTemplate(model_dir)
         with _host_staging(config.tensor_parallel):
             model = load_model(model_dir, jnp.dtype(config.dtype), progress=progress)
-        return cls(model, config, tokenizer=tokenizer, eos_token_ids=eos)
+        return cls(model, config, tokenizer=tokenizer, eos_token_ids=eos, chat_template=chat)
 
     def register_adapter(self, name: str, adapter_dir: str) -> None:
         """Registers a PEFT adapter directory under `name` without reading it: it is read, checked and given a
@@ -421,6 +425,31 @@ class Engine:
                   else (lambda ids: None))
         return [Generation(r.out, decode(r.out), r.finish, None if logprobs is None else r.out_logprobs)
                 for r in requests]
+
+    def chat(self, conversations: Sequence[Sequence[dict]], adapters: Sequence[str | None], max_new_tokens: int,
+             options: ChatOptions = ChatOptions(), **sampling) -> list[Generation]:
+        """A reply to each conversation ([{"role": ..., "content": ...}, ...]) with its adapter: the conversation
+        rendered by the model's chat template as transformers' `apply_chat_template` renders it (`options`: by
+        default ending with the assistant's turn), then generated as `generate` generates (`sampling`: its
+        keywords, temperature to n).
+
+        Raises:
+          ValueError: no chat template or tokenizer, or a conversation the template cannot render (named).
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the model directory has no tokenizer.json")
+        if isinstance(conversations, str) or not isinstance(conversations, Sequence):
+            raise ValueError("conversations must be a list of conversations, each a list of messages")
+        prompts = []
+        for i, messages in enumerate(conversations):
+            if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence) or not messages:
+                raise ValueError(f"conversation {i} must be a non-empty list of messages")
+            try:
+                text = self.chat_template.render(list(messages), options)
+            except ChatTemplateError as err:
+                raise ValueError(f"conversation {i}: {err}") from None
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False).ids)  # the template has them
+        return self.generate(prompts, adapters, max_new_tokens, **sampling)
 
     def score(self, prompts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]],
               adapters: Sequence[str | None], progress=None) -> list[Score]:

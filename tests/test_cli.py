@@ -106,7 +106,12 @@ def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(di
     ('{"prompt_ids": [[1]]}', "'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": [1}', "p.jsonl:2: not JSON"),
     ('{"prompt_ids": [1], "max_new_tokens": 3, "Adapter": "a"}',
-     "p.jsonl:2: unknown key(s) 'Adapter', 'max_new_tokens': a request takes 'adapter', 'prompt', 'prompt_ids'"),
+     "p.jsonl:2: unknown key(s) 'Adapter', 'max_new_tokens': a request takes 'adapter', 'messages', 'prompt', "
+     "'prompt_ids'"),
+    ('{"prompt": "the", "prompt_ids": [1]}', "give exactly one of 'prompt' (text), 'prompt_ids' or 'messages'"),
+    ('{"messages": [{"role": "user", "content": "the"}]}', "p.jsonl:2: 'messages' needs --chat"),
+    ('{"messages": []}', "'messages' must be a non-empty list of message objects"),
+    ('{"messages": ["the"]}', "'messages' must be a non-empty list of message objects"),
     (b'{"prompt": "caf\xe9"}', "p.jsonl:2: not UTF-8 text (byte 16 of the line: invalid continuation byte)"),  # Latin-1
 ])
 def test_a_bad_prompts_file_line_is_a_clear_error(dirs, tmp_path, capsys, line, message):
@@ -119,6 +124,32 @@ def test_a_bad_prompts_file_line_is_a_clear_error(dirs, tmp_path, capsys, line, 
     assert rc == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_generate_chat_renders_the_chat_template(dirs, tmp_path, capsys):
+    """--chat renders a text prompt as one user message, or a line's messages, with the model's template (the
+    test template: "ROLE CONTENT " per message, then "assistant"), then generates as Engine.chat does."""
+    from jlora.engine import Engine
+
+    engine = Engine.from_pretrained(str(dirs / "m"), dtype="float32", progress=False)
+    want = [engine.generate([engine.tokenizer.encode(text).ids], [None], max_new_tokens=4)[0].text
+            for text in ("user the lazy dog assistant", "system be quick user the fox assistant")]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the lazy dog"}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "be quick"}, {"role": "user", "content": "the fox"}]}) + "\n")
+    base = ["generate", "--model", str(dirs / "m"), "--chat", "--max-new-tokens", "4", "--quiet", "--dtype", "float32",
+            "--json"]
+    assert cli.main(base + ["--prompts-file", str(prompts)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["text"] for r in records] == want and records[0]["messages"][0]["content"] == "the lazy dog"
+    assert cli.main(base + ["--prompt", "the lazy dog"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == want[0]
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n")
+    assert cli.main(base + ["--prompts-file", str(prompts)]) == 1
+    assert "--chat renders text: give 'prompt' or 'messages', not 'prompt_ids'" in capsys.readouterr().err
+    prompts.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    assert cli.main(base + ["--prompts-file", str(prompts)]) == 1
+    assert "conversation 0: messages[0] must be an object with string 'role' and 'content'" in capsys.readouterr().err
 
 
 def test_generate_tensor_parallel_matches_one_device(dirs, tmp_path):

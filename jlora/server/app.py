@@ -41,7 +41,7 @@ from jlora.adapters import AdapterError, check_adapter_name
 from jlora.logprobs import TokenLogprob
 from jlora.sampling import sample_seeds
 from jlora.scheduler import Request
-from jlora.server.chat import ChatOptions, ChatTemplate, ChatTemplateError
+from jlora.chat import ChatOptions, ChatTemplateError
 from jlora.server.config import ServerConfig
 from jlora.server.errors import ApiError
 from jlora.server.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
@@ -58,12 +58,12 @@ logger = logging.getLogger("jlora.server")
 class _Api:
     """The routes' shared state and request handling: the online engine, options, chat template, stop tokens."""
 
-    def __init__(self, online: OnlineEngine, config: ServerConfig, chat: ChatTemplate):
+    def __init__(self, online: OnlineEngine, config: ServerConfig):
         self.online = online
         self.engine = online.engine
         self.config = config
         self.name = config.served_model_name
-        self.chat = chat
+        self.chat = self.engine.chat_template
         self.key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         tokenizer = self.engine.tokenizer
         # A text longer than this has more than max_seq_len tokens whatever it holds (a token covers at most its
@@ -530,12 +530,13 @@ class _Sample:
             self.sent.offset = legacy["text_offset"][-1] + len(legacy["tokens"][-1])
 
 
-def build_app(online: OnlineEngine, config: ServerConfig, *, chat: ChatTemplate) -> Starlette:
-    """The Starlette app serving `online` (started and stopped with the app); requests stop at the engine's
-    `eos_token_ids` unless they ask not to. `config.served_model_name` must be set."""
+def build_app(online: OnlineEngine, config: ServerConfig) -> Starlette:
+    """The Starlette app serving `online` (started and stopped with the app); chat renders with the engine's
+    `chat_template`, and requests stop at its `eos_token_ids` unless they ask not to.
+    `config.served_model_name` must be set."""
     if not config.served_model_name:
         raise ValueError("config.served_model_name must be set")
-    api = _Api(online, config, chat)
+    api = _Api(online, config)
 
     def handler(fn):
         async def wrapped(request: HTTPRequest) -> Response:

@@ -105,7 +105,7 @@ class ChatMessage(TypedDict):  # a dict, not a model: 3x cheaper to build per me
 
 
 class _ChatOptions(_Strict):
-    """How messages are rendered: `jlora.server.chat.ChatOptions`'s fields."""
+    """How messages are rendered: `jlora.chat.ChatOptions`'s fields."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False

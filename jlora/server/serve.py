@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from jlora.adapters.config import check_start_adapters
+from jlora.chat import ChatTemplate
 from jlora.engine_config import EngineConfig
 from jlora.models.loading import eos_token_ids
 from jlora.server.config import ServerConfig
@@ -22,21 +23,17 @@ def served_name(model_dir: str, config: ServerConfig) -> str:
     return config.served_model_name or os.path.basename(os.path.normpath(model_dir))
 
 
-def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str, str]]):
+def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str, str]]) -> None:
     """What a start reads before the weights, so that a bad file or name stops it before the minutes a large
-    checkpoint takes: the `--lora` adapters (`check_start_adapters`), the chat template and the end-of-sequence
-    ids (which `Engine.from_pretrained` reads).
-
-    Returns the `ChatTemplate`.
+    checkpoint takes (and, under Ray, before any replica starts): the `--lora` adapters (`check_start_adapters`),
+    and the chat template and end-of-sequence ids that `Engine.from_pretrained` reads.
 
     Raises:
       ValueError: naming the option or file at fault (`AdapterError` for an adapter's config).
     """
-    from jlora.server.chat import ChatTemplate
-
     check_start_adapters(loras, reserved=served_name(model_dir, config))
     eos_token_ids(model_dir)
-    return ChatTemplate(model_dir)
+    ChatTemplate(model_dir)
 
 
 def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = EngineConfig(), *,
@@ -58,7 +55,7 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
     from jlora.server.online import OnlineEngine
 
     config = dataclasses.replace(config, served_model_name=served_name(model_dir, config))
-    chat = check_start(model_dir, config, loras)
+    check_start(model_dir, config, loras)
     engine = Engine.from_pretrained(model_dir, engine_config)
     for name, path in loras:
         engine.load_adapter(name, path)
@@ -69,7 +66,7 @@ def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
         for sub, why in scan.skipped:
             print(f"jlora: skipped {os.path.join(root, sub)}: {why}", file=sys.stderr, flush=True)
     online = OnlineEngine(engine, max_waiting=config.max_waiting)
-    app = build_app(online, config, chat=chat)
+    app = build_app(online, config)
     gc.collect()  # the objects alive after loading (JAX's, the model's) left out of later collections, which a
     gc.freeze()   # large request's parse triggers while it holds the interpreter lock
     return app, online, config

@@ -17,7 +17,6 @@ httpx = pytest.importorskip("httpx")
 from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
-from jlora.server.chat import ChatTemplate  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
 from jlora.server.online import OnlineEngine  # noqa: E402
 from jlora.server.text import StreamText  # noqa: E402
@@ -37,7 +36,7 @@ def served(tmp_path_factory):
     online = OnlineEngine(engine)
     config = ServerConfig(served_model_name="m", allow_runtime_lora=True, lora_roots=(str(root / "adapters"),),
                           max_concurrent_loads=2)
-    app = build_app(online, config, chat=ChatTemplate(str(root / "m")))
+    app = build_app(online, config)
     online.start()  # the ASGI transport runs no lifespan
     yield engine, app, online
     assert online._thread.is_alive()  # no test's failure ended the loop
@@ -147,7 +146,7 @@ def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(serv
     503 at once instead of waiting on a loop that is gone. Before: the loop thread died and they hung."""
     engine, _, _ = served
     online = OnlineEngine(engine)
-    app = build_app(online, ServerConfig(served_model_name="m", allow_runtime_lora=True, lora_roots=("/",)), chat=None)
+    app = build_app(online, ServerConfig(served_model_name="m", allow_runtime_lora=True, lora_roots=("/",)))
     online.start()
     try:
         lost = RuntimeError("RESOURCE_EXHAUSTED: out of memory")

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("jinja2")
 
 from jlora import testing  # noqa: E402
-from jlora.server.chat import ChatOptions, ChatTemplate, ChatTemplateError  # noqa: E402
+from jlora.chat import ChatOptions, ChatTemplate, ChatTemplateError  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the <quick> fox: café"},
             {"role": "assistant", "content": "jumps"}, {"role": "user", "content": "over"}]
@@ -116,3 +116,34 @@ def test_renders_what_transformers_renders(tmp_path, name, jinja):
                     ChatTemplate(path).render(messages, options)
                 continue
             assert ChatTemplate(path).render(messages, options) == want, (messages, options)
+
+
+def test_engine_chat_generates_from_the_rendered_conversation(tmp_path):
+    """`Engine.chat` is `generate` on the template's rendering, tokenized without added special tokens (the
+    template has them); errors name the conversation."""
+    from jlora.engine import Engine
+
+    cfg = testing.tiny_config("llama", vocab_size=40)
+    testing.write_model(str(tmp_path / "m"), cfg, seed=2)
+    testing.write_tokenizer(str(tmp_path / "m"), 40)  # the test template: "ROLE CONTENT " per message
+    engine = Engine.from_pretrained(str(tmp_path / "m"), dtype="float32", max_seq_len=32, progress=False)
+    conversations = [[{"role": "user", "content": "the lazy dog"}],
+                     [{"role": "user", "content": "the fox"}, {"role": "assistant", "content": "jumps over"}]]
+    texts = ["user the lazy dog assistant", "user the fox assistant jumps over"]
+    want = engine.generate([engine.tokenizer.encode(t).ids for t in texts], [None, None], max_new_tokens=3,
+                           temperature=1.0, seed=4)
+    got = engine.chat(conversations[:1], [None], max_new_tokens=3, temperature=1.0, seed=4)
+    assert list(got[0]) == list(want[0])
+    cont = engine.chat(conversations[1:], [None], 3, ChatOptions(False, True), temperature=1.0, seed=5)
+    assert list(cont[0]) == list(engine.generate([engine.tokenizer.encode(texts[1]).ids], [None], 3,
+                                                 temperature=1.0, seed=5)[0])
+    for bad, message in (([[{"role": "user"}]], "conversation 0: messages\\[0\\] must be an object"),
+                         ([[]], "conversation 0 must be a non-empty list of messages"),
+                         ("hi", "conversations must be a list of conversations")):
+        with pytest.raises(ValueError, match=message):
+            engine.chat(bad, [None], 3)
+    testing.write_model(str(tmp_path / "bare"), cfg, seed=2)
+    testing.write_tokenizer(str(tmp_path / "bare"), 40, chat_template=None)
+    bare = Engine.from_pretrained(str(tmp_path / "bare"), dtype="float32", max_seq_len=32, progress=False)
+    with pytest.raises(ValueError, match="conversation 0: the model has no chat template"):
+        bare.chat(conversations[:1], [None], 3)

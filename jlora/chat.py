@@ -71,12 +71,13 @@ def _token_text(value) -> str | None:
 class ChatTemplate:
     """The chat template of a model directory (None-safe: `render` raises when the model has none)."""
 
-    def __init__(self, model_dir: str):
-        """Raises ValueError, naming the file, when tokenizer_config.json is not a JSON object, chat_template.jinja
-        is not UTF-8 text, or the template is not one that compiles."""
-        path = os.path.join(model_dir, "tokenizer_config.json")
+    def __init__(self, model_dir: str | None = None):
+        """The template of `model_dir` (None: none). Raises ValueError, naming the file, when
+        tokenizer_config.json is not a JSON object, chat_template.jinja is not UTF-8 text, or the template is not
+        one that compiles."""
+        path = os.path.join(model_dir or "", "tokenizer_config.json")
         config = {}
-        if os.path.isfile(path):
+        if model_dir is not None and os.path.isfile(path):
             config = read_json_object(path)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
@@ -84,8 +85,8 @@ class ChatTemplate:
                             None)
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{path}: chat_template must be a string or a list of named templates")
-        jinja = os.path.join(model_dir, "chat_template.jinja")  # what transformers saves now; it comes first
-        if os.path.isfile(jinja):
+        jinja = os.path.join(model_dir or "", "chat_template.jinja")  # what transformers saves now; it comes first
+        if model_dir is not None and os.path.isfile(jinja):
             path = jinja
             try:
                 with open(jinja, encoding="utf-8") as f:
@@ -110,7 +111,7 @@ class ChatTemplate:
         ends (as transformers cuts it); `chat_template_kwargs` are the template's variables beside these."""
         if self.template is None:
             raise ChatTemplateError("the model has no chat template (chat_template.jinja, or chat_template in "
-                                    "tokenizer_config.json); use /v1/completions")
+                                    "tokenizer_config.json); give the prompt as text instead")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ChatTemplateError(f"messages[{i}] must be an object with string 'role' and 'content'")
