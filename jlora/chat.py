@@ -121,8 +121,10 @@ class ChatTemplate:
                           & set(options.chat_template_kwargs))
         if reserved:
             raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
-        final = messages[-1]["content"]
+        final = messages[-1]["content"] if messages else ""
         if options.continue_final_message:  # a marker after the final text shows where the template put it
+            if not messages:
+                raise ChatTemplateError("continue_final_message needs a message to continue")
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE}]
         try:
             text = self.template.render(messages=messages, tools=None, documents=None,
