@@ -7,7 +7,6 @@ runtime loads and unloads; bad input answers 4xx and the server keeps serving.""
 import asyncio
 import contextlib
 import json
-import os
 import time
 
 import numpy as np
