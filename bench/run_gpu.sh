@@ -32,6 +32,8 @@
 #   bash bench/run_gpu.sh epilogue  # the LoRA expand in a Pallas GEMM's epilogue (bench/studies/epilogue_expand.py)
 #   bash bench/run_gpu.sh capped [ARGS]  # LoRA kernels on capped grids, or with --caps '' gather against pallas, in the
 #                                 # 8B decode step (bench/studies/capped_grid.py ARGS, e.g. --cases 32x16x1,32x16x32)
+#   bash bench/run_gpu.sh projections [ARGS]  # the gather forms on some projections' LoRA, Pallas on the rest
+#                                 # (bench/studies/backend_by_projection.py ARGS)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,5 +86,6 @@ case "${1:-}" in
     done ;;
   epilogue) python3 bench/studies/epilogue_expand.py --out "$out" 2>&1 | grep -E "^#|µs|Error" ;;
   capped) python3 bench/studies/capped_grid.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped" >&2; exit 2 ;;
+  projections) python3 bench/studies/backend_by_projection.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
+  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped|projections" >&2; exit 2 ;;
 esac

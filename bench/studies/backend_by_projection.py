@@ -1,0 +1,114 @@
+"""The LoRA backend chosen per projection at decode, for #39 (GPU only).
+
+`auto` picks one backend for every LoRA call of a step from its shape (tokens, rank). On their own the gather
+forms are 2-4x faster than the Pallas kernels at 32 tokens on every projection (docs/kernels.md, § Why `auto`
+switches where it does), yet in the step the Pallas kernels win with up to 16 adapters: they run beside the
+base GEMMs. A profile of batch 32 with one r=16 adapter puts the step's LoRA cost unevenly over a layer's
+projections (o 3 µs, gate|up 5.7, down 1.7, q|k|v 3.1), so the best backend may differ by projection.
+
+Model: the 8B-shaped step (`bench/model.py`'s model, random weights) over contiguous rows (context 1024, query at
+512), the adapters' slots shuffled over the rows. Each variant names the projections whose LoRA runs the gather
+forms (with the engine's barrier before gate|up's where gate|up is one of them); the rest and the lm_head run the
+Pallas kernels. The variants of a batch size are compiled once and timed in alternating rounds per adapter count,
+one process; each variant's logits are compared with the all-Pallas step's. JSON: backend_by_projection.json.
+
+  python bench/studies/backend_by_projection.py [--cases 32x16x1,32x16x8,32x16x32,64x16x32]
+      [--variants pallas,o,qkv,o+qkv,down,o+qkv+down,gate_up,gather]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from common import count_and_time  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
+from split_attention import base_decode  # noqa: E402
+
+from jlora import ops  # noqa: E402
+from jlora.models import llama  # noqa: E402
+from jlora.runner import forward  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def projection(config, x, slice_sizes: tuple[int, ...]) -> str:
+    """Which of a layer's projections (or "lm_head") a LoRA call of input x and output slices is."""
+    if len(slice_sizes) == 3:
+        return "qkv"
+    if len(slice_sizes) == 2:
+        return "gate_up"
+    if x.shape[1] == config.intermediate_size:
+        return "down"
+    return "o" if slice_sizes[0] == config.hidden_size else "lm_head"
+
+
+def gathered(variant: str) -> frozenset[str]:
+    """The projections a variant's name runs on the gather forms."""
+    names = {"pallas": (), "gather": PROJECTIONS}.get(variant, tuple(variant.split("+")))
+    assert set(names) <= set(PROJECTIONS), variant
+    return frozenset(names)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="32x16x1,32x16x8,32x16x32,64x16x32", help="batch x rank x adapters")
+    parser.add_argument("--variants", default="pallas,o,qkv,o+qkv,down,o+qkv+down,gate_up,gather")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    device = jax.devices()[0].device_kind
+    print(f"# {device}: the LoRA backend per projection (gather on those named, Pallas elsewhere)", flush=True)
+    config = llama3_8b(32)
+    model_def, params = random_model(config)
+    variants = args.variants.split(",")
+    defs = {}  # (batch, rank, variant): the variant's model def, so that each compiles once per shape
+    result, loras = {"device": device, "rows": []}, {}
+    os.makedirs(args.out, exist_ok=True)
+    original = ops._linear
+    for case in args.cases.split(","):
+        batch, rank, used = map(int, case.split("x"))
+        lora = loras.setdefault(rank, random_lora(config, rank))
+        cache, call = base_decode(config, batch, 1024, 512, False)
+        slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
+        call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
+        options = StepOptions(16, "pallas")
+        logits, runs = {}, {}
+        for name in variants:
+            mdef = defs.setdefault((batch, rank, name), copy.copy(model_def))
+            gather = gathered(name)
+
+            def linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False,
+                       gather=gather):
+                chosen = "gather" if projection(config, x, slice_sizes) in gather else backend
+                return original(x, base, a, b, info, scale, shift, slice_sizes=slice_sizes, backend=chosen,
+                                defer_add=defer_add)
+
+            # the barrier before gate|up's LoRA goes where the engine puts it: where that LoRA runs in XLA
+            barrier = (lambda backend, *_, gather=gather: "gather" if "gate_up" in gather else backend)
+            with mock.patch.object(ops, "_linear", linear), mock.patch.object(llama, "resolve_backend", barrier):
+                logits[name], cache = forward(mdef, params, call, cache, lora, options)
+            runs[name] = lambda c, mdef=mdef: forward(mdef, params, call, c, lora, options)
+        got, cache = count_and_time(runs, cache)
+        ms, kernels = got["ms"], got["kernels"]
+        row = dict(batch=batch, rank=rank, adapters=used, ms=ms, kernels=kernels,
+                   logits_max_abs_diff={n: float(jnp.abs(v - logits[variants[0]]).max()) for n, v in logits.items()})
+        result["rows"].append(row)
+        print(f"decode B={batch} r={rank} adapters={used}: " + ", ".join(
+            f"{n} {t:.3f} ms ({t / ms[variants[0]]:.3f}x, {kernels[n]} kernels, "
+            f"|dlogits| {row['logits_max_abs_diff'][n]:.2g})" for n, t in ms.items()), flush=True)
+        with open(os.path.join(args.out, "backend_by_projection.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
