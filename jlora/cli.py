@@ -14,6 +14,7 @@ import jax
 
 from jlora.adapters.config import check_start_adapters
 from jlora.engine_config import EngineConfig
+from jlora.server.config import GENERATION_CONFIGS
 from jlora.values import is_integer
 
 __all__ = ["main"]
@@ -175,7 +176,8 @@ def _serve(args) -> int:
                           api_key=args.api_key, allow_runtime_lora=args.allow_runtime_lora,
                           lora_roots=tuple(args.lora_root), max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                          header_timeout=args.header_timeout, max_connections=args.max_connections)
+                          header_timeout=args.header_timeout, max_connections=args.max_connections,
+                          generation_config=args.generation_config)
     missing = [d for d in args.lora_dir if not os.path.isdir(d)]
     if missing:
         raise ValueError(f"--lora-dir {missing[0]!r} is not a directory")
@@ -265,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="time a connection may take to send a request's headers before it is closed")
     srv.add_argument("--max-connections", type=int, default=1024,
                      help="open connections beyond which new requests get 503")
+    srv.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
+                     help="auto: a request's unset temperature, top_p, top_k, min_p and (chat) max_tokens take the "
+                          "model's generation_config.json values, as vLLM's server does; none: OpenAI's defaults")
     EngineConfig.add_arguments(srv.add_argument_group("engine options"))
     srv.add_argument("--replicas", type=int, metavar="N",
                      help="serve N engines on Ray Serve (RAY_ADDRESS's cluster, else a local one), routed by adapter")

@@ -30,7 +30,7 @@ from jlora.engine_config import EngineConfig
 from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
-from jlora.models.loading import eos_token_ids, load_model
+from jlora.models.loading import GenerationDefaults, eos_token_ids, generation_defaults, load_model
 from jlora.parallel import TensorParallel
 from jlora.runner import ModelRunner, bucket, pack_prompts
 from jlora.sampling import sample_seeds
@@ -119,16 +119,20 @@ class Engine:
     """
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None,
-                 eos_token_ids: Iterable[int] = (), chat_template: ChatTemplate | None = None, **options):
+                 eos_token_ids: Iterable[int] = (), chat_template: ChatTemplate | None = None,
+                 generation_defaults: GenerationDefaults = GenerationDefaults(), **options):
         """`model` in the dtype `config.dtype` names (None: the model's); `config`, or its fields as `options`;
         `eos_token_ids`: where generation stops unless asked not to (`generate`'s `ignore_eos`);
-        `chat_template`: what `chat` renders conversations with (None: no template)."""
+        `chat_template`: what `chat` renders conversations with (None: no template); `generation_defaults`: the
+        sampling settings the model recommends, which the server gives requests that set none (`generate`
+        takes its own defaults)."""
         config = _config(config, options)
         self.config = config
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.chat_template = chat_template or ChatTemplate()
+        self.generation_defaults = generation_defaults
         dtype = jnp.dtype(config.dtype) if config.dtype else model.embed[...].dtype
         tp = TensorParallel.create(self.model_config, config.tensor_parallel) if config.tensor_parallel > 1 else None
         self.pool = AdapterPool(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
@@ -157,7 +161,8 @@ class Engine:
                         **options) -> Engine:
         """Loads an HF checkpoint directory (config.json + safetensors, and tokenizer.json when present); its
         end-of-sequence ids come from generation_config.json (else config.json), as HF's `generate` reads them,
-        and its chat template from chat_template.jinja (else tokenizer_config.json), as transformers finds it.
+        its sampling defaults from generation_config.json (`generation_defaults`), and its chat template from
+        chat_template.jinja (else tokenizer_config.json), as transformers finds it.
 
         Args:
           model_dir: the HF model directory.
@@ -169,10 +174,11 @@ class Engine:
         if config.dtype is None:
             config = dataclasses.replace(config, dtype="bfloat16" if jax.default_backend() == "gpu" else "float32")
         tokenizer = _read_tokenizer(model_dir)  # before the weights: a broken file stops the load at once
-        eos, chat = eos_token_ids(model_dir), ChatTemplate(model_dir)
+        eos, chat, defaults = eos_token_ids(model_dir), ChatTemplate(model_dir), generation_defaults(model_dir)
         with _host_staging(config.tensor_parallel):
             model = load_model(model_dir, jnp.dtype(config.dtype), progress=progress)
-        return cls(model, config, tokenizer=tokenizer, eos_token_ids=eos, chat_template=chat)
+        return cls(model, config, tokenizer=tokenizer, eos_token_ids=eos, chat_template=chat,
+                   generation_defaults=defaults)
 
     def register_adapter(self, name: str, adapter_dir: str) -> None:
         """Registers a PEFT adapter directory under `name` without reading it: it is read, checked and given a

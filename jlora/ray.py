@@ -331,9 +331,9 @@ def deployment(spec: ReplicaSpec, *, replicas: int = 1, replica_options: dict | 
 
 def app(args: dict) -> serve.Application:
     """`serve run jlora.ray:app model=DIR [lora_dir=DIR[,DIR...]] [lora=NAME=DIR[,NAME=DIR...]] [replicas=N]
-    [KEY=VALUE ...]`, or the same keys as the `args` of a Serve config file (numbers, booleans and lists as its
-    YAML gives them): the other keys are `EngineConfig`'s fields (max_loras=8, prefix_caching=false, ...), text
-    parsed as their flags parse it."""
+    [served_model_name=NAME] [generation_config=auto|none] [KEY=VALUE ...]`, or the same keys as the `args` of a
+    Serve config file (numbers, booleans and lists as its YAML gives them): the other keys are `EngineConfig`'s
+    fields (max_loras=8, prefix_caching=false, ...), text parsed as their flags parse it."""
     args = dict(args)
     if "model" not in args:
         raise ValueError("serve run jlora.ray:app needs model=DIR")
@@ -346,7 +346,8 @@ def app(args: dict) -> serve.Application:
     replicas = int(replicas) if isinstance(replicas, str) and replicas.isdigit() else replicas
     if not is_integer(replicas) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
-    config = ServerConfig(served_model_name=args.pop("served_model_name", None))
+    config = ServerConfig(served_model_name=args.pop("served_model_name", None),
+                          generation_config=args.pop("generation_config", "auto"))
     spec = ReplicaSpec(model, config, loras, lora_dirs, EngineConfig.from_settings(args))
     check_start(spec.model_dir, spec.config, spec.loras)  # here, not after each replica has loaded the model
     return deployment(spec, replicas=int(replicas))

@@ -259,8 +259,12 @@ def test_serve_on_a_local_ray_cluster_checks_its_address_before_starting_ray(dir
     ("tokenizer_config.json", '{"chat_template": 5}', "chat_template must be a string or a list of named templates"),
     ("generation_config.json", '{"eos_token_id": "2"}', "eos_token_id must be a token id or a list of them"),
     ("generation_config.json", "[2]", "generation_config.json must hold a JSON object"),
+    ("generation_config.json", '{"temperature": -0.5}', "temperature must be a number >= 0, got -0.5"),
+    ("generation_config.json", '{"top_p": 0}', "top_p must be a number in (0, 1], got 0"),
+    ("generation_config.json", '{"top_k": 2.5}', "top_k must be an integer >= 0, got 2.5"),
+    ("generation_config.json", '{"max_new_tokens": "64"}', "max_new_tokens must be an integer >= 1, got '64'"),
 ])
-def test_serve_refuses_a_broken_tokenizer_config_or_eos_before_loading(dirs, tmp_path, capsys, monkeypatch, file,
+def test_serve_refuses_a_broken_tokenizer_or_generation_config_before_loading(dirs, tmp_path, capsys, monkeypatch, file,
                                                                         content, message):
     from jlora.engine import Engine
 
@@ -271,6 +275,27 @@ def test_serve_refuses_a_broken_tokenizer_config_or_eos_before_loading(dirs, tmp
     assert cli.main(["serve", "--model", str(model), "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert f"jlora serve: error: {model / file}" in err and message in err
+
+
+def test_serve_says_which_sampling_defaults_come_from_the_model(dirs, tmp_path, capsys, monkeypatch):
+    from jlora.engine import Engine
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before loading")
+
+    monkeypatch.setattr(Engine, "from_pretrained", stop)
+    model = tmp_path / "m"
+    shutil.copytree(dirs / "m", model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}))
+    assert cli.main(["serve", "--model", str(model), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert ("jlora: requests that do not set them take the model's generation_config.json temperature=0.7, "
+            "top_p=0.8, top_k=20 (--generation-config none: OpenAI's defaults)") in err
+    assert "recommends repetition_penalty=1.05, which jlora does not apply" in err
+    assert "stopped before loading" in err
+    assert cli.main(["serve", "--model", str(model), "--port", "0", "--generation-config", "none"]) == 1
+    assert "generation_config.json" not in capsys.readouterr().err
 
 
 def test_demo_into_a_path_it_cannot_make_is_an_error_not_a_traceback(tmp_path, capsys):

@@ -9,6 +9,7 @@ import pytest
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
+from jlora.models.loading import GenerationDefaults, generation_defaults
 from jlora.runner import generate_step
 
 CFG = testing.tiny_config("llama")
@@ -127,10 +128,11 @@ def test_generation_stops_at_the_models_eos_ids_as_hf_generate_does(engine, tmp_
     eos, stop = full[0][2], full[3][1]
     model = tmp_path / "m"
     testing.write_model(str(model), CFG, seed=7)
-    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 10**6]}))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 10**6], "temperature": 0.7}))
     with_eos = Engine.from_pretrained(str(model), max_loras=3, max_lora_rank=16, dtype="float32", max_batch=2,
                                       max_seq_len=64, progress=False)
     assert with_eos.eos_token_ids == {eos, 10**6}
+    assert with_eos.generation_defaults == GenerationDefaults(temperature=0.7)  # for the server; generate greedy
     for i in range(3):
         with_eos.load_adapter(f"a{i}", str(engine.root / f"a{i}"))
     out = with_eos.generate(PROMPTS, ADAPTERS, max_new_tokens=6, stop_token_ids=[stop])
@@ -147,6 +149,38 @@ def test_generation_stops_at_the_models_eos_ids_as_hf_generate_does(engine, tmp_
     (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 3}))
     assert Engine.from_pretrained(str(model), dtype="float32", progress=False).eos_token_ids == {3}
     assert engine.eos_token_ids == frozenset()  # the fixture's model names none
+
+
+# generation_config.json files as models ship them (Llama-3.1-8B-Instruct's, Qwen2.5-7B-Instruct's, a greedy one)
+GENERATION_CONFIGS = [
+    {"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128008, 128009], "temperature": 0.6,
+     "top_p": 0.9, "transformers_version": "4.42.3"},
+    {"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+     "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20},
+    {"do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "max_new_tokens": 256,
+     "repetition_penalty": 1.0},
+]
+
+
+@pytest.mark.parametrize("given", GENERATION_CONFIGS)
+def test_generation_defaults_are_the_sampling_settings_the_file_sets(given, tmp_path):
+    """As vLLM reads generation_config.json for its server: the sampling settings transformers 5's
+    `GenerationConfig.to_diff_dict` keeps (every one set), `do_sample` not read; where transformers is installed,
+    against it."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(given))
+    got = generation_defaults(str(tmp_path)).set()
+    keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty"}
+    assert got == {keys[k]: v for k, v in given.items() if k in keys and v is not None}
+    assert generation_defaults(str(tmp_path / "none")) == GenerationDefaults()  # no file: no defaults
+    try:
+        from transformers import GenerationConfig
+    except ImportError:
+        return
+    if GenerationConfig().top_k is not None:  # transformers 4 left out the values equal to its defaults
+        return
+    diff = GenerationConfig.from_pretrained(str(tmp_path)).to_diff_dict()
+    assert got == {keys[k]: v for k, v in diff.items() if k in keys and v is not None}
 
 
 def test_a_request_cancelled_while_its_prompt_goes_in_pieces_frees_its_row(engine):

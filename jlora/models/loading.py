@@ -7,7 +7,9 @@ gate|up concatenated) and placed on the device, with a progress bar. The model i
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 
@@ -18,9 +20,10 @@ from tqdm.auto import tqdm
 
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer
-from jlora.values import is_integer
+from jlora.values import is_integer, is_real
 
-__all__ = ["checkpoint_files", "eos_token_ids", "load_model", "read_config", "read_json_object"]
+__all__ = ["GenerationDefaults", "checkpoint_files", "eos_token_ids", "generation_defaults", "load_model",
+           "read_config", "read_json_object"]
 
 
 def read_config(model_dir: str) -> ModelConfig:
@@ -47,6 +50,58 @@ def eos_token_ids(model_dir: str) -> frozenset[int]:
                     raise ValueError(f"{path}: eos_token_id must be a token id or a list of them")
                 return frozenset(ids)
     return frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDefaults:
+    """The sampling settings a model's generation_config.json recommends (None: it sets none).
+
+    Taken as vLLM's server takes them: every one the file sets (transformers 5's `GenerationConfig.to_diff_dict`,
+    its defaults all unset), `do_sample` not read. `max_tokens` is its `max_new_tokens`. jlora applies no
+    repetition penalty: `repetition_penalty` is read so that the server can say it is not applied.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    repetition_penalty: float | None = None
+
+    def set(self) -> dict[str, float | int]:
+        """The settings it holds, by field name."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+# generation_config.json's key -> (GenerationDefaults field, the values it may take)
+_GENERATION_KEYS = {
+    "temperature": ("temperature", lambda v: is_real(v) and 0 <= v < math.inf, "a number >= 0"),
+    "top_p": ("top_p", lambda v: is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": ("top_k", lambda v: is_integer(v) and v >= 0, "an integer >= 0"),
+    "min_p": ("min_p", lambda v: is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "max_new_tokens": ("max_tokens", lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
+    "repetition_penalty": ("repetition_penalty", lambda v: is_real(v) and 0 < v < math.inf, "a number > 0"),
+}
+
+
+def generation_defaults(model_dir: str) -> GenerationDefaults:
+    """The sampling defaults of the model's generation_config.json (`GenerationDefaults`; none without the file).
+
+    Raises:
+      ValueError: a setting outside the values it may take, naming the file and the key.
+    """
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return GenerationDefaults()
+    given, found = read_json_object(path), {}
+    for key, (field, valid, what) in _GENERATION_KEYS.items():
+        value = given.get(key)
+        if value is None:
+            continue
+        if not valid(value):
+            raise ValueError(f"{path}: {key} must be {what}, got {value!r:.40}")
+        found[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
+    return GenerationDefaults(**found)
 
 
 def read_json_object(path: str) -> dict:

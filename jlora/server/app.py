@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from jlora.adapters import AdapterError, check_adapter_name
 from jlora.logprobs import TokenLogprob
+from jlora.models.loading import GenerationDefaults
 from jlora.sampling import sample_seeds
 from jlora.scheduler import Request
 from jlora.chat import ChatOptions, ChatTemplateError
@@ -64,6 +65,9 @@ class _Api:
         self.config = config
         self.name = config.served_model_name
         self.chat = self.engine.chat_template
+        # the sampling settings a request that sets none gets: the model's (generation_config.json), or OpenAI's
+        self.defaults = (self.engine.generation_defaults if config.generation_config == "auto"
+                         else GenerationDefaults())
         self.key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         tokenizer = self.engine.tokenizer
         # A text longer than this has more than max_seq_len tokens whatever it holds (a token covers at most its
@@ -184,8 +188,10 @@ class _Api:
         """The request's engine settings, checked against its prompts."""
         longest = max(map(len, prompts))
         room = self.engine.config.max_seq_len - longest
+        defaults = self.defaults
         max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
-        max_tokens = (room if isinstance(request, ChatRequest) else 16) if max_tokens is None else max_tokens
+        if max_tokens is None:  # as vLLM: a chat's room (at most the model's max_new_tokens), a completion's 16
+            max_tokens = min(room, defaults.max_tokens or room) if isinstance(request, ChatRequest) else 16
         if max_tokens == 0 and echo is None:
             raise ApiError(400, "'max_tokens' 0 needs 'echo': true (a request that scores its prompt)", "max_tokens")
         if room < min(max_tokens, 1):
@@ -217,9 +223,11 @@ class _Api:
         sample_logprobs = logprobs if logprobs is not None or best_of == request.n else 0
         # echo shows the prompt's with logprobs; a scoring request (max_tokens 0) asks for them to run at all
         prompt_logprobs = (logprobs or 0) if echo is not None and (logprobs is not None or max_tokens == 0) else None
-        settings = dict(max_new=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
-                        top_p=1.0 if request.top_p is None else request.top_p, top_k=max(request.top_k or 0, 0),
-                        min_p=request.min_p or 0.0, stop=ids, logprobs=sample_logprobs,
+        unset = lambda value, default: default if value is None else value  # noqa: E731
+        settings = dict(max_new=max_tokens, temperature=unset(request.temperature, unset(defaults.temperature, 1.0)),
+                        top_p=unset(request.top_p, unset(defaults.top_p, 1.0)),
+                        top_k=max(unset(request.top_k, defaults.top_k) or 0, 0),
+                        min_p=unset(request.min_p, defaults.min_p) or 0.0, stop=ids, logprobs=sample_logprobs,
                         prompt_logprobs=prompt_logprobs)
         return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream,
                          stream_usage, request.n, logprobs, echo)

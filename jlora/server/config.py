@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["ServerConfig"]
+__all__ = ["GENERATION_CONFIGS", "ServerConfig"]
+
+GENERATION_CONFIGS = ("auto", "none")  # where a request's unset sampling settings come from (`ServerConfig`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,9 @@ class ServerConfig:
       keep_alive: seconds an idle keep-alive connection is held.
       max_connections: open connections beyond which uvicorn answers 503.
       max_concurrent_loads: runtime adapter loads in progress at once (429 beyond).
+      generation_config: "auto": a request's unset temperature, top_p, top_k, min_p and (chat) max_tokens take
+        the model's generation_config.json values (`Engine.generation_defaults`), as vLLM's server does; "none":
+        OpenAI's defaults (temperature 1, top_p 1, no top_k or min_p).
     """
 
     served_model_name: str | None = None
@@ -41,8 +46,11 @@ class ServerConfig:
     keep_alive: float = 5.0
     max_connections: int = 1024
     max_concurrent_loads: int = 2
+    generation_config: str = "auto"
 
     def __post_init__(self):
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
         for name in ("max_waiting", "max_body_bytes", "max_connections", "max_concurrent_loads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

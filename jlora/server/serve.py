@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from jlora.adapters.config import check_start_adapters
 from jlora.chat import ChatTemplate
 from jlora.engine_config import EngineConfig
-from jlora.models.loading import eos_token_ids
+from jlora.models.loading import eos_token_ids, generation_defaults
 from jlora.server.config import ServerConfig
 
 __all__ = ["ServerConfig", "build", "check_start", "serve", "served_name"]
@@ -26,7 +26,8 @@ def served_name(model_dir: str, config: ServerConfig) -> str:
 def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str, str]]) -> None:
     """What a start reads before the weights, so that a bad file or name stops it before the minutes a large
     checkpoint takes (and, under Ray, before any replica starts): the `--lora` adapters (`check_start_adapters`),
-    and the chat template and end-of-sequence ids that `Engine.from_pretrained` reads.
+    and the chat template, end-of-sequence ids and sampling defaults that `Engine.from_pretrained` reads. Says
+    on stderr which sampling defaults requests get from the model (`ServerConfig.generation_config`).
 
     Raises:
       ValueError: naming the option or file at fault (`AdapterError` for an adapter's config).
@@ -34,6 +35,15 @@ def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str,
     check_start_adapters(loras, reserved=served_name(model_dir, config))
     eos_token_ids(model_dir)
     ChatTemplate(model_dir)
+    defaults = generation_defaults(model_dir).set() if config.generation_config == "auto" else {}
+    penalty = defaults.pop("repetition_penalty", None)
+    if defaults:
+        print(f"jlora: requests that do not set them take the model's generation_config.json "
+              f"{', '.join(f'{k}={v:g}' for k, v in defaults.items())} (--generation-config none: OpenAI's defaults)",
+              file=sys.stderr, flush=True)
+    if penalty is not None:
+        print(f"jlora: the model's generation_config.json recommends repetition_penalty={penalty:g}, which jlora does "
+              "not apply (it has no repetition penalty)", file=sys.stderr, flush=True)
 
 
 def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = EngineConfig(), *,

@@ -16,6 +16,7 @@ httpx = pytest.importorskip("httpx")
 
 from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
+from jlora.models.loading import GenerationDefaults, generation_defaults  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
 from jlora.server.config import ServerConfig  # noqa: E402
 from jlora.server.online import OnlineEngine  # noqa: E402
@@ -138,6 +139,43 @@ def test_top_k_and_min_p_per_request(served):
 
     beside, filtered = run(app, both)
     assert tokens(beside) == alone and len(tokens(filtered)) == 8
+
+
+def test_unset_sampling_settings_take_the_models_generation_config(served, monkeypatch, tmp_path):
+    """As vLLM's server: a request's unset temperature, top_p, top_k, min_p and (chat) max_tokens take the model's
+    generation_config.json values; its own settings win; `generation_config="none"` gives OpenAI's defaults."""
+    engine, _, online = served
+    tokens = lambda r: r.json()["choices"][0]["token_ids"]
+
+    def app_with(recommended: dict, generation_config: str = "auto"):
+        (tmp_path / "generation_config.json").write_text(json.dumps(recommended))
+        monkeypatch.setattr(engine, "generation_defaults", generation_defaults(str(tmp_path)))
+        return build_app(online, ServerConfig(served_model_name="m", generation_config=generation_config))
+
+    def ask(app, **fields):
+        body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, **fields}
+        return tokens(run(app, lambda c: c.post("/v1/completions", json=body)))
+
+    openai = app_with({}, "none")
+    greedy, sampled = ask(openai, temperature=0), ask(openai, seed=3)  # OpenAI's default: temperature 1
+    assert sampled != greedy and ask(openai, seed=3, temperature=1.0) == sampled
+    model = app_with({"temperature": 0.0, "top_p": 0.9})
+    assert ask(model, seed=3) == ask(model, seed=4) == greedy  # the model's temperature 0
+    assert ask(model, seed=3, temperature=1.0, top_p=1.0) == sampled  # the request's own settings win
+    assert ask(app_with({"temperature": 0.0}, "none"), seed=3) == sampled  # "none": the file is not read
+    model = app_with({"top_k": 1, "do_sample": False, "repetition_penalty": 1.05})  # do_sample is not read
+    assert engine.generation_defaults == GenerationDefaults(top_k=1, repetition_penalty=1.05)
+    assert ask(model, seed=3, temperature=1.5) == greedy  # top_k 1: the argmax at any temperature
+    assert ask(model, seed=3, top_k=-1) == sampled  # a request's top_k -1 turns the model's off
+    assert ask(app_with({"min_p": 1.0}), seed=3) == greedy
+    model = app_with({"max_new_tokens": 3})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    answer = run(model, lambda c: c.post("/v1/chat/completions", json=chat)).json()
+    assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+    answer = run(model, lambda c: c.post("/v1/chat/completions", json={**chat, "max_tokens": 5})).json()
+    assert answer["usage"]["completion_tokens"] == 5
+    completion = {"model": "m", "prompt": [1, 2, 3], "ignore_eos": True}  # a completion's default stays 16
+    assert len(tokens(run(model, lambda c: c.post("/v1/completions", json=completion)))) == 16
 
 
 def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(served, monkeypatch):
