@@ -115,7 +115,9 @@ def _generate(args) -> int:
             outputs = run([r["messages" if args.chat else "prompt"] for r in requests],
                           [r["adapter"] for r in requests], max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          stop_token_ids=args.stop, seed=args.seed, progress=bar.update, ignore_eos=args.ignore_eos)
+                          stop_token_ids=args.stop, seed=args.seed, progress=bar.update, ignore_eos=args.ignore_eos,
+                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty)
         out.write(_render(args, requests, outputs))
     return 0
 
@@ -227,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="in (0, 2]: divide the positive logits of the tokens of the prompt and output so far by it, "
+                          "multiply the others (HF's; 1: off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="in [-2, 2]: subtract it from a token's logit once per time it was generated (OpenAI's; 0: off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="in [-2, 2]: subtract it from the logit of a token generated before (OpenAI's; 0: off)")
     gen.add_argument("--min-p", type=float, default=0.0,
                      help="sample among the tokens at least this fraction as likely as the top one (0: off)")
     gen.add_argument("--stop", type=int, action="append",
@@ -268,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-connections", type=int, default=1024,
                      help="open connections beyond which new requests get 503")
     srv.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
-                     help="auto: a request's unset temperature, top_p, top_k, min_p and (chat) max_tokens take the "
-                          "model's generation_config.json values, as vLLM's server does; none: OpenAI's defaults")
+                     help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and (chat) "
+                          "max_tokens take the model's generation_config.json values, as vLLM's server does; none: "
+                          "OpenAI's defaults")
     EngineConfig.add_arguments(srv.add_argument_group("engine options"))
     srv.add_argument("--replicas", type=int, metavar="N",
                      help="serve N engines on Ray Serve (RAY_ADDRESS's cluster, else a local one), routed by adapter")

@@ -361,6 +361,9 @@ class Engine:
         logprobs: int | None = None,
         n: int = 1,
         ignore_eos: bool = False,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
     ) -> list[Generation]:
         """Generates for every prompt with its adapter (None: the base model), continuously batched.
 
@@ -386,6 +389,12 @@ class Engine:
             s itself).
           ignore_eos: generate past the model's end-of-sequence ids (always max_new_tokens but for
             `stop_token_ids`).
+          repetition_penalty: in (0, 2] (1: off): the logit of a token of the prompt or already generated is
+            divided by it where positive and multiplied by it otherwise (HF's `repetition_penalty`).
+          frequency_penalty, presence_penalty: in [-2, 2] (0: off), OpenAI's: a token generated c times loses
+            `frequency_penalty · c` of its logit and `presence_penalty` once. The penalties apply before
+            temperature and the filters, as vLLM applies them (`jlora.sampling.apply_penalties`), and to greedy
+            decoding too; log-probabilities are of the logits before them.
 
         Returns:
           n `Generation`s (lists of token ids with `.text`, `.finish_reason` and `.logprobs`) per prompt, prompt
@@ -405,6 +414,13 @@ class Engine:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r:.60}")
+        if not (is_real(repetition_penalty) and 0 < repetition_penalty <= 2):
+            raise ValueError(f"repetition_penalty must be a number in (0, 2] (1: off), got {repetition_penalty!r:.60}")
+        for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+            if not (is_real(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0: off), got {value!r:.60}")
+        penalties = dict(repetition_penalty=float(repetition_penalty), frequency_penalty=float(frequency_penalty),
+                         presence_penalty=float(presence_penalty))
         if stop_token_ids is not None and not (isinstance(stop_token_ids, Sequence | np.ndarray | set | frozenset)
                                                and all(is_integer(t) for t in stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a collection of integer token ids, got {stop_token_ids!r:.60}")
@@ -423,7 +439,7 @@ class Engine:
             first = None  # the other samples share its prefill
             for sample_seed in sample_seeds(request_seed, n):
                 requests.append(Request(prompt, -1, max_new_tokens, temperature, top_p, sample_seed, stop,
-                                        int(top_k), float(min_p), logprobs=logprobs, fork_of=first))
+                                        int(top_k), float(min_p), logprobs=logprobs, fork_of=first, **penalties))
                 first = first or requests[-1]
         self._run(requests, [a for a in adapters for _ in range(n)], progress)
         vocab = self.model_config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here

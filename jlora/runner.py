@@ -31,7 +31,7 @@ from jlora.models.llama import Batch, CallOptions, KVCache, LoRAInput, Transform
 from jlora.logprobs import StepLogprobs, top_logprobs
 from jlora.models.lora_weights import LoRAWeights
 from jlora.parallel import TensorParallel
-from jlora.sampling import request_keys, sample_tokens
+from jlora.sampling import apply_penalties, request_keys, sample_tokens
 from jlora.step import Call, Step, StepOptions
 
 __all__ = ["ModelDef", "ModelRunner", "bucket", "forward", "generate_step", "pack_prompts", "row_tile"]
@@ -138,12 +138,16 @@ def generate_step(model_def: ModelDef, params, step: Step, cache: KVCache, lora:
         pieces = logits[r:]
         target = jnp.where(step.prefill_last >= 0, prefill.rows, r)  # r: out of range, dropped
         logits = logits[:r].at[target].set(pieces[last] if width else pieces, mode="drop")
-    sampling = step.sampling
+    sampling, raw = step.sampling, logits  # log-probabilities: of the logits before the penalties (vLLM's "raw")
+    if step.penalties is not None:
+        decode = step.decode
+        logits = apply_penalties(logits, step.penalties, decode.tokens[:, 0], decode.positions[:, 0],
+                                 decode.valid[:, 0])
     keys = request_keys(sampling.seeds, sampling.token_index)
     next_tokens = sample_tokens(logits, keys, sampling, filtered=step.filtered)
     lp = None
     if width:
-        lp = StepLogprobs(top_logprobs(logits, next_tokens, width),
+        lp = StepLogprobs(top_logprobs(raw, next_tokens, width),
                           None if prefill is None else top_logprobs(pieces, step.prefill_next.reshape(-1), width))
     return next_tokens[:, None], cache, lp
 

@@ -1,5 +1,6 @@
-"""Token sampling inside the jitted step: greedy, temperature, and the top-k, top-p (nucleus) and min-p filters
-as HF's `generate` applies them, one key per request.
+"""Token sampling inside the jitted step: the repetition, frequency and presence penalties (vLLM's), greedy,
+temperature, and the top-k, top-p (nucleus) and min-p filters as HF's `generate` applies them, one key per
+request.
 
 The contract: a request's sampled tokens depend only on its logits, its settings and its own key stream,
 `fold_in(key(seed), i)` for its i-th generated token, never on its row or on the other requests of a batch.
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Sampling", "request_keys", "sample_seeds", "sample_tokens"]
+__all__ = ["Penalties", "Sampling", "apply_penalties", "request_keys", "sample_seeds", "sample_tokens"]
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -39,6 +40,48 @@ class Sampling:
     def filtered(self) -> bool:
         """Whether some row samples from a filtered set (on host arrays): the step's static `filtered`."""
         return bool(((self.temperature > 0) & self.row_filters()).any())
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["history", "prompt_len", "repetition", "frequency", "presence"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """Each row's tokens so far and its penalties, for a step where some row asks for one.
+
+    Attributes:
+      history: [R, H] int32, each row's tokens by position (prompt, then generated), -1 past them; the step's
+        decode token goes in at its position, so the host may not know it yet.
+      prompt_len: [R] int32, how many of a row's tokens are its prompt (the rest count as generated).
+      repetition: [R] f32 (1: off), frequency and presence: [R] f32 (0: off).
+    """
+
+    history: np.ndarray
+    prompt_len: np.ndarray
+    repetition: np.ndarray
+    frequency: np.ndarray
+    presence: np.ndarray
+
+
+def apply_penalties(logits: jax.Array, penalties: Penalties, tokens: jax.Array, positions: jax.Array,
+                    decoding: jax.Array) -> jax.Array:
+    """logits [R, W] f32 with each row's penalties applied, as vLLM applies them (before temperature and the
+    filters; log-probabilities are taken before them): a token of the prompt or generated has its logit divided
+    by `repetition` where positive and multiplied by it otherwise (HF's `repetition_penalty` over prompt and
+    output); then a token generated c times loses `frequency · c`, and `presence` once.
+
+    `tokens`, `positions`, `decoding` [R]: each row's decode token, its position and whether the row decodes;
+    it joins the row's history there. A row whose penalties are off keeps its logits bit for bit.
+    """
+    r, w = logits.shape
+    h = penalties.history.shape[1]
+    history = penalties.history.at[jnp.arange(r), jnp.where(decoding, positions, h)].set(tokens, mode="drop")
+    rows, ids = jnp.arange(r)[:, None], jnp.where(history >= 0, history, w)  # w: out of range, dropped
+    generated = (jnp.arange(h)[None] >= penalties.prompt_len[:, None]).astype(jnp.float32)
+    seen = jnp.zeros((r, w), bool).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((r, w), jnp.float32).at[rows, ids].add(generated, mode="drop")
+    rep = penalties.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - penalties.frequency[:, None] * counts - penalties.presence[:, None] * (counts > 0)
 
 
 def sample_seeds(seed: int, n: int) -> list[int]:

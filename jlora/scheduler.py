@@ -38,7 +38,7 @@ from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
 from jlora.models.llama import Group
 from jlora.paging import BlockPool, block_keys
 from jlora.runner import ModelRunner, bucket, pack_prompts
-from jlora.sampling import Sampling
+from jlora.sampling import Penalties, Sampling
 from jlora.step import Step
 
 __all__ = ["Batcher", "Request"]
@@ -72,6 +72,9 @@ class Request:
     stop: frozenset[int] = frozenset()
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off (`jlora.sampling.apply_penalties`)
+    frequency_penalty: float = 0.0  # 0: off
+    presence_penalty: float = 0.0  # 0: off
     on_update: Callable[[Request], None] | None = None
     out: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
@@ -85,6 +88,11 @@ class Request:
     prefix_id: str | None = None  # what its keys and values depend on beside its tokens (`Admission` sets it)
     out_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_out_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether it asks for a repetition, frequency or presence penalty."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     def _notify(self) -> None:
         if self.on_update is not None:
@@ -137,6 +145,7 @@ class Batcher:
         # Each row's next cache index: while its prompt goes in, the prompt tokens in the cache so far.
         self.position = np.zeros(num_rows, np.int32)
         self.last_token = np.zeros(num_rows, np.int32)
+        self.history = np.full((num_rows, max_seq), -1, np.int32)  # each row's tokens by position (the penalties)
         self.in_flight: _InFlight | None = None  # the step dispatched last, not yet read
 
     def add(self, request: Request) -> None:
@@ -209,6 +218,9 @@ class Batcher:
         self._held[row] = blocks
         self.tables[row, : len(blocks)] = blocks
         self.running[row] = r
+        tokens = r.prompt + r.out  # a resumed request's generated tokens too
+        self.history[row, : len(tokens)] = tokens
+        self.history[row, len(tokens):] = -1
         if admitted is None:
             self._admissions += 1
         self._admitted[row] = self._admissions if admitted is None else admitted
@@ -286,6 +298,7 @@ class Batcher:
         if r.logprobs is not None:  # first: a reader on another thread that sees a token finds its entry
             r.out_logprobs.append(TokenLogprob.at(logprobs.sampled, row, token, r.logprobs))
         r.out.append(token)
+        self.history[row, len(r.prompt) + len(r.out) - 1] = token
         if len(r.out) >= r.max_new:
             self._free(row)
             self._end(r, "length")
@@ -452,9 +465,24 @@ class Batcher:
         if pieces:
             prefill, prefill_slots, prefill_last, prefill_next = self._pack(pieces)
             slots = np.concatenate([slots, prefill_slots.reshape(-1)])
-        sampling = Sampling(seeds, token_index, temps, top_ps, top_ks, min_ps)
-        return Step(decode_group, prefill, slots, self.runner.pool.ranks.copy(), sampling, prefill_last,
-                    prefill_next if width else None, filtered=sampling.filtered(), logprobs=width)
+        settings = Sampling(seeds, token_index, temps, top_ps, top_ks, min_ps)
+        return Step(decode_group, prefill, slots, self.runner.pool.ranks.copy(), settings, prefill_last,
+                    prefill_next if width else None, self._penalties(sampling), filtered=settings.filtered(),
+                    logprobs=width)
+
+    def _penalties(self, sampling: list[tuple[int, Request]]) -> Penalties | None:
+        """The step's `Penalties` when one of the requests it samples for asks for a penalty, else None. The
+        history is copied: the step may read it after this buffer has changed."""
+        penalized = [(row, r) for row, r in sampling if r.penalized]
+        if not penalized:
+            return None
+        n = self.num_rows
+        prompt_len, rep = np.zeros(n, np.int32), np.ones(n, np.float32)
+        freq, pres = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        for row, r in penalized:
+            prompt_len[row], rep[row] = len(r.prompt), r.repetition_penalty
+            freq[row], pres[row] = r.frequency_penalty, r.presence_penalty
+        return Penalties(self.history.copy(), prompt_len, rep, freq, pres)
 
     def _pack(self, pieces: list[tuple[int, Request, int, int]]) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
         """The prompt pieces as a padded group [Bp, Sp] (padding requests: slot -1, no valid token, so no cache

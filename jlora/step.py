@@ -15,7 +15,7 @@ import numpy as np
 
 from jlora.models.llama import Batch, Group
 from jlora.parallel import TensorParallel
-from jlora.sampling import Sampling
+from jlora.sampling import Penalties, Sampling
 
 __all__ = ["Call", "Step", "StepOptions"]
 
@@ -37,7 +37,7 @@ class Call:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["decode", "prefill", "token_slot", "ranks", "sampling", "prefill_last",
-                                "prefill_next"],
+                                "prefill_next", "penalties"],
                    meta_fields=["filtered", "logprobs"])
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -52,6 +52,8 @@ class Step:
       prefill_last: [Bp] the index in its piece of the token whose logits give that row its first token (-1:
         none: the prompt goes on in a later step, or a padding request).
       prefill_next: with `logprobs`, [Bp, Sp] the prompt token each piece token predicts (-1: none).
+      penalties: the rows' histories and penalties (`jlora.sampling.Penalties`) when some row asks for a
+        penalty, else None (a step without them compiles without them).
       filtered: whether some row samples with a top-k, top-p or min-p filter (`Sampling.filtered`: the sort they
         need runs only then).
       logprobs: the top-k width of the step's log-probabilities (`jlora.logprobs.top_width`); 0: none.
@@ -64,6 +66,7 @@ class Step:
     sampling: Sampling
     prefill_last: np.ndarray | None = None
     prefill_next: np.ndarray | None = None
+    penalties: Penalties | None = None
     filtered: bool = False
     logprobs: int = 0
 

@@ -21,3 +21,17 @@ def drive(batcher: Batcher, requests: list[Request], arrivals: list[int] | None 
             batcher.step()
         step += 1
     return batcher
+
+
+def penalties_of(r: Request) -> dict:
+    """r's penalties, as `Request` keywords (for a copy of it)."""
+    return dict(repetition_penalty=r.repetition_penalty, frequency_penalty=r.frequency_penalty,
+                presence_penalty=r.presence_penalty)
+
+
+def random_penalties(rng) -> dict:
+    """No penalty (half the time), or random repetition, frequency and presence penalties, as `Request` keywords."""
+    if rng.random() < 0.5:
+        return {}
+    return dict(repetition_penalty=float(rng.uniform(0.5, 2)), frequency_penalty=float(rng.uniform(-2, 2)),
+                presence_penalty=float(rng.uniform(-2, 2)))

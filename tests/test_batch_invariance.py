@@ -60,6 +60,8 @@ def run_rounds(root, backend: str, rounds: int, seed: int) -> int:
         stop = rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 4))).tolist()
         sampling = (dict(temperature=0.9, top_p=float(rng.choice([1.0, 0.8])), top_k=int(rng.choice([0, 3])),
                          min_p=float(rng.choice([0.0, 0.05]))) if rng.random() < 0.4 else {})
+        if rng.random() < 0.3:
+            sampling |= dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=-0.5)
         seeds = rng.integers(0, 2**32, n).tolist()
         chunk = int(rng.choice([16, 32, 64, 512]))
         # A paged cache of 16-position blocks, sometimes so few that requests wait for blocks to free.

@@ -263,6 +263,7 @@ def test_serve_on_a_local_ray_cluster_checks_its_address_before_starting_ray(dir
     ("generation_config.json", '{"top_p": 0}', "top_p must be a number in (0, 1], got 0"),
     ("generation_config.json", '{"top_k": 2.5}', "top_k must be an integer >= 0, got 2.5"),
     ("generation_config.json", '{"max_new_tokens": "64"}', "max_new_tokens must be an integer >= 1, got '64'"),
+    ("generation_config.json", '{"repetition_penalty": 2.5}', "repetition_penalty must be a number in (0, 2], got 2.5"),
 ])
 def test_serve_refuses_a_broken_tokenizer_or_generation_config_before_loading(dirs, tmp_path, capsys, monkeypatch, file,
                                                                         content, message):
@@ -291,8 +292,7 @@ def test_serve_says_which_sampling_defaults_come_from_the_model(dirs, tmp_path, 
     assert cli.main(["serve", "--model", str(model), "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert ("jlora: requests that do not set them take the model's generation_config.json temperature=0.7, "
-            "top_p=0.8, top_k=20 (--generation-config none: OpenAI's defaults)") in err
-    assert "recommends repetition_penalty=1.05, which jlora does not apply" in err
+            "top_p=0.8, top_k=20, repetition_penalty=1.05 (--generation-config none: OpenAI's defaults)") in err
     assert "stopped before loading" in err
     assert cli.main(["serve", "--model", str(model), "--port", "0", "--generation-config", "none"]) == 1
     assert "generation_config.json" not in capsys.readouterr().err

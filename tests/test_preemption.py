@@ -10,7 +10,7 @@ from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.runner import bucket
 from jlora.scheduler import Batcher, Request
-from tests.batching import drive
+from tests.batching import drive, penalties_of, random_penalties
 
 CFG = testing.tiny_config("llama")
 
@@ -28,7 +28,7 @@ def engine(tmp_path_factory):
 def alone(engine, r: Request) -> Request:
     """r run alone on a contiguous cache."""
     copy = Request(r.prompt, r.slot, r.max_new, r.temperature, r.top_p, r.seed, r.stop, logprobs=r.logprobs,
-                   prompt_logprobs=r.prompt_logprobs)
+                   prompt_logprobs=r.prompt_logprobs, **penalties_of(r))
     drive(Batcher(engine.runner, 1, bucket(len(r.prompt) + r.max_new, 16)), [copy])
     return copy
 
@@ -97,10 +97,10 @@ def test_a_request_preempted_while_its_prompt_goes_in_starts_it_again(engine):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_mixes_in_a_tiny_pool_match_each_request_alone(engine, seed):
-    """Generation (greedy and sampled, with log-probabilities), scoring, forks and requests sharing prompt
-    prefixes (with prefix caching), under the base model and an adapter, arriving over time into 4 rows over 6
-    blocks of 16 positions (less than two requests at their longest), some cancelled: every request preempts
-    or is preempted, and each that was not cancelled gets its own tokens and log-probabilities alone."""
+    """Generation (greedy and sampled, with log-probabilities, some with penalties), scoring, forks and requests
+    sharing prompt prefixes (with prefix caching), under the base model and an adapter, arriving over time into 4
+    rows over 6 blocks of 16 positions (less than two requests at their longest), some cancelled: every request
+    preempts or is preempted, and each that was not cancelled gets its own tokens and log-probabilities alone."""
     rng = np.random.default_rng(seed)
     slots, system = [-1, engine.pool.slot("a")], rng.integers(0, CFG["vocab_size"], 20).tolist()
     requests = []
@@ -110,7 +110,8 @@ def test_random_mixes_in_a_tiny_pool_match_each_request_alone(engine, seed):
         if kind == "fork" and sources:
             source = sources[int(rng.integers(len(sources)))]
             requests.append(Request(source.prompt, source.slot, int(rng.integers(1, 40)), 0.9,
-                                    seed=int(rng.integers(2**31)), prefix_id=source.prefix_id, fork_of=source))
+                                    seed=int(rng.integers(2**31)), prefix_id=source.prefix_id, fork_of=source,
+                                    **random_penalties(rng)))
             continue
         slot = int(rng.choice(slots))
         prompt = rng.integers(0, CFG["vocab_size"], int(rng.integers(1, 40))).tolist()
@@ -121,7 +122,7 @@ def test_random_mixes_in_a_tiny_pool_match_each_request_alone(engine, seed):
             continue
         requests.append(Request(prompt, slot, int(rng.integers(8, 50)), float(rng.choice([0.0, 0.9])),
                                 seed=int(rng.integers(2**31)), logprobs=2 if kind == "logprobs" else None,
-                                prefix_id=str(slot)))
+                                prefix_id=str(slot), **random_penalties(rng)))
     arrivals = sorted(int(a) for a in rng.integers(0, 40, len(requests)))
     arrivals = [max(a, arrivals[requests.index(r.fork_of)]) if r.fork_of else a for r, a in zip(requests, arrivals)]
     cancels = tuple((requests[int(i)], int(rng.integers(0, 80))) for i in rng.choice(len(requests), 2, replace=False))

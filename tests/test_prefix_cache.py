@@ -9,7 +9,7 @@ from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.scheduler import Batcher, Request
-from tests.batching import drive
+from tests.batching import drive, penalties_of, random_penalties
 
 CFG = testing.tiny_config("llama")
 SIZE = 16
@@ -36,7 +36,7 @@ def run(engine, requests, arrivals=None, cancels=(), caching=True, blocks=None) 
 def alone(engine, r: Request) -> Request:
     """r run alone on a contiguous cache without prefix caching."""
     copy = Request(r.prompt, r.slot, r.max_new, r.temperature, r.top_p, r.seed, r.stop,
-                   prompt_logprobs=r.prompt_logprobs)
+                   prompt_logprobs=r.prompt_logprobs, **penalties_of(r))
     batcher = Batcher(engine.runner, 1, 96)
     batcher.add(copy)
     while batcher.busy:
@@ -48,8 +48,8 @@ def alone(engine, r: Request) -> Request:
 def test_shared_prefixes_reuse_blocks_and_match_each_request_alone(engine, seed):
     """Requests over three system prompts (17-50 tokens) with their own suffixes, under the base model and two
     adapters (and the same adapter's slot under a second registration), and forks of some (other samples of
-    the same prompt), arriving over time, some cancelled, in a pool small enough to evict: each equals itself
-    alone, and cached tokens were reused."""
+    the same prompt), arriving over time, some cancelled, some with penalties (over prompt tokens the cache
+    skipped), in a pool small enough to evict: each equals itself alone, and cached tokens were reused."""
     rng = np.random.default_rng(seed)
     slots = {"base": -1, "a0@1": engine.pool.slot("a0"), "a1@2": engine.pool.slot("a1"),
              "a0@3": engine.pool.slot("a1")}  # a0 registered again, with a1's weights: must not hit a0@1's blocks
@@ -65,7 +65,7 @@ def test_shared_prefixes_reuse_blocks_and_match_each_request_alone(engine, seed)
         ident = list(slots)[int(rng.integers(len(slots)))]
         prompt = systems[int(rng.integers(3))] + rng.integers(0, CFG["vocab_size"], int(rng.integers(0, 20))).tolist()
         requests.append(Request(prompt, slots[ident], int(rng.integers(1, 8)), float(rng.choice([0.0, 0.9])),
-                                seed=int(rng.integers(2**31)), prefix_id=ident))
+                                seed=int(rng.integers(2**31)), prefix_id=ident, **random_penalties(rng)))
     arrivals = sorted(int(a) for a in rng.integers(0, 30, len(requests)))
     arrivals = [max(a, arrivals[requests.index(r.fork_of)]) if r.fork_of else a  # a fork after its source
                 for r, a in zip(requests, arrivals)]

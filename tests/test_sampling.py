@@ -1,12 +1,13 @@
 """sample_tokens: greedy rows, the top-k, top-p and min-p filters against a float64 reference of HF's order, and
-sampling without them."""
+sampling without them; apply_penalties against a float64 reference of HF's repetition penalty and OpenAI's
+frequency and presence penalties (and HF's own processor where transformers is installed)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.sampling import Sampling, request_keys, sample_tokens
+from jlora.sampling import Penalties, Sampling, apply_penalties, request_keys, sample_tokens
 
 # Row 0: tokens 3 and 1 hold ~0.6 and ~0.3 of the mass, the other six share the rest.
 LOGITS = jnp.log(jnp.array([[0.02, 0.3, 0.02, 0.6, 0.01, 0.02, 0.02, 0.01]] * 4, jnp.float32))
@@ -123,3 +124,63 @@ def test_a_row_without_filters_draws_the_same_beside_filtered_rows():
     assert sampling.filtered() is True and settings(1.0, rows=6).filtered() is False
     assert settings([0.0, 0.0], 0.5, 3, 0.1).filtered() is False  # greedy rows filter nothing
     assert (mixed[[0, 5]] == plain[[0, 5]]).all() and (mixed[[1, 2, 3, 4]] != plain[[1, 2, 3, 4]]).any()
+
+
+def penalty_case(seed: int, rows: int = 6, vocab: int = 50, h: int = 24):
+    """Random logits [rows, vocab] (some -inf, some 0), histories with repeats, prompts, decode tokens, settings;
+    row 0's penalties are off."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    logits[rng.random((rows, vocab)) < 0.05] = -np.inf
+    logits[rng.random((rows, vocab)) < 0.05] = 0.0
+    history = np.full((rows, h), -1, np.int32)
+    lengths = rng.integers(1, h, rows)
+    prompt_len = np.minimum(rng.integers(1, h, rows), lengths).astype(np.int32)
+    for r, n in enumerate(lengths):
+        history[r, :n] = rng.integers(0, 8, n) if r % 2 else rng.integers(0, vocab, n)  # odd rows: many repeats
+    decoding = rng.random(rows) < 0.7
+    positions = np.where(decoding, np.minimum(lengths, h - 1), 0).astype(np.int32)  # the token after the known
+    tokens = rng.integers(0, vocab, rows).astype(np.int32)
+    rep = rng.uniform(0.5, 2.0, rows).astype(np.float32)
+    freq, pres = rng.uniform(-2, 2, rows).astype(np.float32), rng.uniform(-2, 2, rows).astype(np.float32)
+    rep[0], freq[0], pres[0] = 1, 0, 0
+    return logits, Penalties(history, prompt_len, rep, freq, pres), tokens, positions, decoding
+
+
+def penalized_reference(logits, p: Penalties, tokens, positions, decoding):
+    """float64: HF's RepetitionPenaltyLogitsProcessor over the row's tokens (prompt and generated), then OpenAI's
+    frequency and presence penalties over the generated ones, row by row."""
+    out = logits.astype(np.float64).copy()
+    for r in range(len(out)):
+        seq = [int(t) for t in p.history[r] if t >= 0]
+        if decoding[r]:
+            seq = seq[: positions[r]] + [int(tokens[r])] + seq[positions[r] + 1:]
+        ids = np.array(sorted(set(seq)), np.int64)
+        score = out[r, ids]
+        out[r, ids] = np.where(score < 0, score * p.repetition[r], score / p.repetition[r])
+        generated = np.bincount(seq[p.prompt_len[r]:], minlength=out.shape[1])
+        out[r] -= p.frequency[r] * generated + p.presence[r] * (generated > 0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_penalties_as_hf_and_openai_define_them(seed):
+    logits, p, tokens, positions, decoding = penalty_case(seed)
+    got = np.asarray(jax.jit(apply_penalties)(logits, p, tokens, positions, decoding))
+    want = penalized_reference(logits, p, tokens, positions, decoding)
+    finite = np.isfinite(want)
+    assert (np.isfinite(got) == finite).all() and (got[~finite] == want[~finite]).all()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-6, atol=2e-6)
+    assert np.array_equal(got[0], logits[0])  # penalties off: the logits bit for bit
+
+
+def test_repetition_penalty_is_hfs_processor():
+    torch = pytest.importorskip("torch")
+    processors = pytest.importorskip("transformers.generation.logits_process")
+    logits, p, tokens, positions, _ = penalty_case(11)
+    p = Penalties(p.history, np.zeros_like(p.prompt_len), p.repetition, 0 * p.frequency, 0 * p.presence)
+    got = np.asarray(apply_penalties(logits, p, tokens, positions, np.zeros(len(tokens), bool)))
+    for r in range(len(logits)):
+        ids = torch.tensor(p.history[r][p.history[r] >= 0][None].astype(np.int64))
+        hf = processors.RepetitionPenaltyLogitsProcessor(float(p.repetition[r]))(ids, torch.tensor(logits[r:r + 1]))
+        np.testing.assert_array_equal(got[r], hf[0].numpy())

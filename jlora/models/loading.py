@@ -57,8 +57,7 @@ class GenerationDefaults:
     """The sampling settings a model's generation_config.json recommends (None: it sets none).
 
     Taken as vLLM's server takes them: every one the file sets (transformers 5's `GenerationConfig.to_diff_dict`,
-    its defaults all unset), `do_sample` not read. `max_tokens` is its `max_new_tokens`. jlora applies no
-    repetition penalty: `repetition_penalty` is read so that the server can say it is not applied.
+    its defaults all unset), `do_sample` not read. `max_tokens` is its `max_new_tokens`.
     """
 
     temperature: float | None = None
@@ -80,7 +79,7 @@ _GENERATION_KEYS = {
     "top_k": ("top_k", lambda v: is_integer(v) and v >= 0, "an integer >= 0"),
     "min_p": ("min_p", lambda v: is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "max_new_tokens": ("max_tokens", lambda v: is_integer(v) and v >= 1, "an integer >= 1"),
-    "repetition_penalty": ("repetition_penalty", lambda v: is_real(v) and 0 < v < math.inf, "a number > 0"),
+    "repetition_penalty": ("repetition_penalty", lambda v: is_real(v) and 0 < v <= 2, "a number in (0, 2]"),
 }
 
 

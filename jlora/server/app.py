@@ -228,7 +228,10 @@ class _Api:
                         top_p=unset(request.top_p, unset(defaults.top_p, 1.0)),
                         top_k=max(unset(request.top_k, defaults.top_k) or 0, 0),
                         min_p=unset(request.min_p, defaults.min_p) or 0.0, stop=ids, logprobs=sample_logprobs,
-                        prompt_logprobs=prompt_logprobs)
+                        prompt_logprobs=prompt_logprobs,
+                        repetition_penalty=unset(request.repetition_penalty, unset(defaults.repetition_penalty, 1.0)),
+                        frequency_penalty=request.frequency_penalty or 0.0,
+                        presence_penalty=request.presence_penalty or 0.0)
         return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream,
                          stream_usage, request.n, logprobs, echo)
 
@@ -496,7 +499,8 @@ class _Prepared:
 
     prompts: list[list[int]]
     adapter: str | None
-    settings: dict  # Request's max_new, temperature, top_p, top_k, min_p, stop, logprobs; the first's prompt_logprobs
+    settings: dict  # Request's max_new, sampling settings and penalties, stop, logprobs; the first's
+    # prompt_logprobs
     seeds: list[int]  # each prompt's samples' (best_of of them)
     strings: list[str]  # stop strings
     stream: bool

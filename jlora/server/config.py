@@ -28,9 +28,9 @@ class ServerConfig:
       keep_alive: seconds an idle keep-alive connection is held.
       max_connections: open connections beyond which uvicorn answers 503.
       max_concurrent_loads: runtime adapter loads in progress at once (429 beyond).
-      generation_config: "auto": a request's unset temperature, top_p, top_k, min_p and (chat) max_tokens take
-        the model's generation_config.json values (`Engine.generation_defaults`), as vLLM's server does; "none":
-        OpenAI's defaults (temperature 1, top_p 1, no top_k or min_p).
+      generation_config: "auto": a request's unset temperature, top_p, top_k, min_p, repetition_penalty and (chat)
+        max_tokens take the model's generation_config.json values (`Engine.generation_defaults`), as vLLM's server
+        does; "none": OpenAI's defaults (temperature 1, top_p 1, no top_k, min_p or penalty).
     """
 
     served_model_name: str | None = None

@@ -3,7 +3,8 @@
 pydantic's JSON parser bounds nesting (200 levels) and numbers (4300 digits), and refuses invalid UTF-8 and
 lone surrogates; strict mode takes no string for a number or a boolean ("stream": "false" is an error, not
 true), and lists of token ids stop at their first bad element. Every failure becomes a 400 `ApiError` naming
-the field. Fields beyond OpenAI's that vLLM also takes: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`.
+the field. Fields beyond OpenAI's that vLLM also takes: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
+`ignore_eos`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ MAX_N = 128  # choices per prompt (n, best_of)
 # not implement: a request that sets one to anything but its unset values (null, false or 0 unless said) is
 # refused, naming it, rather than sampled as if it were not there.
 UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+               "min_tokens",
                "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
                "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids",
                "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -58,7 +59,6 @@ class StreamOptions(TypedDict, total=False):
 # (which some clients always send); vLLM's fields their defaults.
 _Unsupported = create_model("_Unsupported", __base__=_Strict, **{
     **{f: (Off, None) for f in UNSUPPORTED}, "response_format": (Off | _TextFormat, None),
-    "repetition_penalty": (Annotated[float, Field(ge=1, le=1)] | None, None),
     "length_penalty": (Annotated[float, Field(ge=1, le=1)] | None, None),
     "skip_special_tokens": (Literal[None, True], None), "spaces_between_special_tokens": (Literal[None, True], None),
     "bad_words": (Literal[None] | Annotated[list, Field(max_length=0)], None),
@@ -74,6 +74,9 @@ class _Generation(_Unsupported):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # vLLM's: -1 or 0 is off
     min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM's range
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: StopString | Annotated[list[StopString | TokenId], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(fail_fast=True)] | None = None

@@ -36,14 +36,10 @@ def check_start(model_dir: str, config: ServerConfig, loras: Sequence[tuple[str,
     eos_token_ids(model_dir)
     ChatTemplate(model_dir)
     defaults = generation_defaults(model_dir).set() if config.generation_config == "auto" else {}
-    penalty = defaults.pop("repetition_penalty", None)
     if defaults:
         print(f"jlora: requests that do not set them take the model's generation_config.json "
               f"{', '.join(f'{k}={v:g}' for k, v in defaults.items())} (--generation-config none: OpenAI's defaults)",
               file=sys.stderr, flush=True)
-    if penalty is not None:
-        print(f"jlora: the model's generation_config.json recommends repetition_penalty={penalty:g}, which jlora does "
-              "not apply (it has no repetition penalty)", file=sys.stderr, flush=True)
 
 
 def build(model_dir: str, config: ServerConfig, engine_config: EngineConfig = EngineConfig(), *,

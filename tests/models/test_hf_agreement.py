@@ -56,3 +56,18 @@ def test_greedy_generation_stops_where_hf_generate_stops(tmp_path):
     out = engine.generate([prompt], [None], max_new_tokens=8)[0]
     assert list(out) == want[:-1] and out.finish_reason == "stop"
     assert list(engine.generate([prompt], [None], max_new_tokens=8, ignore_eos=True)[0]) == free
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_greedy_generation_with_a_repetition_penalty_is_hf_generates(tmp_path, penalty):
+    """HF's `generate(repetition_penalty=...)` (its RepetitionPenaltyLogitsProcessor over prompt and output)."""
+    testing.write_model(str(tmp_path), CONFIGS["qwen2_bias_tied"], seed=4)
+    prompt = [5, 17, 3, 88, 42, 7, 5, 17]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=None,
+                           repetition_penalty=penalty)[0, len(prompt):].tolist()
+    engine = Engine.from_pretrained(str(tmp_path), dtype="float32", progress=False)
+    out = engine.generate([prompt], [None], max_new_tokens=12, repetition_penalty=penalty, ignore_eos=True)[0]
+    assert list(out) == want
+    assert list(engine.generate([prompt], [None], max_new_tokens=12, ignore_eos=True)[0]) != want

@@ -163,11 +163,14 @@ def test_unset_sampling_settings_take_the_models_generation_config(served, monke
     assert ask(model, seed=3) == ask(model, seed=4) == greedy  # the model's temperature 0
     assert ask(model, seed=3, temperature=1.0, top_p=1.0) == sampled  # the request's own settings win
     assert ask(app_with({"temperature": 0.0}, "none"), seed=3) == sampled  # "none": the file is not read
-    model = app_with({"top_k": 1, "do_sample": False, "repetition_penalty": 1.05})  # do_sample is not read
-    assert engine.generation_defaults == GenerationDefaults(top_k=1, repetition_penalty=1.05)
+    model = app_with({"top_k": 1, "do_sample": False})  # do_sample is not read
+    assert engine.generation_defaults == GenerationDefaults(top_k=1)
     assert ask(model, seed=3, temperature=1.5) == greedy  # top_k 1: the argmax at any temperature
     assert ask(model, seed=3, top_k=-1) == sampled  # a request's top_k -1 turns the model's off
     assert ask(app_with({"min_p": 1.0}), seed=3) == greedy
+    model = app_with({"repetition_penalty": 1.9, "temperature": 0.0})
+    penalized = ask(openai, temperature=0, repetition_penalty=1.9)
+    assert penalized != greedy and ask(model) == penalized and ask(model, repetition_penalty=1.0) == greedy
     model = app_with({"max_new_tokens": 3})
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
     answer = run(model, lambda c: c.post("/v1/chat/completions", json=chat)).json()
@@ -176,6 +179,29 @@ def test_unset_sampling_settings_take_the_models_generation_config(served, monke
     assert answer["usage"]["completion_tokens"] == 5
     completion = {"model": "m", "prompt": [1, 2, 3], "ignore_eos": True}  # a completion's default stays 16
     assert len(tokens(run(model, lambda c: c.post("/v1/completions", json=completion)))) == 16
+
+
+def test_penalties_per_request_as_the_engine_applies_them(served):
+    """repetition_penalty (vLLM's), frequency_penalty and presence_penalty (OpenAI's): a request generates what
+    Engine.generate generates with them, alone or beside requests with other penalties; out of range: 400."""
+    engine, app, online = served
+    body = {"model": "m", "prompt": [1, 2, 3, 1, 2], "max_tokens": 10, "ignore_eos": True, "temperature": 0}
+    tokens = lambda r: r.json()["choices"][0]["token_ids"]
+    cases = [{}, {"repetition_penalty": 1.7}, {"frequency_penalty": 2.0}, {"presence_penalty": -2.0},
+             {"repetition_penalty": 0.8, "frequency_penalty": -0.5, "presence_penalty": 2.0}]
+    want = [list(engine.generate([body["prompt"]], [None], 10, ignore_eos=True, **case)[0]) for case in cases]
+    assert len({tuple(w) for w in want}) == len(cases)  # each changes the output
+    alone = [tokens(run(app, lambda c, case=case: c.post("/v1/completions", json={**body, **case}))) for case in cases]
+    assert alone == want
+
+    async def together(c):
+        return await asyncio.gather(*(c.post("/v1/completions", json={**body, **case}) for case in cases))
+
+    assert [tokens(r) for r in run(app, together)] == want
+    for field, value in (("repetition_penalty", 0), ("repetition_penalty", 2.5), ("frequency_penalty", -2.1),
+                         ("presence_penalty", 3)):
+        bad = run(app, lambda c: c.post("/v1/completions", json={**body, field: value}))
+        assert bad.status_code == 400 and field in bad.json()["error"]["message"]
 
 
 def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(served, monkeypatch):

@@ -305,7 +305,7 @@ _json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=4) | st.dic
                                                                                             max_size=4), max_leaves=10)
 _FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids",
            "ignore_eos", "stream", "n", "best_of", "logprobs", "top_logprobs", "echo", "user", "stream_options",
-           "top_k", "min_p", "repetition_penalty", "skip_special_tokens", "bad_words", "prompt_logprobs",
+           "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "skip_special_tokens", "bad_words", "prompt_logprobs",
            "add_generation_prompt", "continue_final_message", "chat_template_kwargs"]
 _VALID = {"/v1/completions": {"model": "m", "prompt": "the quick fox", "max_tokens": 3},
           "/v1/chat/completions": {"model": "a", "messages": [{"role": "user", "content": "the dog"}],

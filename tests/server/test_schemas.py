@@ -75,9 +75,9 @@ def test_unset_unsupported_fields_and_unknown_fields_pass():
 
 
 @pytest.mark.parametrize("extra, refused", [
-    ({"repetition_penalty": 1, "min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True,
+    ({"min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True,
       "bad_words": [], "prompt_logprobs": None, "guided_json": None}, None),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"min_tokens": 4}, "min_tokens"),
+    ({"min_tokens": 4}, "min_tokens"),
     ({"use_beam_search": True}, "use_beam_search"), ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"bad_words": ["the"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
