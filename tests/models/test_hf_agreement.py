@@ -70,4 +70,5 @@ def test_greedy_generation_with_a_repetition_penalty_is_hf_generates(tmp_path, p
     engine = Engine.from_pretrained(str(tmp_path), dtype="float32", progress=False)
     out = engine.generate([prompt], [None], max_new_tokens=12, repetition_penalty=penalty, ignore_eos=True)[0]
     assert list(out) == want
-    assert list(engine.generate([prompt], [None], max_new_tokens=12, ignore_eos=True)[0]) != want
+    if penalty > 1:  # it changes what this model generates (0.7 leaves its repetition as it is)
+        assert list(engine.generate([prompt], [None], max_new_tokens=12, ignore_eos=True)[0]) != want
