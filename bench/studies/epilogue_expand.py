@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product
 sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth  # noqa: E402
 from kernels import CALLS, device_time_per_call  # noqa: E402
-from small_gemm import SHAPES, TILES, check_tiling, split_k_block  # noqa: E402
+from small_gemm import SHAPES, SMOKE_TILES, TILES, check_tiling, split_k_block  # noqa: E402
 
 import jlora  # noqa: E402
 from jlora.batch_info import LoRABatchInfo  # noqa: E402
@@ -122,13 +122,12 @@ def main() -> None:
     calls, best_tiles = CALLS, {}
     if args.smoke:
         shapes, rows, calls = {"o": (256, 128)}, (1, 8), 2
-        tiles = [dict(block_n=64, block_k=64, splits=2, num_warps=4),
-                 dict(block_n=128, block_k=64, splits=1, num_warps=4)]
+        tiles = SMOKE_TILES["triton"]
     elif args.all_tiles:
-        tiles = TILES
+        tiles = TILES["triton"]
     else:
         with open(os.path.join(os.path.dirname(__file__), "..", "results", "small_gemm.json")) as f:
-            best_tiles = {(r["shape"], r["m"]): r["pallas_tile"] for r in json.load(f)["rows"]}
+            best_tiles = {(r["shape"], r["m"]): r["triton_tile"] for r in json.load(f)["rows"]}
     gpu = jax.default_backend() == "gpu"
     bandwidth = copy_bandwidth() if gpu else None
     device = jax.devices()[0].device_kind

@@ -1,16 +1,22 @@
-"""XLA's GEMM against a Pallas small-M GEMM on the 8B decode step's projections (#39: where the base step loses
+"""XLA's GEMM against Pallas small-M GEMMs on the 8B decode step's projections (#39: where the base step loses
 against its weight floor, the q|k|v and o GEMMs ran at 2.9 TB/s at batch 1).
 
 For each projection [K, N] of a Llama-3-8B layer (q|k|v 4096 x 6144, o 4096 x 4096, gate|up 4096 x 28672, down
-14336 x 4096) and M = 1, 8 and 32 rows of bf16 activations: device time per call of `x @ w` under XLA, and of a
-Pallas (Triton) kernel for every tiling below, over 32 calls with distinct weights and activations (so that L2
+14336 x 4096) and M = 1, 8 and 32 rows of bf16 activations: device time per call of `x @ w` under XLA, and of
+each Pallas kernel below at its best tiling, over 32 calls with distinct weights and activations (so that L2
 holds no weight and XLA merges no two calls), with the weight bytes over that time against the copy bandwidth
-measured in the same run. The Pallas kernel: program
-(n, s) computes a [16, BN] f32 block of the rows (padded to 16, Triton's smallest dot) over K split s of
-`splits`, BK columns at a time; XLA then sums the splits (counted in its time). Every tiling's output is checked
-against a float32 `jnp.dot` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed. JSON: small_gemm.json.
+measured in the same run. The Pallas kernels:
+- `triton` (Pallas on Triton): program (n, s) computes a [16, BN] f32 block of the rows (padded to 16, Triton's
+  smallest dot) over K split s of `splits`, BK columns at a time;
+- `mosaic` (Pallas on Mosaic GPU, Hopper only): the same split, each program streaming its [BK, BN] weight tiles
+  and the rows' [64, BK] tiles (padded to 64, wgmma's M) through shared memory by TMA, `steps` tiles in flight,
+  into a wgmma accumulator in registers (each tiling compiles 32 kernels, about 23 s on an H200).
+XLA then sums the splits (counted in their time). Every tiling's output is checked against a float32 `jnp.dot`
+(‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed. JSON: small_gemm.json (small_gemm_mosaic.json for `--kernels
+mosaic`).
 
-  python bench/studies/small_gemm.py [--shapes qkv,o,gate_up,down] [--rows 1,8,32] [--out bench/results]  # GPU
+  python bench/studies/small_gemm.py [--shapes qkv,o,gate_up,down] [--rows 1,8,32] [--kernels triton,mosaic]
+                                     [--out bench/results]         # GPU (mosaic: Hopper)
   python bench/studies/small_gemm.py --smoke                       # CPU, interpret mode, small shapes
 """
 
@@ -27,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
@@ -36,8 +43,15 @@ from kernels import CALLS, device_time_per_call  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 ROWS = (1, 8, 32)
 WEIGHTS = CALLS  # distinct weights per shape, one per call: XLA merges dots that share an operand
-TILES = [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
-         for bn, bk, s in itertools.product((64, 128), (64, 128), (1, 2, 4, 8))]
+TILES = {"triton": [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
+                    for bn, bk, s in itertools.product((64, 128), (64, 128), (1, 2, 4, 8))],
+         "mosaic": [dict(block_n=bn, block_k=bk, splits=s, steps=st)
+                    for bn, bk, s, st in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8), (4,))]}
+SMOKE_TILES = {"triton": [dict(block_n=64, block_k=64, splits=2, num_warps=4),
+                          dict(block_n=128, block_k=64, splits=1, num_warps=4)],
+               "mosaic": [dict(block_n=64, block_k=64, splits=2, steps=2), dict(block_n=128, block_k=64, splits=1,
+                                                                                steps=4)]}
+MOSAIC_ROWS = 64  # wgmma's M: the rows are padded to it
 
 
 def split_k_block(x_ref, w_ref, *, block_n: int, block_k: int, k_per_split: int):
@@ -86,6 +100,54 @@ def pallas_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, spl
     return partials.sum(0)[:m].astype(x.dtype)
 
 
+def mosaic_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, splits: int, steps: int):
+    """x [M, K] @ w [K, N] -> [M, N] in x's dtype on Mosaic GPU (M <= 64): program (n, s) pipelines K split s of
+    its [K, BN] weight columns through shared memory, BK rows a tile, `steps` tiles in flight."""
+    m, k_dim = x.shape
+    n_dim = w.shape[1]
+    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k, splits=splits)
+    xp = jnp.pad(x, ((0, MOSAIC_ROWS - m), (0, 0)))
+    k_steps = k_dim // splits // block_k
+    swizzle = 128  # bytes: the widest swizzle, 64 bf16 a row of a tile
+    transforms = (plgpu.TilingTransform((8, swizzle // x.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    def accumulate(x_gmem, w_gmem, o_gmem, o_smem, acc):
+        n, s = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+
+        def step(_, x_smem, w_smem):
+            plgpu.wgmma(acc, x_smem, w_smem)
+            plgpu.wgmma_wait(1)  # one wgmma in flight: delay_release keeps its tiles until the next step's wait
+
+        plgpu.emit_pipeline(
+            step, grid=(k_steps,), max_concurrent_steps=steps,
+            in_specs=[plgpu.BlockSpec((MOSAIC_ROWS, block_k), lambda k: (0, s * k_steps + k), transforms=transforms,
+                                      delay_release=1),
+                      plgpu.BlockSpec((block_k, block_n), lambda k: (s * k_steps + k, n), transforms=transforms,
+                                      delay_release=1)],
+        )(x_gmem, w_gmem)
+        plgpu.wgmma_wait(0)
+        o_smem[...] = acc[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, :, pl.ds(n * block_n, block_n)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def kernel(x_gmem, w_gmem, o_gmem, o_smem):
+        # the accumulator in a scope of its own: the interpreter takes register and shared scopes apart
+        pl.run_scoped(functools.partial(accumulate, x_gmem, w_gmem, o_gmem, o_smem),
+                      plgpu.ACC((MOSAIC_ROWS, block_n), jnp.float32))
+
+    partials = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((splits, MOSAIC_ROWS, n_dim), jnp.float32),
+        scratch_types=[plgpu.SMEM((MOSAIC_ROWS, block_n), jnp.float32)],
+        grid=(n_dim // block_n, splits), grid_names=("n", "s"),
+        interpret=plgpu.InterpretGPUParams() if jax.default_backend() != "gpu" else False,
+    )(xp, w)
+    return partials.sum(0)[:m].astype(x.dtype)
+
+
+MATMULS = {"triton": pallas_matmul, "mosaic": mosaic_matmul}
+
+
 def relative_error(out, x, w) -> float:
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
@@ -96,14 +158,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="small shapes and two tilings (interpret mode on CPU)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="projections to time")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of activations, M")
+    parser.add_argument("--kernels", default=",".join(MATMULS), help="Pallas kernels to time: triton, mosaic")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    kernels = args.kernels.split(",")
     rows, tiles, weights = tuple(int(m) for m in args.rows.split(",")), TILES, WEIGHTS
     if args.smoke:
-        shapes, rows, weights = {"o": (256, 128)}, (1, 8), 2
-        tiles = [dict(block_n=64, block_k=64, splits=2, num_warps=4), dict(block_n=128, block_k=64, splits=1,
-                                                                           num_warps=4)]
+        shapes, rows, weights, tiles = {"o": (256, 128)}, (1, 8), 2, SMOKE_TILES
     gpu = jax.default_backend() == "gpu"
     bandwidth = copy_bandwidth() if gpu else None
     device = jax.devices()[0].device_kind
@@ -124,36 +186,41 @@ def main() -> None:
 
         row = {"shape": name, "k": k_dim, "n": n_dim, "m": m, "weight_bytes": nbytes}
         row["xla_us"] = (t := timed(jnp.dot)) and t * 1e6
-        best = None
-        for tile in tiles:
-            if n_dim % tile["block_n"] or k_dim % (tile["splits"] * tile["block_k"]):
-                continue
-            matmul = functools.partial(pallas_matmul, **tile)
-            try:
-                error = relative_error(jax.jit(matmul)(x, ws[0]), x, ws[0])
-            except Exception as err:  # a tiling Triton cannot lower: noted, not timed
-                print(f"  {name} M={m} {tile}: {type(err).__name__}: {str(err)[:120]}", flush=True)
-                continue
-            if error >= 1e-2:
-                raise AssertionError(f"{name} M={m} {tile}: relative error {error:.3g}")
-            t = timed(matmul)
-            if t is not None and (best is None or t < best[0]):
-                best = (t, tile)
-            if args.smoke:
-                print(f"  {name} M={m} {tile}: relative error {error:.2e}", flush=True)
-        if best is not None:
-            row["pallas_us"], row["pallas_tile"] = best[0] * 1e6, best[1]
-        for way in ("xla", "pallas"):
+        for kernel in kernels:
+            best = None
+            for tile in tiles[kernel]:
+                if n_dim % tile["block_n"] or k_dim % (tile["splits"] * tile["block_k"]):
+                    continue
+                matmul = functools.partial(MATMULS[kernel], **tile)
+                try:
+                    error = relative_error(jax.jit(matmul)(x, ws[0]), x, ws[0])
+                except Exception as err:  # a tiling the backend cannot lower: noted, not timed
+                    if args.smoke:
+                        raise
+                    print(f"  {name} M={m} {kernel} {tile}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                    continue
+                if error >= 1e-2:
+                    raise AssertionError(f"{name} M={m} {kernel} {tile}: relative error {error:.3g}")
+                t = timed(matmul)
+                if t is not None and (best is None or t < best[0]):
+                    best = (t, tile)
+                if args.smoke:
+                    print(f"  {name} M={m} {kernel} {tile}: relative error {error:.2e}", flush=True)
+            if best is not None:
+                row[f"{kernel}_us"], row[f"{kernel}_tile"] = best[0] * 1e6, best[1]
+        for way in ("xla", *kernels):
             if row.get(f"{way}_us"):
                 row[f"{way}_TBps"] = nbytes / row[f"{way}_us"] / 1e6
                 row[f"{way}_vs_copy"] = row[f"{way}_TBps"] * 1e12 / bandwidth
         result["rows"].append(row)
         if gpu:
-            print(f"{name:8s} M={m:2d}: XLA {row['xla_us']:7.1f} µs {row['xla_TBps']:.2f} TB/s | Pallas "
-                  + (f"{row['pallas_us']:7.1f} µs {row['pallas_TBps']:.2f} TB/s {row['pallas_tile']}"
-                     if best else "-"), flush=True)
+            print(f"{name:8s} M={m:2d}: " + " | ".join(
+                f"{way} {row[f'{way}_us']:6.1f} µs {row[f'{way}_TBps']:.2f} TB/s {row.get(f'{way}_tile', '')}"
+                for way in ("xla", *kernels) if row.get(f"{way}_us")), flush=True)
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "small_gemm_smoke.json" if args.smoke else "small_gemm.json"), "w") as f:
+        stem = "small_gemm" + ("_smoke" if args.smoke else "") + (
+            "" if set(kernels) == set(MATMULS) else "_" + "_".join(kernels))
+        with open(os.path.join(args.out, stem + ".json"), "w") as f:
             json.dump(result, f, indent=1)
 
 
