@@ -106,6 +106,8 @@ def mosaic_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, spl
     its [K, BN] weight columns through shared memory, BK rows a tile, `steps` tiles in flight."""
     m, k_dim = x.shape
     n_dim = w.shape[1]
+    if m > MOSAIC_ROWS:
+        raise ValueError(f"the Mosaic GPU kernel takes at most {MOSAIC_ROWS} rows (wgmma's M), got {m}")
     check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k, splits=splits)
     xp = jnp.pad(x, ((0, MOSAIC_ROWS - m), (0, 0)))
     k_steps = k_dim // splits // block_k
