@@ -73,7 +73,7 @@ class Metrics:
         self._evictions = 0
 
     def adapters(self, stats: AdapterStats, engine) -> None:
-        """Brings the adapter metrics up to `stats` (an `Admission`'s) and `engine`'s tiers (on the engine's
+        """Brings the adapter metrics up to `stats` (an `Admission`'s) and `engine`'s slots (on the engine's
         thread)."""
         seen = self._counted
         for tier in ("device", "device_cache", "host"):
@@ -89,12 +89,17 @@ class Metrics:
         self.adapter_evictions.inc(engine.pool.evictions - self._evictions)
         self._evictions = engine.pool.evictions
         self.resident.set(len(engine.pool.names))
-        self.host_adapters.set(len(engine.tiers.host))
-        self.host_bytes.set(engine.tiers.host.nbytes)
-        self.device_cache_adapters.set(len(engine.tiers.device))
-        self.device_cache_bytes.set(engine.tiers.device.nbytes)
-        self.registered.set(len(engine.registry))
         self.slot_bytes.set(engine.pool.nbytes)
+
+    def watch(self, engine) -> None:
+        """Reads the registry's and the tiers' sizes from `engine` at each scrape: a runtime load registers on a
+        request's thread and a loader thread fills the tiers, neither between two turns of the engine loop, which
+        may be idle (their counters are read under no lock: one int each)."""
+        self.registered.set_function(lambda: len(engine.registry))
+        self.host_adapters.set_function(lambda: len(engine.tiers.host))
+        self.host_bytes.set_function(lambda: engine.tiers.host.nbytes)
+        self.device_cache_adapters.set_function(lambda: len(engine.tiers.device))
+        self.device_cache_bytes.set_function(lambda: engine.tiers.device.nbytes)
 
     def finished(self, request: Request, adapter: str | None, arrival: float) -> None:
         """Counts a request that ended (called once, on the engine thread)."""

@@ -45,6 +45,7 @@ class OnlineEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
+        self.metrics.watch(engine)
         self.batcher = engine.new_batcher(bucket(engine.config.max_batch), bucket(engine.config.max_seq_len, 16))
         self._inbox: queue.Queue = queue.Queue()
         self.admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader,

@@ -224,11 +224,14 @@ def test_runtime_load_and_unload(server, root, engine):
     headers = {"Authorization": f"Bearer {KEY}"}
     post = lambda path, body: httpx.post(server + path, json=body, headers=headers, timeout=60)
     models = lambda: sorted(m.id for m in client(server).models.list().data)
-    before = models()
+    before, registered, host = models(), metric(server, "jlora_adapters_registered"), metric(server, "jlora_adapters_host ")
     bad = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "nope")})
     assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
     assert models() == before  # a failed load leaves the served adapters as they were
     assert post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(root / "a3")}).status_code == 200
+    # /metrics counts the load at once, with no request since to turn the engine loop (the space: not _bytes)
+    assert metric(server, "jlora_adapters_registered") == registered + 1
+    assert metric(server, "jlora_adapters_host ") == host + 1
     want = engine.generate(["the fox"], ["a3"], max_new_tokens=4)[0].text
     assert client(server).completions.create(model="late", prompt="the fox", max_tokens=4, temperature=0).choices[0].text == want
     # Unloading an adapter while a request uses it fails (409) and the request completes unchanged.
@@ -249,7 +252,7 @@ def test_runtime_load_and_unload(server, root, engine):
     assert text == engine.generate(["fox"], ["a3"], max_new_tokens=63)[0].text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
-    assert "late" not in models()
+    assert "late" not in models() and metric(server, "jlora_adapters_registered") == registered
     assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404
 
 
