@@ -262,7 +262,11 @@ class Engine:
     def encode(self, prompts: Sequence[str | Sequence[int]], add_special_tokens: bool = True,
                kind: str = "prompt") -> list[list[int]]:
         """Token ids of each prompt: text through the model's tokenizer, id lists as they are (Python or numpy
-        integers; anything else, a float or a bool included, is a ValueError naming the `kind` and its index)."""
+        integers; anything else, a float or a bool included, is a ValueError naming the `kind` and its index).
+        `prompts` itself must be a list of them: one string is refused, not read as one prompt per character."""
+        if isinstance(prompts, (str, bytes)):
+            raise ValueError(f"{kind}s must be a list, got one {type(prompts).__name__}; for one {kind} give "
+                             f"[{kind}]")
         ids = []
         for i, p in enumerate(prompts):
             if not isinstance(p, (str, Sequence, np.ndarray)):

@@ -305,6 +305,10 @@ def test_generation_errors(engine):
             engine.generate([prompt], [None], max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt 0 is neither text nor a sequence of token ids: int"):
         engine.generate([5], [None], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompts must be a list, got one str; for one prompt give \[prompt\]"):
+        engine.generate("hello", [None] * 5, max_new_tokens=2)  # not five one-character prompts
+    with pytest.raises(ValueError, match="continuations must be a list, got one str"):
+        engine.score([[1], [2]], "ab", [None, None])
     for temperature in (float("nan"), float("inf"), -0.5):
         with pytest.raises(ValueError, match="need a finite temperature >= 0"):
             engine.generate([[1]], [None], max_new_tokens=2, temperature=temperature)
