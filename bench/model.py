@@ -2,7 +2,8 @@
 
 Decode step time and tokens/s at several batch sizes for the base model (LoRA off) and with 1, 8 or 32
 distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head); prefill throughput at
-2048 and 8192 tokens. The LoRA overhead is reported against the base step and against the floor
+2048 and 8192 tokens. Batch 1 runs as an engine of max_batch 1 does, over the weights stored [out, in]
+(`jlora.EngineConfig.weights_out_in`); the other rows over [in, out]. The LoRA overhead is reported against the base step and against the floor
 `base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in the same run.
 
   python bench/model.py [--quick] [--layers 32] [--backend auto] [--batches 1,8,32,64] [--out bench/results]
@@ -33,7 +34,7 @@ from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.runner import ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
-from jlora.models.llama import Batch, KVCache, Transformer
+from jlora.models.llama import Batch, KVCache, Transformer, with_weight_layout
 from jlora.models.loading import load_model
 from jlora.models.lora_weights import LoRAWeights, RowOverrides, module_shapes
 from jlora.parallel import TensorParallel
@@ -98,6 +99,11 @@ def weight_bytes(config: ModelConfig) -> int:
 def kv_bytes(config: ModelConfig, batch: int, context: int = CONTEXT) -> int:
     """Bytes of K and V a decode step of `batch` requests at `context` positions reads, bf16."""
     return batch * context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2
+
+
+def out_in_model(model_def: ModelDef, params: list[jax.Array]) -> tuple[ModelDef, list[jax.Array]]:
+    """The model with its projections' weights stored [out, in], as an engine of max_batch 1 stores them."""
+    return ModelDef.split(*nnx.split(with_weight_layout(model_def.merge(params), True)))
 
 
 def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp=None):
@@ -231,12 +237,13 @@ def main() -> None:
             for adapters in (a for a in (1, 8, 32) if a <= batch):
                 slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
                 cases[rank, adapters] = (loras[rank], slots, jnp.full(SLOTS, rank, jnp.int32))
-        times, cache = time_alternating({case: model_step(model_def, params, tokens, positions, *args, 16)
+        stored = out_in_model(model_def, params) if batch == 1 else (model_def, params)
+        times, cache = time_alternating({case: model_step(*stored, tokens, positions, *args, 16)
                                          for case, args in cases.items()}, cache)
         secs = {case: statistics.median(t) for case, t in times.items()}
         for (rank, adapters), sec in secs.items():
             record("decode", batch, batch, rank, adapters, sec, secs[0, 0], loras.get(rank))
-        del loras, cache
+        del loras, cache, stored
 
     def prefill(total: int) -> None:  # requests of 512 tokens
         batch, seq = total // 512, 512

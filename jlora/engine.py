@@ -29,7 +29,7 @@ from jlora.chat import ChatOptions, ChatTemplate, ChatTemplateError
 from jlora.engine_config import EngineConfig
 from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
 from jlora.models.config import ModelConfig
-from jlora.models.llama import Transformer
+from jlora.models.llama import Transformer, with_weight_layout
 from jlora.models.loading import GenerationDefaults, eos_token_ids, generation_defaults, load_model
 from jlora.parallel import TensorParallel
 from jlora.runner import ModelRunner, bucket, pack_prompts
@@ -115,7 +115,9 @@ class Engine:
 
     Build with `Engine.from_pretrained(model_dir, max_loras=8, max_lora_rank=64, dtype="float32")`; the
     options are `EngineConfig`'s (`engine.config`; the model's own is `engine.model_config`). `max_batch` and
-    `prefill_chunk` may change between calls (`engine.config = dataclasses.replace(engine.config, ...)`).
+    `prefill_chunk` may change between calls (`engine.config = dataclasses.replace(engine.config, ...)`), but
+    for max_batch past 1 in an engine built with max_batch 1, which stores its weights for one-row steps
+    (`EngineConfig.weights_out_in`).
     """
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None,
@@ -127,8 +129,9 @@ class Engine:
         sampling settings the model recommends, which the server gives requests that set none (`generate`
         takes its own defaults)."""
         config = _config(config, options)
-        self.config = config
+        model = with_weight_layout(model, config.weights_out_in)
         self.model_config: ModelConfig = model.config
+        self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.chat_template = chat_template or ChatTemplate()
@@ -176,9 +179,20 @@ class Engine:
         tokenizer = _read_tokenizer(model_dir)  # before the weights: a broken file stops the load at once
         eos, chat, defaults = eos_token_ids(model_dir), ChatTemplate(model_dir), generation_defaults(model_dir)
         with _host_staging(config.tensor_parallel):
-            model = load_model(model_dir, jnp.dtype(config.dtype), progress=progress)
+            model = load_model(model_dir, jnp.dtype(config.dtype), progress=progress, out_in=config.weights_out_in)
         return cls(model, config, tokenizer=tokenizer, eos_token_ids=eos, chat_template=chat,
                    generation_defaults=defaults)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        if self.model_config.weights_out_in and not config.weights_out_in:
+            raise ValueError(f"max_batch {config.max_batch}: this engine was built with max_batch 1 and stores its "
+                             "weights for one-row steps ([out, in]); build an engine with the larger max_batch")
+        self._config = config
 
     def register_adapter(self, name: str, adapter_dir: str) -> None:
         """Registers a PEFT adapter directory under `name` without reading it: it is read, checked and given a

@@ -137,6 +137,14 @@ class EngineConfig:
         """Bytes of arrays the device cache keeps at most (`device_cache_memory`; 0: none)."""
         return 0 if self.device_cache_memory is None else int(self.device_cache_memory * 2**30)
 
+    @property
+    def weights_out_in(self) -> bool:
+        """Whether the engine stores its projections' weights [out, in] (`ModelConfig.weights_out_in`): when each
+        of its decode steps has one row (max_batch 1), whose products then run as row reductions. On an H200 the
+        8B base step at batch 1 took 4.19 against 4.75 ms; steps of 2-32 rows over [out, in] ran 2-4 % slower
+        and a prefill level (docs/performance.md § The model step, *The weights as [out, in]*)."""
+        return self.max_batch == 1
+
     def attention_chunk(self, kv_heads: int) -> int | None:
         """Positions per chunk that decode attention splits over for a model of `kv_heads` KV heads
         (`split_attention`; `jlora.pallas.decode_attention.split_chunk` of max_seq_len), or None: unsplit.

@@ -94,15 +94,18 @@ class TensorParallel:
 
     # ---- base weights ------------------------------------------------------------------------------------------
     def state_spec(self, path: tuple) -> P:
-        """PartitionSpec of a model parameter by its path."""
+        """PartitionSpec of a model parameter by its path: a weight split along its outputs or its inputs, which
+        are its columns or rows as the model stores them (`ModelConfig.weights_out_in`)."""
         name = ".".join(str(p) for p in path)
+        rows, columns = P(AXIS, None), P(None, AXIS)
+        outputs, inputs = (rows, columns) if self.config.weights_out_in else (columns, rows)
         column_parallel = name.endswith(("attn.qkv.weight", "mlp.gate_up.weight"))
         if column_parallel or (self.vocab_parallel and name == "lm_head.weight"):
-            return P(None, AXIS)
+            return outputs
         if name.endswith("attn.qkv.bias"):
             return P(AXIS)
         if name.endswith(("attn.o.weight", "mlp.down.weight")):
-            return P(AXIS, None)
+            return inputs
         return P()
 
     def shard_model(self, model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
@@ -110,14 +113,14 @@ class TensorParallel:
         abstract = nnx.eval_shape(lambda: Transformer(self.local, dtype=model.embed[...].dtype, rngs=nnx.Rngs(0)))
         graphdef, _ = nnx.split(abstract)
         _, state = nnx.split(model)
-        placed = []
+        placed, outputs = [], 0 if self.config.weights_out_in else -1  # a weight's output axis
         for path, var in nnx.to_flat_state(state):
             value = var[...]
             name = ".".join(str(p) for p in path)
             if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-                value = jnp.take(value, self.qkv_perm, axis=-1)
+                value = jnp.take(value, self.qkv_perm, axis=outputs if name.endswith("weight") else -1)
             elif name.endswith("mlp.gate_up.weight"):
-                value = jnp.take(value, self.gate_up_perm, axis=-1)
+                value = jnp.take(value, self.gate_up_perm, axis=outputs)
             placed.append((path, type(var)(jax.device_put(value, NamedSharding(self.mesh, self.state_spec(path))))))
         return graphdef, nnx.from_flat_state(placed)
 

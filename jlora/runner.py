@@ -229,14 +229,18 @@ class ModelRunner:
     def _lm_head(self) -> jax.Array:
         """[H, V]: the lm_head's weight, or the embedding's transposed when tied."""
         w = self._param("lm_head.weight")
-        return self._param("embed").T if w is None else w
+        return self._param("embed").T if w is None else self._in_out(w)
+
+    def _in_out(self, w: jax.Array) -> jax.Array:
+        """A projection's weight [K, N], however the model stores it (`ModelConfig.weights_out_in`)."""
+        return w.T if self.config.weights_out_in else w
 
     def linear(self, layer: int | None, group: str) -> tuple[jax.Array, jax.Array | None]:
         """(weight [K, N], bias [N] or None) of a layer's fused group, or of the lm_head (layer None)."""
         if group == "lm_head":
             return self._lm_head(), None
         path = f"layers.{layer}.{'attn' if group in ('qkv', 'o') else 'mlp'}.{group}"
-        return self._param(path + ".weight"), self._param(path + ".bias")
+        return self._in_out(self._param(path + ".weight")), self._param(path + ".bias")
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
         """An empty KV cache of `batch` blocks of `max_seq` positions (split over KV heads under tensor

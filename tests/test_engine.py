@@ -9,7 +9,7 @@ import pytest
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
-from jlora.models.loading import GenerationDefaults, generation_defaults
+from jlora.models.loading import GenerationDefaults, generation_defaults, load_model
 from jlora.runner import generate_step
 
 CFG = testing.tiny_config("llama")
@@ -406,3 +406,21 @@ def test_a_kv_cache_larger_than_the_free_device_memory_is_refused_before_it_is_m
         engine.new_batcher(1, 16)
     monkeypatch.setattr(engine, "config", dataclasses.replace(config, kv_cache_memory=1.0))  # capped at the rows'
     assert engine.new_batcher(2, 48).blocks.num_blocks == 6
+
+
+def test_an_engine_stores_the_weights_as_its_max_batch_wants_them(engine):
+    """A model given in the other layout is stored as the engine wants it: [out, in] at max_batch 1, [in, out]
+    above (`EngineConfig.weights_out_in`); both engines' logits and greedy tokens equal the loaded engine's."""
+    prompts, want = [[1, 2, 3], [4]], engine.prefill_logits([[1, 2, 3], [4]], [None, None])
+    greedy = [list(g) for g in engine.generate(prompts, [None, None], max_new_tokens=5)]
+    for loaded_out_in, max_batch in ((False, 1), (True, 4)):
+        model = load_model(str(engine.root / "m"), np.float32, progress=False, out_in=loaded_out_in)
+        other = Engine(model, max_batch=max_batch, dtype="float32", max_seq_len=64)
+        c = other.model_config
+        assert c.weights_out_in == (max_batch == 1) != loaded_out_in
+        qkv = other.runner.model_def.merge(other.runner.params).layers[0].attn.qkv.weight[...]
+        in_out = (c.hidden_size, c.q_size + 2 * c.kv_size)
+        assert qkv.shape == (in_out[::-1] if max_batch == 1 else in_out)
+        for got, logits in zip(other.prefill_logits(prompts, [None, None]), want):
+            np.testing.assert_allclose(got, logits, rtol=1e-5, atol=1e-5)
+        assert [list(g) for g in other.generate(prompts, [None, None], max_new_tokens=5)] == greedy

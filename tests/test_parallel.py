@@ -104,10 +104,11 @@ def test_tensor_parallel_matches_single_device(kv_heads, truth, splits, vocab, t
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def peft_features(base: str, tp: int, backend: str) -> None:
+def peft_features(base: str, tp: int, backend: str, max_batch: int) -> None:
     """Runs in the subprocess: every adapter of the PEFT fixtures (LoRA bias, DoRA, row overrides, added tokens,
-    LongLoRA) under TP=tp against PEFT's own logits and greedy tokens, all in one mixed batch. DoRA's norms are
-    over the whole weight; a LoRA bias of a row-parallel layer is added once."""
+    LongLoRA) under TP=tp against PEFT's own logits and greedy tokens, all in one mixed batch (max_batch 1: the
+    weights [out, in], split along their rows or columns as they are stored, generating one row at a time).
+    DoRA's norms are over the whole weight; a LoRA bias of a row-parallel layer is added once."""
     import numpy as np
 
     from jlora.engine import Engine
@@ -117,7 +118,8 @@ def peft_features(base: str, tp: int, backend: str) -> None:
     cases, arrays = expected(base)
     engine = Engine.from_pretrained(f"{FIXTURES}/{base}/model", dtype="float32", tensor_parallel=tp, backend=backend,
                                     max_loras=len(cases), max_lora_rank=16, max_seq_len=64, max_extra_vocab=8,
-                                    progress=False)
+                                    max_batch=max_batch, progress=False)
+    assert engine.model_config.weights_out_in == (max_batch == 1)
     assert not engine.runner.tp.vocab_parallel  # vocab 83 is odd and qwen2_tied is tied: row overrides allowed
     names = [n for n in cases if n != "base"]
     for name in names:
@@ -132,10 +134,11 @@ def peft_features(base: str, tp: int, backend: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base, tp, backend", [("llama", 2, "reference"), ("qwen2_tied", 4, "gather")])
-def test_tensor_parallel_peft_features(base, tp, backend):
+@pytest.mark.parametrize("base, tp, backend, max_batch", [("llama", 2, "reference", 1), ("qwen2_tied", 4, "gather", 8)])
+def test_tensor_parallel_peft_features(base, tp, backend, max_batch):
     env = cpu_devices_env(4)
-    code = f"from tests.test_parallel import peft_features; peft_features({base!r}, {tp}, {backend!r})"
+    code = (f"from tests.test_parallel import peft_features; "
+            f"peft_features({base!r}, {tp}, {backend!r}, {max_batch})")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 

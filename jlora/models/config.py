@@ -35,6 +35,9 @@ class ModelConfig:
     sliding_window: int | None  # attend to at most this many most recent positions (Mistral v0.1) ...
     sliding_layers: frozenset[int] = frozenset()  # ... in these layers (Mistral: all; Qwen2: as its config says)
     max_position_embeddings: int | None = None  # the context it was trained for (LongLoRA scales from it)
+    # How the model stores its projections' weights (jlora's choice, not the checkpoint's): [in, out], or HF's own
+    # [out, in], whose one-token products run as row reductions (`jlora.models.llama.project`).
+    weights_out_in: bool = False
 
     @property
     def q_size(self) -> int:

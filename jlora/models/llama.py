@@ -188,16 +188,30 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-class Linear(nnx.Module):
-    """y = x @ weight (+ bias); weight [in, out] (HF's [out, in] transposed at load)."""
+def project(x: jax.Array, w: jax.Array, out_in: bool, one_token_reduction: bool | None = None) -> jax.Array:
+    """x [T, K] times a weight: [T, N] f32. w is [K, N], or with `out_in` [N, K] (HF's layout), where a call of
+    one token (T = 1, a batch-1 decode step) sums its products along w's contiguous rows unless
+    `one_token_reduction` is False (default: `out_in`): a row reduction, which XLA reads at up to 4.4 TB/s on
+    an H200 where its GEMM reads a batch-1 [K, N] weight at 2.6-4.0 (`bench/studies/weight_layout.py`).
+    Products and sums are f32 either way, as the GEMM accumulates."""
+    if not out_in:
+        return jnp.einsum("TK,KN->TN", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype))
+    if x.shape[0] == 1 and one_token_reduction is not False:
+        return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32), axis=1)[None]
+    return jnp.einsum("TK,NK->TN", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype))
 
-    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(jnp.zeros((din, dout), dtype))
+
+class Linear(nnx.Module):
+    """y = x @ W (+ bias): the weight [in, out] (HF's [out, in] transposed at load), or with `out_in` [out, in]
+    as HF stores it (`ModelConfig.weights_out_in`, see `project`)."""
+
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs, out_in: bool = False):
+        self.out_in = out_in
+        self.weight = nnx.Param(jnp.zeros((dout, din) if out_in else (din, dout), dtype))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("TK,KN->TN", x, self.weight[...], preferred_element_type=jnp.float32,
-                       precision=dot_precision(x.dtype))
+        y = project(x, self.weight[...], self.out_in)
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype)
@@ -294,9 +308,10 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.config = config
         self.window = config.window(layer)
+        out_in = config.weights_out_in
         self.qkv = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias,
-                          dtype=dtype, rngs=rngs)
-        self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+                          dtype=dtype, rngs=rngs, out_in=out_in)
+        self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs, out_in=out_in)
 
     def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
         """x [T, H] (the parts' tokens one after another, each part's B·S in row-major order), caches
@@ -362,8 +377,11 @@ def _gather(cache: jax.Array, tables: jax.Array) -> jax.Array:
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
-        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
-        self.down = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        out_in = config.weights_out_in
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, rngs=rngs,
+                              out_in=out_in)
+        self.down = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs,
+                           out_in=out_in)
 
     def __call__(self, x, ctx: _Context, group: LayerLoRA | None):
         i = self.config.intermediate_size
@@ -397,7 +415,8 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = (
             None if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs,
+                        out_in=config.weights_out_in)
         )
 
     def __call__(self, batch: Batch, cache: KVCache, lora: LoRAInput | None = None,
@@ -468,9 +487,8 @@ class Transformer(nnx.Module):
     def _head(self, x: jax.Array, weights: LoRAWeights | None, info: LoRABatchInfo | None,
               backend: str) -> jax.Array:
         """The lm_head's logits [N, V] f32 of normed x [N, H], with the adapters' lm_head LoRA and row overrides."""
-        if self.lm_head is None:
-            logits = jnp.einsum("TH,VH->TV", x, self.embed[...], preferred_element_type=jnp.float32,
-                                precision=dot_precision(x.dtype)).astype(x.dtype)
+        if self.lm_head is None:  # the embedding [V, H] is [out, in]: reduced over at one token as the weights are
+            logits = project(x, self.embed[...], True, self.config.weights_out_in).astype(x.dtype)
         else:
             logits = self.lm_head(x)
         if weights is not None and weights.lm_head_a is not None:  # no barrier (base_first): see CallOptions
@@ -481,3 +499,17 @@ class Transformer(nnx.Module):
         if weights is not None and weights.rows is not None:
             logits = _override_logits(logits, x, weights.rows, info, backend)
         return logits
+
+
+def with_weight_layout(model: Transformer, out_in: bool) -> Transformer:
+    """`model` with its projections' weights [out, in] (`out_in`) or [in, out] (`ModelConfig.weights_out_in`):
+    itself when they are stored so, else a model over transposed copies of them."""
+    if model.config.weights_out_in == out_in:
+        return model
+    config = dataclasses.replace(model.config, weights_out_in=out_in)
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=model.embed[...].dtype, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    _, state = nnx.split(model)
+    flat = [(path, type(var)(var[...].T if path[-1] == "weight" and var[...].ndim == 2 else var[...]))
+            for path, var in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

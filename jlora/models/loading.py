@@ -145,8 +145,9 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 def _param_sources(config: ModelConfig) -> dict[tuple, tuple[list[str], Callable]]:
     """Our parameter path -> (HF tensor names, how to combine them)."""
-    t = lambda *ws: jnp.concatenate([w.T for w in ws], axis=1)  # [out, in] tensors -> [in, sum(out)]
     cat = lambda *ws: jnp.concatenate(ws)
+    # the projections' [out, in] tensors -> [sum(out), in] as they are (weights_out_in), else -> [in, sum(out)]
+    t = cat if config.weights_out_in else lambda *ws: jnp.concatenate([w.T for w in ws], axis=1)
     same = lambda w: w
     sources = {("embed",): (["model.embed_tokens.weight"], same), ("norm", "weight"): (["model.norm.weight"], same)}
     if not config.tie_word_embeddings:
@@ -168,14 +169,15 @@ def _param_sources(config: ModelConfig) -> dict[tuple, tuple[list[str], Callable
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names
 
 
-def load_model(model_dir: str, dtype=jnp.bfloat16, *, progress: bool = True) -> Transformer:
-    """Builds the `Transformer` of an HF directory and fills it from its safetensors, on the default device.
+def load_model(model_dir: str, dtype=jnp.bfloat16, *, progress: bool = True, out_in: bool = False) -> Transformer:
+    """Builds the `Transformer` of an HF directory and fills it from its safetensors, on the default device; with
+    `out_in`, its projections' weights [out, in] as the checkpoint stores them (`ModelConfig.weights_out_in`).
 
     Raises:
       FileNotFoundError: missing directory, config or weights.
       ValueError: unsupported model type, pickle-only weights, a missing tensor or a shape mismatch.
     """
-    config = read_config(model_dir)
+    config = dataclasses.replace(read_config(model_dir), weights_out_in=out_in)
     files = checkpoint_files(model_dir)
     abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

@@ -4,6 +4,7 @@ tokens, LoRA bias, DoRA and LongLoRA, on an untied Llama (vocab 83) and a tied Q
 300). Every adapter's requests run in one mixed batch with the base model's, on every backend; float32 logits
 within 1e-4 of PEFT's and greedy tokens equal."""
 
+import dataclasses
 import json
 import os
 
@@ -124,3 +125,32 @@ def test_scores_and_logprobs_of_a_mixed_batch_match_peft(loaded):
         np.testing.assert_allclose([t.logprob for t in gen.logprobs], want, atol=1e-4, err_msg=f"{name}/{i}")
         for row, t in zip(lp, gen.logprobs):
             np.testing.assert_allclose([v for _, v in t.top], np.sort(row)[::-1][:5], atol=1e-4)
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_a_batch_one_engine_stores_out_in_and_matches_peft(base):
+    """An engine of max_batch 1 stores its projections' weights [out, in] and runs a one-token step's products as
+    row reductions (`EngineConfig.weights_out_in`): its prompt logits and its greedy tokens and their
+    log-probabilities, each generated in steps of one row (DoRA's norms read from the [out, in] weights, the tied
+    lm_head over the embedding), match PEFT's within 1e-4."""
+    cases, arrays = expected(base)
+    engine = Engine.from_pretrained(os.path.join(FIXTURES, base, "model"), dtype="float32", max_loras=len(cases),
+                                    max_lora_rank=16, max_batch=1, max_seq_len=64, max_extra_vocab=8, progress=False)
+    config = engine.model_config
+    assert config.weights_out_in and engine.runner.linear(0, "o")[0].shape == (config.q_size, config.hidden_size)
+    for name in cases:
+        if name != "base":
+            engine.load_adapter(name, os.path.join(FIXTURES, base, name))
+    requests = [(p, None if name == "base" else name, name, i)
+                for name, case in cases.items() for i, p in enumerate(case["prompts"])]
+    got = engine.prefill_logits([r[0] for r in requests], [r[1] for r in requests])
+    out = engine.generate([r[0] for r in requests], [r[1] for r in requests], max_new_tokens=6, logprobs=1)
+    for (_, _, name, i), logits, gen in zip(requests, got, out):
+        assert rel_err(logits, arrays[f"{name}/{i}"]) < 1e-4, (name, i)
+        tokens = cases[name]["greedy"][i]
+        assert list(gen) == tokens, (name, i)
+        lp = log_softmax(arrays[f"{name}/{i}/greedy"])
+        np.testing.assert_allclose([t.logprob for t in gen.logprobs], lp[np.arange(len(tokens)), tokens], atol=1e-4,
+                                   err_msg=f"{name}/{i}")
+    with pytest.raises(ValueError, match="built with max_batch 1 and stores its weights for one-row steps"):
+        engine.config = dataclasses.replace(engine.config, max_batch=2)
