@@ -3,8 +3,9 @@
 Decode step time and tokens/s at several batch sizes for the base model (LoRA off) and with 1, 8 or 32
 distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head); prefill throughput at
 2048 and 8192 tokens. Batch 1 runs as an engine of max_batch 1 does, over the weights stored [out, in]
-(`jlora.EngineConfig.weights_out_in`); the other rows over [in, out]. The LoRA overhead is reported against the base step and against the floor
-`base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in the same run.
+(`jlora.EngineConfig.weights_out_in`); the other rows over [in, out]. The LoRA overhead is reported against the
+base step and against the floor `base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in
+the same run.
 
   python bench/model.py [--quick] [--layers 32] [--backend auto] [--batches 1,8,32,64] [--out bench/results]
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
