@@ -215,7 +215,7 @@ class ModelRunner:
         self.pool = pool
         pool.base = self  # DoRA's column norms and the embedding rows adapters override come from here
         self.rows = BaseRows(embedding=lambda: self._host(self._param("embed")),
-                             lm_head=lambda: self._host(self._lm_head().T))
+                             lm_head=lambda: self._host(self._lm_head(out_in=True)))
         self._sharded_zeros = {}  # (rows, max_seq) -> jitted maker of an empty cache split over the mesh
 
     def _param(self, name: str) -> jax.Array | None:
@@ -226,21 +226,21 @@ class ModelRunner:
     def _host(x: jax.Array) -> np.ndarray:
         return np.asarray(x.astype(jnp.float32))
 
-    def _lm_head(self) -> jax.Array:
-        """[H, V]: the lm_head's weight, or the embedding's transposed when tied."""
+    def _lm_head(self, out_in: bool = False) -> jax.Array:
+        """The lm_head's weight [H, V], or [V, H] with `out_in`: the embedding's when tied, which is stored [V, H],
+        as the lm_head is with `ModelConfig.weights_out_in`."""
         w = self._param("lm_head.weight")
-        return self._param("embed").T if w is None else self._in_out(w)
-
-    def _in_out(self, w: jax.Array) -> jax.Array:
-        """A projection's weight [K, N], however the model stores it (`ModelConfig.weights_out_in`)."""
-        return w.T if self.config.weights_out_in else w
+        stored_out_in = w is None or self.config.weights_out_in
+        w = self._param("embed") if w is None else w
+        return w if stored_out_in == out_in else w.T
 
     def linear(self, layer: int | None, group: str) -> tuple[jax.Array, jax.Array | None]:
         """(weight [K, N], bias [N] or None) of a layer's fused group, or of the lm_head (layer None)."""
         if group == "lm_head":
             return self._lm_head(), None
         path = f"layers.{layer}.{'attn' if group in ('qkv', 'o') else 'mlp'}.{group}"
-        return self._in_out(self._param(path + ".weight")), self._param(path + ".bias")
+        w = self._param(path + ".weight")  # [N, K] as stored with `ModelConfig.weights_out_in`
+        return (w.T if self.config.weights_out_in else w), self._param(path + ".bias")
 
     def new_cache(self, batch: int, max_seq: int) -> KVCache:
         """An empty KV cache of `batch` blocks of `max_seq` positions (split over KV heads under tensor
