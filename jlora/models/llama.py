@@ -188,15 +188,15 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def project(x: jax.Array, w: jax.Array, out_in: bool, one_token_reduction: bool | None = None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, out_in: bool, one_token_reduction: bool = True) -> jax.Array:
     """x [T, K] times a weight: [T, N] f32. w is [K, N], or with `out_in` [N, K] (HF's layout), where a call of
-    one token (T = 1, a batch-1 decode step) sums its products along w's contiguous rows unless
-    `one_token_reduction` is False (default: `out_in`): a row reduction, which XLA reads at up to 4.4 TB/s on
-    an H200 where its GEMM reads a batch-1 [K, N] weight at 2.6-4.0 (`bench/studies/weight_layout.py`).
-    Products and sums are f32 either way, as the GEMM accumulates."""
+    one token (T = 1, a batch-1 decode step) sums its products along w's contiguous rows with
+    `one_token_reduction`: a row reduction, which XLA reads at up to 4.4 TB/s on an H200 where its GEMM reads a
+    batch-1 [K, N] weight at 2.6-4.0 (`bench/studies/weight_layout.py`). Products and sums are f32 either way,
+    as the GEMM accumulates."""
     if not out_in:
         return jnp.einsum("TK,KN->TN", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype))
-    if x.shape[0] == 1 and one_token_reduction is not False:
+    if x.shape[0] == 1 and one_token_reduction:
         return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32), axis=1)[None]
     return jnp.einsum("TK,NK->TN", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype))
 
