@@ -2,8 +2,10 @@
 
 Decode step time and tokens/s at several batch sizes for the base model (LoRA off) and with 1, 8 or 32
 distinct adapters (rank 16 or 64, on every projection, the embedding and lm_head); prefill throughput at
-2048 and 8192 tokens. Batch 1 runs as an engine of max_batch 1 does, over the weights stored [out, in]
-(`jlora.EngineConfig.weights_out_in`); the other rows over [in, out]. The LoRA overhead is reported against the
+2048 and 8192 tokens. A decode row of B requests runs the step an engine of max_batch B over contiguous cache rows
+of 1024 positions runs (`engine_config`): batch 1 over the weights stored [out, in]
+(`jlora.EngineConfig.weights_out_in`), the other rows over [in, out]; batch 1 and 8 with the decode attention
+split over chunks of positions (`jlora.EngineConfig.attention_chunk`). The LoRA overhead is reported against the
 base step and against the floor `base step + adapter bytes read / copy bandwidth`, with the bandwidth measured in
 the same run.
 
@@ -33,6 +35,7 @@ from flax import nnx
 from common import copy_bandwidth, kernel_durations, pyplot, trace_events
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
+from jlora.engine_config import EngineConfig
 from jlora.runner import ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Batch, KVCache, Transformer, with_weight_layout
@@ -102,20 +105,33 @@ def kv_bytes(config: ModelConfig, batch: int, context: int = CONTEXT) -> int:
     return batch * context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2
 
 
-def out_in_model(model_def: ModelDef, params: list[jax.Array]) -> tuple[ModelDef, list[jax.Array]]:
-    """The model with its projections' weights stored [out, in], as an engine of max_batch 1 stores them."""
+def engine_config(batch: int, degree: int = 1) -> EngineConfig:
+    """The engine a decode row of `batch` requests stands for: max_batch `batch` over contiguous cache rows of
+    2 * CONTEXT positions, on `degree` devices. Its `weights_out_in` is the row's weight layout (`engine_layout`)
+    and its `attention_chunk` the row's attention split."""
+    return EngineConfig(max_batch=batch, max_seq_len=2 * CONTEXT, block_size=0, tensor_parallel=degree)
+
+
+def engine_layout(model_def: ModelDef, params: list[jax.Array], batch: int) -> tuple[ModelDef, list[jax.Array]]:
+    """The model with its weights stored as `engine_config(batch)`'s engine stores them: [out, in] at batch 1
+    (transposed copies), else the model itself."""
+    if not engine_config(batch).weights_out_in:
+        return model_def, params
     return ModelDef.split(*nnx.split(with_weight_layout(model_def.merge(params), True)))
 
 
-def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp=None):
+def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp=None, attention_chunk=None):
     """cache -> (logits, cache): one jitted model call on these inputs."""
-    call, options = Call(Batch.of(tokens, positions), token_slot, ranks), StepOptions(block_m, BACKEND, tp)
+    call = Call(Batch.of(tokens, positions), token_slot, ranks)
+    options = StepOptions(block_m, BACKEND, tp, attention_chunk=attention_chunk)
     return lambda c: forward(model_def, params, call, c, lora, options)
 
 
-def time_steps(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None):
+def time_steps(model_def, params, tokens, positions, cache, lora, token_slot, ranks, block_m, tp=None,
+               attention_chunk=None):
     """(step, dispatch, cache) of `time_run` for one model call on these inputs."""
-    return time_run(model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp), cache)
+    return time_run(model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp,
+                               attention_chunk), cache)
 
 
 def time_run(run, cache, repeats: int = REPEATS, steps: int = STEPS, min_seconds: float = 0.4):
@@ -238,8 +254,8 @@ def main() -> None:
             for adapters in (a for a in (1, 8, 32) if a <= batch):
                 slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
                 cases[rank, adapters] = (loras[rank], slots, jnp.full(SLOTS, rank, jnp.int32))
-        stored = out_in_model(model_def, params) if batch == 1 else (model_def, params)
-        times, cache = time_alternating({case: model_step(*stored, tokens, positions, *args, 16)
+        stored, chunk = engine_layout(model_def, params, batch), engine_config(batch).attention_chunk(config.num_kv_heads)
+        times, cache = time_alternating({case: model_step(*stored, tokens, positions, *args, 16, None, chunk)
                                          for case, args in cases.items()}, cache)
         secs = {case: statistics.median(t) for case, t in times.items()}
         for (rank, adapters), sec in secs.items():
@@ -323,13 +339,15 @@ def features(config, model_def, params, device, out_dir, batch: int = 32, prefil
 
 def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 32):
     """Decode inputs of `batch` rows at one TP degree: (model_def, params, cache, tokens, positions, cases, tp),
-    with cases = {"base": (None, slots, ranks), "lora": (LoRA weights, slots, ranks)} (request i on slot i % 32).
+    with cases = {"base": (None, slots, ranks), "lora": (LoRA weights, slots, ranks)} (request i on slot i % 32),
+    the weights in `engine_layout`.
 
     Under TP every input is placed on the mesh first (the small ones replicated), so steps time the model,
     not a copy of uncommitted inputs from device 0 to the others on every call.
     """
-    tp = TensorParallel.create(config, degree) if degree > 1 else None
-    g, st = (model_def, params) if tp is None else ModelDef.split(*tp.shard_model(model_def.merge(params)))
+    g, st = engine_layout(model_def, params, batch)
+    tp = TensorParallel.create(g.merge(st).config, degree) if degree > 1 else None
+    g, st = (g, st) if tp is None else ModelDef.split(*tp.shard_model(g.merge(st)))
     layout = config if tp is None else tp.layout
     lora = random_lora(layout, rank)
     lora = lora if tp is None else tp.shard_lora(lora)
@@ -373,6 +391,7 @@ def profile(config, model_def, params, degree: int, batches: tuple[int, ...], ba
     rows = []
     for batch in batches:
         g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank, batch)
+        chunk = engine_config(batch, degree).attention_chunk(config.num_kv_heads)
         lw, slots, ranks = cases["lora"]
         weights, kv_read = weight_bytes(config) / degree, kv_bytes(config, batch) / degree  # per device
         floor = (weights + kv_read) / bandwidth
@@ -380,8 +399,8 @@ def profile(config, model_def, params, degree: int, batches: tuple[int, ...], ba
                                          (SLOTS, (lw, slots, ranks))):
             if adapters > batch:
                 continue
-            sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, lora, sl, rk, 16, tp)
-            run = model_step(g, st, tokens, positions, lora, sl, rk, 16, tp)
+            sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, lora, sl, rk, 16, tp, chunk)
+            run = model_step(g, st, tokens, positions, lora, sl, rk, 16, tp, chunk)
 
             def steps():
                 nonlocal cache
@@ -456,8 +475,9 @@ def tensor_parallel(config, model_def, params, degrees, bandwidth, device, out_d
     os.makedirs(out_dir, exist_ok=True)
     for degree in degrees:
         g, st, cache, tokens, positions, cases, tp = setup(config, model_def, params, degree, rank)
-        base, base_dispatch, cache = time_steps(g, st, tokens, positions, cache, *cases["base"], 16, tp)
-        sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, *cases["lora"], 16, tp)
+        chunk = engine_config(batch, degree).attention_chunk(config.num_kv_heads)
+        base, base_dispatch, cache = time_steps(g, st, tokens, positions, cache, *cases["base"], 16, tp, chunk)
+        sec, dispatch, cache = time_steps(g, st, tokens, positions, cache, *cases["lora"], 16, tp, chunk)
         lora = cases["lora"][0]
         floor = base + adapter_bytes(lora, SLOTS, batch) / (degree * bandwidth)
         rows.append(dict(tp=degree, base_ms=base * 1e3, lora_ms=sec * 1e3, base_dispatch_ms=base_dispatch * 1e3,

@@ -32,7 +32,7 @@ from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
-from jlora.pallas.rms_norm import rms_norm, rms_norm_supported
+from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
 
 __all__ = ["Batch", "CallOptions", "Group", "KVCache", "LoRAInput", "Transformer", "rope_frequencies"]
@@ -161,6 +161,7 @@ class _Context:
     lora: LoRAInput | None
     options: CallOptions
     norm_kernel: bool
+    add_in_norm: bool  # the residual adds too (`residual_add_in_norm`)
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -199,6 +200,14 @@ def project(x: jax.Array, w: jax.Array, out_in: bool, one_token_reduction: bool 
     if x.shape[0] == 1 and one_token_reduction:
         return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32), axis=1)[None]
     return jnp.einsum("TK,NK->TN", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype))
+
+
+def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
+    """Whether a call of `tokens` tokens runs each residual add in the norms' kernel after it (`add_rms_norm`,
+    where the norms run in the Pallas kernel): where its projections are row reductions (`project` at one token
+    over [out, in]), which leave each add a kernel of its own. XLA's GEMMs take the add into the kernel that
+    sums their split-K partials, so elsewhere the add stays there (docs/performance.md § The model step)."""
+    return config.weights_out_in and tokens == 1
 
 
 class Linear(nnx.Module):
@@ -303,6 +312,17 @@ class RMSNorm(nnx.Module):
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * y.astype(x.dtype)
 
+    def added(self, x: jax.Array, h: jax.Array | None, kernel: bool = False,
+              add_in_kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+        """(s, s normalized) for the residual sum s = x + h [T, H] (x itself for h None), the norm in the Pallas
+        kernel with `kernel`, and the add too with `add_in_kernel` (`add_rms_norm`: the same bits)."""
+        if h is None:
+            return x, self(x, kernel)
+        if kernel and add_in_kernel:
+            return add_rms_norm(x, h, self.weight[...], self.eps)
+        s = x + h
+        return s, self(s, kernel)
+
 
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
@@ -398,10 +418,14 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
-        h, k_cache, v_cache = self.attn(self.input_norm(x, ctx.norm_kernel), ctx, k_cache, v_cache, group)
-        x = x + h
-        return x + self.mlp(self.post_attn_norm(x, ctx.norm_kernel), ctx, group), k_cache, v_cache
+    def __call__(self, x, pending, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
+        """(x, mlp output, k_cache, v_cache): x [T, H] is the residual stream less `pending`, the layer before's
+        MLP output (None: nothing), which is added here and the returned MLP output by whoever comes next, so
+        that with `ctx.add_in_norm` each add runs in the kernel of the norm after it."""
+        x, normed = self.input_norm.added(x, pending, ctx.norm_kernel, ctx.add_in_norm)
+        h, k_cache, v_cache = self.attn(normed, ctx, k_cache, v_cache, group)
+        x, normed = self.post_attn_norm.added(x, h, ctx.norm_kernel, ctx.add_in_norm)
+        return x, self.mlp(normed, ctx, group), k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -453,17 +477,21 @@ class Transformer(nnx.Module):
                 slot = lora.info.token_slot
                 factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
         norm_kernel = _pallas_kernels(options.backend) and rms_norm_supported(self.config.hidden_size)
+        add_in_norm = norm_kernel and residual_add_in_norm(self.config, x.shape[0])
         ctx = _Context(self._parts(batch, factor, cache, options), rope_frequencies(self.config), lora,
-                       options, norm_kernel)
-        ks, vs = [], []
+                       options, norm_kernel, add_in_norm)
+        ks, vs, pending = [], [], None
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, ctx, cache.k[i], cache.v[i], None if lora is None else weights.layers[i])
+            x, pending, k, v = layer(x, pending, ctx, cache.k[i], cache.v[i],
+                                     None if lora is None else weights.layers[i])
             ks.append(k)
             vs.append(v)
         info = None if lora is None else lora.info
-        if batch.logits_at is not None:
+        if batch.logits_at is not None:  # the rows of the sum, as the sum of the rows
             x, info = x[batch.logits_at], None if lora is None else lora.head_info
-        logits = self._head(self.norm(x, norm_kernel), weights, info, options.backend)
+            pending = None if pending is None else pending[batch.logits_at]
+        _, normed = self.norm.added(x, pending, norm_kernel, add_in_norm)
+        logits = self._head(normed, weights, info, options.backend)
         cache = KVCache(tuple(ks), tuple(vs))
         return (logits if batch.logits_at is not None else logits.reshape(*batch.groups[0].tokens.shape, -1)), cache
 

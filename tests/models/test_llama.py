@@ -16,6 +16,7 @@ from jlora.step import Call, StepOptions
 from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Batch, CallOptions, Group, KVCache, LoRAInput
+from jlora.pallas.rms_norm import add_rms_norm
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
 
@@ -240,6 +241,43 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, kind, backend):
     decoded = np.concatenate(steps, axis=1)
     for i in range(2):
         np.testing.assert_allclose(decoded[i], full[i], rtol=1e-4, atol=1e-4)
+
+
+def test_one_token_steps_over_out_in_weights_add_in_the_norms_kernel(tmp_path):
+    """An engine of max_batch 1 on the Pallas kernels (its weights [out, in]): each one-token step runs every
+    residual add in the norm kernel after it (`residual_add_in_norm`; 2 a layer, the last one's second in the final
+    norm's), and decodes
+    the logits a full forward computes, with an adapter and without; a prompt's call keeps its adds apart."""
+    from unittest import mock
+
+    from jlora.models import llama
+
+    model_dir = _model(tmp_path, "llama")
+    testing.write_adapter(str(tmp_path / "a"), MODELS["llama"], seed=5, r=8, alpha=16, target_modules=LINEAR_MODULES)
+    engine = Engine.from_pretrained(model_dir, max_batch=1, max_loras=1, max_lora_rank=8, dtype="float32",
+                                    backend="pallas", progress=False)
+    engine.load_adapter("a", str(tmp_path / "a"))
+    assert engine.model_config.weights_out_in
+    calls = []
+    spy = lambda x, h, w, eps: calls.append(x.shape[0]) or add_rms_norm(x, h, w, eps)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for adapter in ("a", None):
+        full = engine.prefill_logits([prompt], [adapter])[0]
+        slot = np.array([engine.pool.slot(adapter) if adapter else -1], np.int32)
+        cache = KVCache.zeros(engine.model_config, 1, 16, engine.runner.dtype)
+        with mock.patch.object(llama, "add_rms_norm", spy):  # traced here: the engine's steps compile in these calls
+            logits, cache = engine.runner.run(np.array([prompt[:4]], np.int32), np.arange(4, dtype=np.int32)[None],
+                                              np.repeat(slot, 4), cache)
+            steps = [np.asarray(logits)]
+            for pos in range(4, 8):
+                logits, cache = engine.runner.run(np.array([[prompt[pos]]], np.int32), np.full((1, 1), pos, np.int32),
+                                                  slot, cache)
+                steps.append(np.asarray(logits))
+        np.testing.assert_allclose(np.concatenate(steps, axis=1)[0], full, rtol=1e-4, atol=1e-4)
+    layers = MODELS["llama"]["num_hidden_layers"]
+    # one trace of the decode step each, base and adapter: the adds after attention and the MLP, but the last
+    # layer's MLP output is added in the final norm's kernel
+    assert calls == [1] * (2 * layers) * 2, (len(calls), layers)
 
 
 def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):

@@ -1,12 +1,12 @@
 """The Pallas RMSNorm (interpret mode on CPU) against a float64 oracle of HF's Llama norm, XLA's form of it in
-the model, and each row's bits alone."""
+the model, and each row's bits alone; with the residual add in the kernel, against the add and the norm apart."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jlora.models.llama import RMSNorm
-from jlora.pallas.rms_norm import rms_norm, rms_norm_supported
+from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from tests import oracle
 
 
@@ -62,3 +62,35 @@ def test_rounds_where_hf_rounds():
     want = np.asarray((np.asarray(w, np.float32) * np.asarray(y, np.float32)).astype(jnp.bfloat16), np.float32)
     out = np.asarray(rms_norm(x, w, 1e-5), np.float32)
     assert np.mean(out == want) > 0.999
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("seed, tokens, hidden", [(7, 1, 4096), (8, 5, 128), (9, 2, 16)])
+def test_the_add_in_the_kernel_has_the_bits_of_the_add_then_the_norm(dtype, seed, tokens, hidden):
+    """`add_rms_norm(x, h)`: the sum rounded to x's dtype as XLA's add rounds it, and the norm of that sum, bit for
+    bit, and each row's alone; the sum's norm against the float64 oracle. x and h of very different magnitudes,
+    so the sum's rounding decides bits."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 10.0 ** rng.uniform(-2, 2, (tokens, 1)), dtype)
+    h = jnp.asarray(rng.standard_normal((tokens, hidden)) * 10.0 ** rng.uniform(-2, 2, (tokens, 1)), dtype)
+    w = jnp.asarray(rng.standard_normal(hidden), dtype)
+    s, normed = add_rms_norm(x, h, w, 1e-5)
+    assert s.dtype == normed.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(x + h, np.float32))
+    np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(rms_norm(x + h, w, 1e-5), np.float32))
+    assert oracle.worst_row_err(np.asarray(normed, np.float64), _oracle(x + h, w, 1e-5)) < (
+        1e-6 if dtype == jnp.float32 else 1e-2)
+    last = add_rms_norm(x[-1:], h[-1:], w, 1e-5)
+    np.testing.assert_array_equal(np.asarray(last[1], np.float32), np.asarray(normed[-1:], np.float32))
+
+
+def test_the_add_in_the_kernel_refuses_operands_it_cannot_add():
+    x = jnp.zeros((2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        add_rms_norm(x, jnp.zeros((2, 32), jnp.float32), jnp.ones(32, jnp.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        add_rms_norm(x, jnp.zeros((1, 32), jnp.bfloat16), jnp.ones(32, jnp.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="add_rms_norm needs a hidden size"):
+        add_rms_norm(jnp.zeros((2, 48)), jnp.zeros((2, 48)), jnp.ones(48), 1e-6)
+    s, normed = add_rms_norm(jnp.zeros((0, 32)), jnp.zeros((0, 32)), jnp.ones(32), 1e-6)
+    assert s.shape == normed.shape == (0, 32)
