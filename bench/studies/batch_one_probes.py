@@ -27,16 +27,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import copy_bandwidth, trace_kernels  # noqa: E402
 from model import engine_layout, llama3_8b, random_model, time_alternating  # noqa: E402
-from split_attention import base_decode  # noqa: E402
+from split_attention import attention_case, base_decode, chain  # noqa: E402
 
-from jlora.pallas.decode_attention import decode_attention, paged_decode_attention  # noqa: E402
 from jlora.runner import forward  # noqa: E402
 from jlora.step import StepOptions  # noqa: E402
 
@@ -105,34 +103,16 @@ def projections(result: dict, save) -> None:
 
 
 def attention(result: dict, save) -> None:
-    kv, groups, d, layers, max_seq, pos, page = 8, 4, 128, 32, 1024, 512, 16
     for batch, paged in itertools.product((1, 2, 4, 8), (False, True)):
-        key = jax.random.key(batch)
-        rows = batch if not paged else batch * (max_seq // page)
-        shape = (rows, kv, max_seq, d) if not paged else (rows, kv, page, d)
-        ks = [jax.random.normal(jax.random.fold_in(key, 2 * i), shape, jnp.bfloat16) for i in range(layers)]
-        vs = [jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape, jnp.bfloat16) for i in range(layers)]
-        q = jax.random.normal(jax.random.fold_in(key, 999), (batch, kv, groups, d), jnp.bfloat16)
-        positions = jnp.full((batch,), pos, jnp.int32)
-        if paged:
-            where = jnp.asarray(np.random.default_rng(0).permutation(rows).reshape(batch, -1), jnp.int32)
-            attend = functools.partial(paged_decode_attention, positions=positions, tables=where)
-        else:
-            attend = functools.partial(decode_attention, positions=positions, rows=jnp.arange(batch, dtype=jnp.int32))
+        q, ks, vs, attend = attention_case(batch, 1024, 512, paged, 32)
         ref = attend(q, ks[0], vs[0]).astype(F32)
         us = {}
         for chunk in (None, 64, 128, 256):
             fn = functools.partial(attend, chunk=chunk)
             assert float(jnp.linalg.norm(fn(q, ks[0], vs[0]).astype(F32) - ref) / jnp.linalg.norm(ref)) < 1e-2
-
-            def chain(q, ks, vs, fn=fn):
-                for k, v in zip(ks, vs):
-                    q = fn(q, k, v)
-                return q
-
-            run = jax.jit(chain)
+            run = jax.jit(functools.partial(chain, fn=fn))
             jax.block_until_ready(run(q, ks, vs))
-            us[str(chunk)] = min(sum(sum(t) for t in trace_kernels(lambda: run(q, ks, vs)).values()) / layers
+            us[str(chunk)] = min(sum(sum(t) for t in trace_kernels(lambda: run(q, ks, vs)).values()) / len(ks)
                                  for _ in range(3))
         print(f"attention B={batch} {'paged' if paged else 'rows'}: "
               + ", ".join(f"chunk {c}: {u:.2f} µs" for c, u in us.items()), flush=True)

@@ -41,7 +41,9 @@ CONTEXTS = [(1024, 512), (4096, 4000), (16384, 16000)]  # (cache positions, quer
 CACHE_BUDGET = 24 << 30  # bytes of K and V over all layers of one case: fewer layers above it
 
 
-def kernel_rows(batch: int, max_seq: int, pos: int, paged: bool, layers: int) -> list[dict]:
+def attention_case(batch: int, max_seq: int, pos: int, paged: bool, layers: int):
+    """(q, ks, vs, attend) of `batch` requests at position `pos`: `layers` random caches of `max_seq` positions a
+    request, contiguous rows or `PAGE`-position blocks in a random order, and `attend(q, k, v, chunk=...)`."""
     key = jax.random.key(batch * max_seq)
     rows = batch if not paged else batch * (max_seq // PAGE)
     shape = (rows, KV, max_seq, HEAD_DIM) if not paged else (rows, KV, PAGE, HEAD_DIM)
@@ -54,6 +56,18 @@ def kernel_rows(batch: int, max_seq: int, pos: int, paged: bool, layers: int) ->
         attend = functools.partial(paged_decode_attention, positions=positions, tables=where)
     else:
         attend = functools.partial(decode_attention, positions=positions, rows=jnp.arange(batch, dtype=jnp.int32))
+    return q, ks, vs, attend
+
+
+def chain(q, ks, vs, fn):
+    """`fn` over each layer's cache in turn, each layer's query the output of the layer before."""
+    for k, v in zip(ks, vs):
+        q = fn(q, k, v)
+    return q
+
+
+def kernel_rows(batch: int, max_seq: int, pos: int, paged: bool, layers: int) -> list[dict]:
+    q, ks, vs, attend = attention_case(batch, max_seq, pos, paged, layers)
     out = []
     ref = attend(q, ks[0], vs[0]).astype(jnp.float32)
     kv_bytes = 2 * KV * HEAD_DIM * 2 * batch * (pos + 1)
@@ -62,15 +76,9 @@ def kernel_rows(batch: int, max_seq: int, pos: int, paged: bool, layers: int) ->
         error = float(jnp.linalg.norm(fn(q, ks[0], vs[0]).astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
         if error >= 1e-2:
             raise AssertionError(f"B={batch} max_seq={max_seq} paged={paged} split: relative error {error:.3g}")
-
-        def chain(q, ks, vs, fn=fn):
-            for k, v in zip(ks, vs):
-                q = fn(q, k, v)
-            return q
-
         row = dict(batch=batch, max_seq=max_seq, position=pos, paged=paged, split=split, layers=layers, error=error)
         if jax.default_backend() == "gpu":
-            run = jax.jit(chain)
+            run = jax.jit(functools.partial(chain, fn=fn))
             jax.block_until_ready(run(q, ks, vs))
             kernels = trace_kernels(lambda: run(q, ks, vs))
             row["us_per_layer"] = sum(sum(d) for d in kernels.values()) / layers
