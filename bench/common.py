@@ -36,6 +36,22 @@ def copy_bandwidth(passes: int = 8, repeats: int = 3) -> float:
     return statistics.median(rates)
 
 
+def row_recorder(out_dir: str, name: str):
+    """(device, record): the first GPU's kind, printed as the run's header, and `record(row)`, which appends a row
+    to {"device", "rows"} and writes it to `out_dir`/`name` after every row, so a run cut short keeps its rows."""
+    device = jax.devices()[0].device_kind
+    print(f"# {device}", flush=True)
+    result, path = {"device": device, "rows": []}, os.path.join(out_dir, name)
+    os.makedirs(out_dir, exist_ok=True)
+
+    def record(row: dict) -> None:
+        result["rows"].append(row)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    return device, record
+
+
 def trace_events(run) -> list[tuple[int, float, float, int, str]]:
     """The GPU kernels that `run()` launches (a profiler trace of one call, blocked on its result), sorted by GPU
     and start: (GPU, start µs, duration µs, stream, kernel name); GPU and stream are the trace's process and

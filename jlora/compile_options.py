@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Callable
 
 import jax
 

@@ -108,8 +108,6 @@ def peft_features(base: str, tp: int, backend: str, max_batch: int) -> None:
     LongLoRA) under TP=tp against PEFT's own logits and greedy tokens, all in one mixed batch (max_batch 1: the
     weights [out, in], split along their rows or columns as they are stored, generating one row at a time).
     DoRA's norms are over the whole weight; a LoRA bias of a row-parallel layer is added once."""
-    import numpy as np
-
     from jlora.engine import Engine
     from tests.models.test_peft_fixtures import FIXTURES, expected
     from tests.oracle import rel_err

@@ -17,15 +17,13 @@ alternating rounds; both variants' logits compared first. The base step at each 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import compare_patched  # noqa: E402
+from common import compare_patched, row_recorder  # noqa: E402
 from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
@@ -60,17 +58,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank at batch 1")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    device = jax.devices()[0].device_kind
-    print(f"# {device}", flush=True)
+    _, record = row_recorder(args.out, "add_in_norm.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    result, path = {"device": device, "rows": []}, os.path.join(args.out, "add_in_norm.json")
-    os.makedirs(args.out, exist_ok=True)
-
-    def record(row):
-        result["rows"].append(row)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
 
     for batch in map(int, filter(None, args.batches.split(","))):
         stored = engine_layout(model_def, params, batch)

@@ -127,7 +127,8 @@ def model(result: dict, save) -> None:
                           (4, (None, 256, 128))):
         stored = engine_layout(model_def, params, batch)
         cache, call = base_decode(config, batch, 1024, 512, False)
-        runs = {str(c): (lambda cc, c=c: forward(*stored, call, cc, None, StepOptions(16, "auto", attention_chunk=c)))
+        runs = {str(c): (lambda cc, c=c, stored=stored: forward(*stored, call, cc, None,
+                                                                StepOptions(16, "auto", attention_chunk=c)))
                 for c in chunks}
         times, cache = time_alternating(runs, cache, rounds=7)
         ms = {c: statistics.median(t) * 1e3 for c, t in times.items()}

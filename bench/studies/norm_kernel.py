@@ -16,16 +16,14 @@ with 32 r=16 adapters (`--rank`), and a base prefill of 4 x 512 tokens. Both var
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import compare_patched  # noqa: E402
+from common import compare_patched, row_recorder  # noqa: E402
 from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
@@ -64,17 +62,9 @@ def main() -> None:
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    device = jax.devices()[0].device_kind
-    print(f"# {device}", flush=True)
+    _, record = row_recorder(args.out, "norm_kernel.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    result, path = {"device": device, "rows": []}, os.path.join(args.out, "norm_kernel.json")
-    os.makedirs(args.out, exist_ok=True)
-
-    def record(row):
-        result["rows"].append(row)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
 
     for batch in map(int, filter(None, args.batches.split(","))):
         record(case(model_def, params, f"decode B={batch}", *base_decode(config, batch, 1024, 512, False)))

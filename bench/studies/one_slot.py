@@ -76,8 +76,8 @@ def main() -> None:
             with mock.patch.object(ops, "_linear", one_slot_linear):
                 dense_logits, cache = forward(dense_def, params, call, cache, lora, options)
             logits, cache = forward(model_def, params, call, cache, lora, options)
-            runs = {"shipped": lambda c: forward(model_def, params, call, c, lora, options),
-                    "one_slot": lambda c: forward(dense_def, params, call, c, lora, options)}
+            runs = {"shipped": lambda c, lora=lora: forward(model_def, params, call, c, lora, options),
+                    "one_slot": lambda c, lora=lora: forward(dense_def, params, call, c, lora, options)}
             got, cache = count_and_time(runs, cache)
             ms, kernels = got["ms"], got["kernels"]
             row = dict(batch=batch, rank=rank, shipped_ms=ms["shipped"], one_slot_ms=ms["one_slot"],
