@@ -106,9 +106,13 @@ def test_tensor_parallel_matches_single_device(kv_heads, truth, splits, vocab, t
 def peft_features(base: str, tp: int, backend: str, max_batch: int) -> None:
     """Runs in the subprocess: every adapter of the PEFT fixtures (LoRA bias, DoRA, row overrides, added tokens,
     LongLoRA) under TP=tp against PEFT's own logits and greedy tokens, all in one mixed batch (max_batch 1: the
-    weights [out, in], split along their rows or columns as they are stored, generating one row at a time).
-    DoRA's norms are over the whole weight; a LoRA bias of a row-parallel layer is added once."""
+    weights [out, in], split along their rows or columns as they are stored, generating one row at a time; on the
+    Pallas kernels its one-token steps add the residual in the norms' kernel, under shard_map). DoRA's norms are
+    over the whole weight; a LoRA bias of a row-parallel layer is added once."""
+    from unittest import mock
+
     from jlora.engine import Engine
+    from jlora.models import llama
     from tests.models.test_peft_fixtures import FIXTURES, expected
     from tests.oracle import rel_err
 
@@ -125,13 +129,16 @@ def peft_features(base: str, tp: int, backend: str, max_batch: int) -> None:
     got = engine.prefill_logits([r[0] for r in requests], [r[1] for r in requests])
     for (_, _, name, i), logits in zip(requests, got):
         assert rel_err(logits, arrays[f"{name}/{i}"]) < 1e-4, (name, i)
-    out = engine.generate([r[0] for r in requests], [r[1] for r in requests], max_new_tokens=6)
+    added, add_rms_norm = [], llama.add_rms_norm
+    with mock.patch.object(llama, "add_rms_norm", lambda *args: added.append(1) or add_rms_norm(*args)):
+        out = engine.generate([r[0] for r in requests], [r[1] for r in requests], max_new_tokens=6)
     assert [list(t) for t in out] == [cases[n]["greedy"][i] for _, _, n, i in requests]
+    assert bool(added) == (backend == "pallas" and max_batch == 1)
     print("ok")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base, tp, backend, max_batch", [("llama", 2, "reference", 1), ("qwen2_tied", 4, "gather", 8)])
+@pytest.mark.parametrize("base, tp, backend, max_batch", [("llama", 2, "pallas", 1), ("qwen2_tied", 4, "gather", 8)])
 def test_tensor_parallel_peft_features(base, tp, backend, max_batch):
     env = cpu_devices_env(4)
     code = (f"from tests.test_parallel import peft_features; "
