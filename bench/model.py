@@ -162,15 +162,19 @@ def time_run(run, cache, repeats: int = REPEATS, steps: int = STEPS, min_seconds
     return statistics.median(walls), statistics.median(dispatches), cache
 
 
-def time_alternating(runs: dict, cache, rounds: int = REPEATS, steps: int = STEPS) -> tuple[dict, object]:
+def time_alternating(runs: dict, cache, rounds: int = REPEATS, steps: int = STEPS,
+                     dispatch: dict | None = None) -> tuple[dict, object]:
     """({name: [seconds per call, per round]}, cache) of `run(cache) -> (logits, cache)` for each of `runs`, timed
     in `rounds` alternating rounds (one `time_run` round each, of at least `steps` calls), so that drift in the
-    GPU's clocks reaches every case alike and the ratios between them hold."""
+    GPU's clocks reaches every case alike and the ratios between them hold. `dispatch`, when given, gets each
+    case's host seconds per call, per round (`time_run`'s)."""
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            sec, _, cache = time_run(run, cache, repeats=1, steps=steps)
+            sec, host, cache = time_run(run, cache, repeats=1, steps=steps)
             times[name].append(sec)
+            if dispatch is not None:
+                dispatch.setdefault(name, []).append(host)
     return times, cache
 
 
@@ -228,7 +232,7 @@ def main() -> None:
                       indent=1)
         plot(rows, stem + ".png", device)
 
-    def record(kind, batch, tokens, rank, adapters, sec, base_sec, lora=None):
+    def record(kind, batch, tokens, rank, adapters, sec, base_sec, lora=None, host=None):
         floor = None if lora is None else base_sec + adapter_bytes(lora, adapters, tokens) / bandwidth
         # the base step's own floor (decode: its weights and KV read once at the copy bandwidth)
         base_floor = (weight_bytes(config) + kv_bytes(config, batch)) / bandwidth if kind == "decode" else None
@@ -237,10 +241,13 @@ def main() -> None:
                    floor_ms=None if floor is None else floor * 1e3,
                    vs_floor=None if floor is None else sec / floor,
                    base_floor_ms=None if base_floor is None else base_floor * 1e3,
-                   base_vs_floor=None if base_floor is None else base_sec / base_floor)
+                   base_vs_floor=None if base_floor is None else base_sec / base_floor,
+                   # the host's time to dispatch a call: near `ms`, the host may be what sets the pace
+                   dispatch_ms=None if host is None else host * 1e3)
         rows.append(row)
         save()
         extra = "" if floor is None else f"  floor {floor * 1e3:7.3f} ms  x{sec / floor:5.2f} of floor"
+        extra += "" if host is None else f"  host dispatch {host * 1e3:6.3f} ms"
         print(f"{kind:7s} B={batch:3d} T={tokens:5d} r={rank or '-':>2} n={adapters:2d}  {sec * 1e3:8.3f} ms  "
               f"{tokens / sec:9.0f} tok/s  x{sec / base_sec:5.2f} of base{extra}", flush=True)
 
@@ -255,11 +262,13 @@ def main() -> None:
                 slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
                 cases[rank, adapters] = (loras[rank], slots, jnp.full(SLOTS, rank, jnp.int32))
         stored, chunk = engine_layout(model_def, params, batch), engine_config(batch).attention_chunk(config.num_kv_heads)
+        host = {}
         times, cache = time_alternating({case: model_step(*stored, tokens, positions, *args, 16, None, chunk)
-                                         for case, args in cases.items()}, cache)
+                                         for case, args in cases.items()}, cache, dispatch=host)
         secs = {case: statistics.median(t) for case, t in times.items()}
         for (rank, adapters), sec in secs.items():
-            record("decode", batch, batch, rank, adapters, sec, secs[0, 0], loras.get(rank))
+            record("decode", batch, batch, rank, adapters, sec, secs[0, 0], loras.get(rank),
+                   statistics.median(host[rank, adapters]))
         del loras, cache, stored
 
     def prefill(total: int) -> None:  # requests of 512 tokens
