@@ -45,6 +45,7 @@ def _kernel(*refs, eps: float, add: bool):
 
 
 def _call(inputs: tuple[jax.Array, ...], weight: jax.Array, eps: float, outputs: int, name: str):
+    """The kernel over (x,) or (x, h), each [T, H]: its `outputs` arrays (the norm[, the sum]), each like x."""
     t, h = inputs[0].shape
     if not rms_norm_supported(h):
         raise ValueError(f"{name} needs a hidden size that is a power of two >= 16, got {h}")
