@@ -123,6 +123,22 @@ def compare_patched(model_def, params, call, cache, lora, options, target, attri
                 logits_equal_fraction=float(jnp.mean(logits == patched_logits))), cache
 
 
+def patched_row(name: str, got: dict, labels: tuple[str, str], **extra) -> dict:
+    """`compare_patched`'s result as a JSON row, printed: the case's `name`, `extra`, each variant's median ms
+    (`<label>_ms`, spaces as underscores), the first label's ratio to the second, the kernels a step and how the
+    logits differ."""
+    ms, kernels = got["ms"], got["kernels"]
+    first, second = labels
+    row = dict(case=name, **extra, **{f"{label.replace(' ', '_')}_ms": ms[label] for label in labels},
+               ratio=ms[first] / ms[second], kernels=kernels, logits_max_abs_diff=got["logits_max_abs_diff"],
+               logits_equal_fraction=got["logits_equal_fraction"])
+    print(f"{name:28s} {first} {ms[first]:7.3f} ms ({kernels[first]} kernels), {second} {ms[second]:7.3f} ms "
+          f"({kernels[second]}): {row['ratio']:.3f}x" + "".join(f"; {k} {v}" for k, v in extra.items())
+          + f"; logits max |diff| {row['logits_max_abs_diff']:.3g}, equal {row['logits_equal_fraction']:.3f}",
+          flush=True)
+    return row
+
+
 def count_and_time(runs: dict, cache) -> tuple[dict, object]:
     """({"ms": {label: median ms}, "kernels": {label: kernels a step}}, cache) of `run(cache) -> (logits, cache)`
     for each of `runs`: each traced once, then timed in alternating rounds (`model.time_alternating`)."""

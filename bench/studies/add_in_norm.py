@@ -23,7 +23,7 @@ import sys
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import compare_patched, row_recorder  # noqa: E402
+from common import compare_patched, patched_row, row_recorder  # noqa: E402
 from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
@@ -42,14 +42,7 @@ def case(model_def, params, name: str, batch: int, lora=None, rank: int = 16) ->
     options = StepOptions(16, "auto", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
     got, _ = compare_patched(model_def, params, call, cache, lora, options, llama, "residual_add_in_norm",
                              not shipped, labels)
-    ms, kernels = got["ms"], got["kernels"]
-    row = dict(case=name, shipped=labels[0], in_norm_ms=ms["in norm"], apart_ms=ms["apart"],
-               ratio=ms["in norm"] / ms["apart"], kernels=kernels, logits_max_abs_diff=got["logits_max_abs_diff"],
-               logits_equal_fraction=got["logits_equal_fraction"])
-    print(f"{name:24s} add in the norm {ms['in norm']:7.3f} ms ({kernels['in norm']} kernels), apart "
-          f"{ms['apart']:7.3f} ms ({kernels['apart']}): {row['ratio']:.3f}x (shipped: {labels[0]}); logits max "
-          f"|diff| {row['logits_max_abs_diff']:.3g}, equal {row['logits_equal_fraction']:.3f}", flush=True)
-    return row
+    return patched_row(name, got, ("in norm", "apart"), shipped=labels[0])
 
 
 def main() -> None:
@@ -61,7 +54,6 @@ def main() -> None:
     _, record = row_recorder(args.out, "add_in_norm.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
-
     for batch in map(int, filter(None, args.batches.split(","))):
         stored = engine_layout(model_def, params, batch)
         record(case(*stored, f"decode B={batch}", batch))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import compare_patched, row_recorder  # noqa: E402
+from common import compare_patched, patched_row, row_recorder  # noqa: E402
 from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
@@ -44,14 +44,7 @@ def case(model_def, params, name: str, cache, call: Call, lora=None) -> dict:
     """The step with the kernel's norms and with XLA's, alternating rounds; their logits compared first."""
     got, _ = compare_patched(model_def, params, call, cache, lora, StepOptions(16, "auto"), llama,
                              "rms_norm_supported", False, ("kernel", "xla"))
-    ms, kernels = got["ms"], got["kernels"]
-    row = dict(case=name, kernel_ms=ms["kernel"], xla_ms=ms["xla"], ratio=ms["kernel"] / ms["xla"],
-               kernels=kernels, logits_max_abs_diff=got["logits_max_abs_diff"],
-               logits_equal_fraction=got["logits_equal_fraction"])
-    print(f"{name:28s} kernel norms {ms['kernel']:7.3f} ms ({kernels['kernel']} kernels), XLA norms "
-          f"{ms['xla']:7.3f} ms ({kernels['xla']}): {row['ratio']:.3f}x; logits max |diff| "
-          f"{row['logits_max_abs_diff']:.3g}, equal {row['logits_equal_fraction']:.3f}", flush=True)
-    return row
+    return patched_row(name, got, ("kernel", "xla"))
 
 
 def main() -> None:
@@ -65,7 +58,6 @@ def main() -> None:
     _, record = row_recorder(args.out, "norm_kernel.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
-
     for batch in map(int, filter(None, args.batches.split(","))):
         record(case(model_def, params, f"decode B={batch}", *base_decode(config, batch, 1024, 512, False)))
     lora = random_lora(config, args.rank)
