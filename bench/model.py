@@ -355,8 +355,12 @@ def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 3
     not a copy of uncommitted inputs from device 0 to the others on every call.
     """
     g, st = engine_layout(model_def, params, batch)
-    tp = TensorParallel.create(g.merge(st).config, degree) if degree > 1 else None
-    g, st = (g, st) if tp is None else ModelDef.split(*tp.shard_model(g.merge(st)))
+    if degree > 1:
+        model = g.merge(st)
+        tp = TensorParallel.create(model.config, degree)
+        g, st = ModelDef.split(*tp.shard_model(model))
+    else:
+        tp = None
     layout = config if tp is None else tp.layout
     lora = random_lora(layout, rank)
     lora = lora if tp is None else tp.shard_lora(lora)
