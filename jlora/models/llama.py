@@ -14,8 +14,8 @@ attends to positions <= p. A call may carry two groups of requests (`Group`, e.g
 then prompt pieces into other rows) whose tokens go through the projections together. Decode groups (S = 1)
 on GPU (or under an explicit "pallas" backend) run attention in a Pallas kernel
 (`jlora.pallas.decode_attention`, through the block tables when a request has several), which reads each
-request's positions only up to its own; everything else uses XLA's masked contractions over the blocks a
-group's tables name. Where that kernel runs, the norms run in a Pallas kernel too (`jlora.pallas.rms_norm`).
+request's positions only up to its own, and which also rotates q and k by RoPE and writes the cache
+(`rope_in_attention`); everything else uses XLA's masked contractions over the blocks a group's tables name. Where that kernel runs, the norms run in a Pallas kernel too (`jlora.pallas.rms_norm`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
-from jlora.pallas.decode_attention import decode_attention, decode_attention_supported, paged_decode_attention
+from jlora.pallas.config import delta_expand
+from jlora.pallas.decode_attention import (NewToken, decode_attention, decode_attention_supported,
+                                           paged_decode_attention)
 from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
 
@@ -135,15 +137,16 @@ class CallOptions:
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """One group as the attention layers see it: its shape, positions, the positions RoPE rotates by, which
-    tokens write the cache, its block tables [B, nb] (`own_block`: request b's is block b, the cache's blocks
-    in request order), whether decode attention runs in a Pallas kernel and the chunk of positions that kernel
-    is split over (None: unsplit)."""
+    """One group as the attention layers see it: its shape, positions, its tokens' rotation (cos and sin [B, S, D]
+    f32, `_rotation`), which tokens write the cache, its block tables [B, nb] (`own_block`: request b's is block
+    b, the cache's blocks in request order), whether decode attention runs in a Pallas kernel (which then also
+    rotates q and k and writes the cache) and the chunk of positions that kernel is split over (None: unsplit)."""
 
     b: int
     s: int
     positions: jax.Array
-    rope_positions: jax.Array
+    cos: jax.Array
+    sin: jax.Array
     valid: jax.Array
     tables: jax.Array
     own_block: bool
@@ -153,11 +156,10 @@ class _Part:
 
 @dataclasses.dataclass(frozen=True)
 class _Context:
-    """What every layer of a call reads: its groups as `_Part`s, the RoPE frequencies, the adapters (None:
-    the base model alone), the options and whether the norms run in the Pallas kernel."""
+    """What every layer of a call reads: its groups as `_Part`s, the adapters (None: the base model alone), the
+    options and whether the norms run in the Pallas kernel."""
 
     parts: tuple[_Part, ...]
-    inv_freq: jax.Array
     lora: LoRAInput | None
     options: CallOptions
     norm_kernel: bool
@@ -178,15 +180,19 @@ def rope_frequencies(config: ModelConfig) -> jax.Array:
     return jnp.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
 
 
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [B, S, heads, D] rotated by positions [B, S] (HF's rotate-half convention)."""
+def _rotation(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, S, D] f32 of RoPE at positions [B, S] (the D/2 angles twice, HF's rotate-half convention)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, S, D/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    return jnp.cos(jnp.concatenate([angles, angles], -1)), jnp.sin(jnp.concatenate([angles, angles], -1))
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, S, heads, D] rotated by `_rotation`'s cos and sin [B, S, D]: x·cos + rotate_half(x)·sin in f32, rounded
+    to x's dtype (the Pallas decode attention rotates in-kernel with these operations)."""
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
 def project(x: jax.Array, w: jax.Array, out_in: bool, one_token_reduction: bool = True) -> jax.Array:
@@ -208,6 +214,16 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
     over [out, in]), which leave each add a kernel of its own. XLA's GEMMs take the add into the kernel that
     sums their split-K partials, so elsewhere the add stays there (docs/performance.md § The model step)."""
     return config.weights_out_in and tokens == 1
+
+
+def rope_in_attention(qkv_delta_apart: bool) -> bool:
+    """Whether a decode part whose attention runs in the Pallas kernel hands it its q|k|v before RoPE (a
+    `NewToken`), so the kernel rotates q and k and writes the cache: XLA ran those as five small kernels a layer
+    and copied the slices of q|k|v (2.3 % of an H200's batch-1 step, 0.6-1.8 % at batch 8-32). Not where the
+    Pallas LoRA kernels wrote the q|k|v delta `qkv_delta_apart` for XLA to add into its consumer (`defer_add`):
+    before the kernel that add is a kernel of its own (a batch-32 step with one adapter 2.1 % slower). Evidence:
+    docs/performance.md § The model step, *RoPE and the cache write in the attention kernel*."""
+    return not qkv_delta_apart
 
 
 class Linear(nnx.Module):
@@ -250,6 +266,15 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
         out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
                           backend=options.backend, scale=scale, shift=shift, defer_add=True)
     return out if reduce_axis is None else jax.lax.psum(out, reduce_axis)
+
+
+def _qkv_delta_apart(ctx: _Context, group: LayerLoRA | None, tokens: int) -> bool:
+    """Whether `_with_lora` has the Pallas LoRA kernels write the q|k|v delta of a call of `tokens` tokens on its
+    own, for XLA to add (`lora_linear`'s `defer_add`)."""
+    if ctx.lora is None or "qkv" not in group.a:
+        return False
+    return (resolve_backend(ctx.options.backend, tokens, group.b["qkv"].shape[2]) == "pallas"
+            and delta_expand(tokens, True))
 
 
 def _override_rows(x: jax.Array, tokens: jax.Array, token_slot: jax.Array, ids: jax.Array,
@@ -345,23 +370,34 @@ class Attention(nnx.Module):
         """
         c = self.config
         qkv = _with_lora(self.qkv, x, ctx, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
-        queries, start = [], 0
+        qkvs, start = [], 0
         for p in ctx.parts:
-            q, k_cache, v_cache = self._write(qkv[start: start + p.b * p.s], p, ctx.inv_freq, k_cache, v_cache)
-            queries.append(q)
+            qkvs.append(qkv[start: start + p.b * p.s].reshape(p.b, p.s, -1, c.head_dim))  # [B, S, H + 2·KV, D]
             start += p.b * p.s
-        outs = [self._attend(q, p, k_cache, v_cache).reshape(p.b * p.s, c.q_size).astype(x.dtype)
-                for q, p in zip(queries, ctx.parts)]
+        in_kernel = [p.kernel and rope_in_attention(_qkv_delta_apart(ctx, group, x.shape[0])) for p in ctx.parts]
+        # XLA's cache writes first, then the kernels' (each reads and writes the cache it is given), then the rest's
+        # attention: each version of the cache is read before the next is written, so XLA updates it in place.
+        queries = [None] * len(ctx.parts)
+        for i, p in enumerate(ctx.parts):
+            if not in_kernel[i]:
+                queries[i], k_cache, v_cache = self._write(qkvs[i], p, k_cache, v_cache)
+        outs = [None] * len(ctx.parts)
+        for i, p in enumerate(ctx.parts):
+            if in_kernel[i]:
+                outs[i], k_cache, v_cache = self._attend_token(qkvs[i], p, k_cache, v_cache)
+        for i, p in enumerate(ctx.parts):
+            if not in_kernel[i]:
+                outs[i] = self._attend(queries[i], p, k_cache, v_cache)
+        outs = [o.reshape(p.b * p.s, c.q_size).astype(x.dtype) for o, p in zip(outs, ctx.parts)]
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         return _with_lora(self.o, out, ctx, group, "o", (c.hidden_size,), row_parallel=True), k_cache, v_cache
 
-    def _write(self, qkv, p: _Part, inv_freq, k_cache, v_cache):
-        """One part's q|k|v [B·S, ·]: k and v rotated and written to the cache; q rotated [B, S, KV, G, D]."""
+    def _write(self, qkv, p: _Part, k_cache, v_cache):
+        """One part's q|k|v [B, S, H + 2·KV, D]: k and v rotated and written to the cache; q rotated [B, S, KV, G,
+        D]."""
         c = self.config
-        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
-        q = _rope(q.reshape(p.b, p.s, c.num_heads, c.head_dim), p.rope_positions, inv_freq)
-        k = _rope(k.reshape(p.b, p.s, c.num_kv_heads, c.head_dim), p.rope_positions, inv_freq)
-        v = v.reshape(k.shape)
+        q, k, v = jnp.split(qkv, [c.num_heads, c.num_heads + c.num_kv_heads], axis=2)
+        q, k = _rope(q, p.cos, p.sin), _rope(k, p.cos, p.sin)
         # [block, :, offset] addresses [B, S, kv_heads, D], the layout of k and v (advanced indices first).
         # Invalid tokens (padding) get an out-of-range block, so the scatter drops them: padding requests
         # share a real request's blocks, and a scatter with duplicate indices keeps an arbitrary one of them.
@@ -372,6 +408,16 @@ class Attention(nnx.Module):
         k_cache = k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
         return q.reshape(p.b, p.s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim), k_cache, v_cache
+
+    def _attend_token(self, qkv, p: _Part, k_cache, v_cache):
+        """A decode part's (S = 1) attention in the Pallas kernel, which also rotates q and k of its q|k|v
+        [B, 1, H + 2·KV, D] and writes k and v to the cache: ([B, KV, G, D], k_cache, v_cache)."""
+        token = NewToken(qkv[:, 0], p.cos[:, 0], p.sin[:, 0], p.valid[:, 0])
+        if p.tables.shape[1] == 1:  # one block per request: the contiguous kernel
+            return decode_attention(token, k_cache, v_cache, p.positions[:, 0], p.tables[:, 0], window=self.window,
+                                    chunk=p.chunk)
+        return paged_decode_attention(token, k_cache, v_cache, p.positions[:, 0], p.tables, window=self.window,
+                                      chunk=p.chunk)
 
     def _attend(self, q, p: _Part, k_cache, v_cache):
         """One part's attention over its blocks of the cache: q [B, S, KV, G, D] -> [B, S, KV, G, D]."""
@@ -478,8 +524,7 @@ class Transformer(nnx.Module):
                 factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
         norm_kernel = _pallas_kernels(options.backend) and rms_norm_supported(self.config.hidden_size)
         add_in_norm = norm_kernel and residual_add_in_norm(self.config, x.shape[0])
-        ctx = _Context(self._parts(batch, factor, cache, options), rope_frequencies(self.config), lora,
-                       options, norm_kernel, add_in_norm)
+        ctx = _Context(self._parts(batch, factor, cache, options), lora, options, norm_kernel, add_in_norm)
         ks, vs, pending = [], [], None
         for i, layer in enumerate(self.layers):
             x, pending, k, v = layer(x, pending, ctx, cache.k[i], cache.v[i],
@@ -498,7 +543,7 @@ class Transformer(nnx.Module):
     def _parts(self, batch: Batch, factor: jax.Array | None, cache: KVCache,
                options: CallOptions) -> tuple[_Part, ...]:
         """Each group as the layers see it; `factor` [T]: each token's RoPE position divisor (LongLoRA)."""
-        parts, start = [], 0
+        parts, start, inv_freq = [], 0, rope_frequencies(self.config)
         for g in batch.groups:
             b, s = g.tokens.shape
             rope_positions = g.positions if factor is None else g.positions / factor[start:start + b * s].reshape(b, s)
@@ -507,7 +552,8 @@ class Transformer(nnx.Module):
             writes = jnp.ones((b, s), bool) if g.valid is None else g.valid
             # once for all layers: an iota per layer is a kernel
             tables = jnp.arange(b)[:, None] if g.tables is None else g.tables
-            parts.append(_Part(b, s, g.positions, rope_positions, writes, tables, g.tables is None, kernel,
+            cos, sin = _rotation(rope_positions, inv_freq)
+            parts.append(_Part(b, s, g.positions, cos, sin, writes, tables, g.tables is None, kernel,
                                options.attention_chunk if kernel else None))
             start += b * s
         return tuple(parts)

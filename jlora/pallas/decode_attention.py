@@ -19,10 +19,16 @@ program per (request, KV head) leaves most of the GPU idle while each walks a lo
 chunks are fixed position ranges whose partial softmax sums are combined in chunk order, element by element;
 chunks past a request's position add exact zeros, so a request's result depends neither on the requests
 beside it nor on the cache's size, as long as the chunk stays the same (`split_chunk`, an engine's choice).
+
+Given a `NewToken` (the q|k|v projection's output) the kernel also does what ran between that projection and
+attention: it rotates q and the token's key by RoPE (the operations and rounding of `jlora.models.llama`'s) and
+writes the key and value to the cache at the query's position before it reads the cache. In XLA those were five
+small kernels a layer in series, and a copy of each slice of q|k|v.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -34,9 +40,32 @@ from jax.experimental.pallas import triton as pltriton
 from jlora.pallas.common import dot_dim, dot_precision
 from jlora.pallas.config import num_sms, pow2_divisor
 
-__all__ = ["decode_attention", "decode_attention_supported", "paged_decode_attention", "split_chunk"]
+__all__ = ["NewToken", "decode_attention", "decode_attention_supported", "paged_decode_attention", "split_chunk"]
 
 _NEG = -1e30  # the running max's start: finite, so exp(start - max) is 0 rather than NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NewToken:
+    """Each request's query token as the q|k|v projection gives it, for the kernel to rotate and write.
+
+    Attributes:
+      qkv: [B, H + 2·KV, D] its H query heads, KV key heads and KV value heads, before RoPE (the projection's
+        output as it is: no slice of it is copied).
+      cos, sin: [B, D] f32 its rotation: cos and sin of position x inverse frequency, the D/2 angles twice.
+      write: [B] bool: False leaves the cache as it was (a padding request, which may share a real one's row).
+    """
+
+    qkv: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    write: jax.Array
+
+
+def _interpret() -> bool:
+    """Pallas's interpret mode off a GPU (the tests on a CPU)."""
+    return jax.default_backend() != "gpu"
 
 
 def _block_t(max_seq: int) -> int:
@@ -121,32 +150,73 @@ def online_softmax(q, load, pos, first, last, *, block_t: int, scale: float, win
     return jax.lax.fori_loop(first, last, lambda j, c: fold(j, *load(j), c), carry)
 
 
-def _heads(b, h, groups: int, tile: int):
-    """[GP] the rows of q and the output that program (b, h) computes: its G heads, the last repeated."""
-    return (b * pl.num_programs(1) + h) * groups + jnp.minimum(jnp.arange(tile), groups - 1)
+def _heads(b, h, groups: int, tile: int, stride: int | None = None):
+    """[GP] the rows of q (of `stride` rows a request; None: KV·G, the output's) that program (b, h) computes:
+    its G heads, the last repeated."""
+    stride = pl.num_programs(1) * groups if stride is None else stride
+    return b * stride + h * groups + jnp.minimum(jnp.arange(tile), groups - 1)
 
 
 def _first_block(pos, window: int | None, block_t: int):
     return 0 if window is None else jnp.maximum(pos - window + 1, 0) // block_t
 
 
+def _rotated(ref, rows, cos, sin, dtype):
+    """Rows [M] of ref [N, D] rotated as `jlora.models.llama` rotates them (x·cos + rotate_half(x)·sin in f32, cos
+    and sin [M, D], rounded to `dtype`); rotate_half(x) = [-x[D/2:], x[:D/2]], loaded as such."""
+    d = ref.shape[1]
+    columns = jnp.arange(d)
+    x = ref[rows[:, None], columns[None, :]].astype(jnp.float32)
+    swapped = ref[rows[:, None], ((columns + d // 2) % d)[None, :]].astype(jnp.float32)
+    rotated = jnp.where(columns[None, :] < d // 2, -swapped, swapped)
+    return (x * cos + rotated * sin).astype(dtype)
+
+
+def _new_token(token, qkv_ref, store, q_rows, tile: int, groups: int, writes):
+    """Program (b, h)'s query heads (rows `q_rows` of qkv_ref [B·(H + 2·KV), D]) rotated, `token` the refs of cos,
+    sin [B, D] and write [B]. Where `writes` and write[b], the token's rotated key and its value go to the cache
+    through `store(k, v)` ([tile, D] each, identical rows), then a barrier, so the program's loads after it read
+    them."""
+    cos_ref, sin_ref, write_ref = token
+    b, h, kv = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+    at_b = jnp.minimum(jnp.arange(tile), 0) + b  # [tile] request b, repeated
+    cos, sin = cos_ref[at_b, :], sin_ref[at_b, :]
+    dtype = qkv_ref.dtype
+
+    @pl.when(writes & (write_ref[b] != 0))
+    def _():
+        key = b * (kv * groups + 2 * kv) + kv * groups + h + jnp.minimum(jnp.arange(tile), 0)  # [tile] repeated
+        store(_rotated(qkv_ref, key, cos, sin, dtype), qkv_ref[key + kv, :])
+
+    if not _interpret():  # interpret mode runs a program's operations in order, and has no barrier
+        pltriton.debug_barrier()
+    return _rotated(qkv_ref, q_rows, cos, sin, dtype)
+
+
 def _program(q_ref, load, pos, outs, *, groups: int, tile: int, block_t: int, window: int | None,
-             chunk_blocks: int | None, **options) -> None:
+             chunk_blocks: int | None, token=None, store=None, **options) -> None:
     """Program (b, h[, c]): request b's KV head h over its visible key blocks (those of chunk c when split),
     `load(j)` giving block j's keys and values. Unsplit, `outs` is the output [B·KV·G, D]; split, the chunk's
     weighted values [C, B·KV·G, D], running max and sum of exponentials [C, B·KV·G] (f32; zeros and -1e30 for
-    a chunk with no visible key)."""
+    a chunk with no visible key). With `token` (`_new_token`'s refs) q_ref is the token's q|k|v, q is rotated,
+    and the program whose key blocks hold the query's position writes its key and value through `store` first."""
     b, h = pl.program_id(0), pl.program_id(1)
     heads = _heads(b, h, groups, tile)
     first, last = _first_block(pos, window, block_t), pos // block_t + 1
+    if token is None:
+        q = q_ref[heads, :]
+    else:
+        holds_pos = True if chunk_blocks is None else pos // block_t // chunk_blocks == pl.program_id(2)
+        q_rows = _heads(b, h, groups, tile, pl.num_programs(1) * (groups + 2))
+        q = _new_token(token, q_ref, store, q_rows, tile, groups, holds_pos)
     options = dict(block_t=block_t, window=window, **options)
     if chunk_blocks is None:
         (o_ref,) = outs
-        o_ref[heads, :] = _attend(q_ref[heads, :], load, pos, first, last, **options).astype(o_ref.dtype)
+        o_ref[heads, :] = _attend(q, load, pos, first, last, **options).astype(o_ref.dtype)
         return
     c = pl.program_id(2)
     start = jnp.maximum(first, c * chunk_blocks)
-    m, l, acc = online_softmax(q_ref[heads, :], load, pos, start,
+    m, l, acc = online_softmax(q, load, pos, start,
                                jnp.maximum(start, jnp.minimum(last, (c + 1) * chunk_blocks)), **options)
     acc_ref, m_ref, l_ref = outs
     acc_ref[c, heads, :] = acc
@@ -154,24 +224,44 @@ def _program(q_ref, load, pos, outs, *, groups: int, tile: int, block_t: int, wi
     l_ref[c, heads] = l[:, 0]
 
 
+def _split_refs(refs, token: bool):
+    """A kernel's refs after the cache's: (`_program`'s outs, the token's refs or None, the cache's refs to load
+    from and store to). With a token the cache is also an output, the input's buffer (aliased), and the program
+    reads it there, so its loads see its own store (in interpret mode too, where the output is a copy)."""
+    if not token:
+        return refs, None, None
+    return refs[3:-2], refs[:3], refs[-2:]
+
+
 def _kernel(
     pos_ref,  # [B] int32 query positions
     rows_ref,  # [B] int32 cache rows
-    q_ref,  # [B·KV·G, D] queries, request-major then KV head, its G query heads consecutive
+    q_ref,  # [B·KV·G, D] queries, request-major then KV head, its G query heads consecutive; with a token, its
+    # q|k|v [B·(KV·G + 2·KV), D]
     k_ref,  # [R, KV, max_seq, D]
     v_ref,  # [R, KV, max_seq, D]
-    *outs,  # `_program`'s
+    *refs,  # with a token, its cos, sin [B, D] and write [B] int32; then `_program`'s outs; then, with a token, the
+    # cache as outputs
     block_t: int,
+    tile: int,
+    token: bool,
     **options,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
-    row = rows_ref[b]
+    row, pos = rows_ref[b], pos_ref[b]
+    outs, token_refs, cache = _split_refs(refs, token)
+    k_ref, v_ref = cache or (k_ref, v_ref)
 
     def load(j):
         t = pl.ds(pl.multiple_of(j * block_t, block_t), block_t)
         return k_ref[row, h, t, :], v_ref[row, h, t, :]
 
-    _program(q_ref, load, pos_ref[b], outs, block_t=block_t, **options)
+    def store(k, v):  # [tile, D] each, the same row repeated, to the query's position
+        at = jnp.minimum(jnp.arange(tile), 0) + pos
+        k_ref[row, h, at, :] = k.astype(k_ref.dtype)
+        v_ref[row, h, at, :] = v.astype(v_ref.dtype)
+
+    _program(q_ref, load, pos, outs, block_t=block_t, tile=tile, token=token_refs, store=store, **options)
 
 
 def _paged_kernel(
@@ -180,14 +270,19 @@ def _paged_kernel(
     q_ref,  # [B·KV·G, D]
     k_ref,  # [P·KV·S, D] the blocks [P, KV, S, D], flat
     v_ref,  # [P·KV·S, D]
-    *outs,  # `_program`'s
+    *refs,  # as `_kernel`'s
     page: int,  # S, the cache's block size
     block_t: int,  # positions per key block: several table entries, or a part of one
+    tile: int,
+    token: bool,
     **options,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
     kv, max_blocks = pl.num_programs(1), table_ref.shape[1]
     t = jnp.arange(block_t)
+    pos = pos_ref[b]
+    outs, token_refs, cache = _split_refs(refs, token)
+    k_ref, v_ref = cache or (k_ref, v_ref)
 
     def load(j):
         # Key block j's positions, through their blocks; table entries past the row's end are clamped, and the
@@ -195,14 +290,19 @@ def _paged_kernel(
         positions = j * block_t + t
         pages = table_ref[b, jnp.minimum(positions // page, max_blocks - 1)]
         rows = (pages * kv + h) * page + positions % page
-        seen = positions <= pos_ref[b]
+        seen = positions <= pos
         return k_ref[rows, :], jnp.where(seen[:, None], v_ref[rows, :], 0)
 
-    _program(q_ref, load, pos_ref[b], outs, block_t=block_t, **options)
+    def store(k, v):  # [tile, D] each, the same row repeated, to the query's position
+        at = jnp.minimum(jnp.arange(tile), 0) + (table_ref[b, pos // page] * kv + h) * page + pos % page
+        k_ref[at, :] = k.astype(k_ref.dtype)
+        v_ref[at, :] = v.astype(v_ref.dtype)
+
+    _program(q_ref, load, pos, outs, block_t=block_t, tile=tile, token=token_refs, store=store, **options)
 
 
 def decode_attention(
-    q: jax.Array,
+    q: jax.Array | NewToken,
     k_cache: jax.Array,
     v_cache: jax.Array,
     positions: jax.Array,
@@ -210,28 +310,30 @@ def decode_attention(
     *,
     window: int | None = None,
     chunk: int | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of one query per request over its cache row, keys at positions <= its own.
 
     Args:
-      q: [B, KV, G, D] queries, the G heads of each KV head together.
+      q: [B, KV, G, D] queries, the G heads of each KV head together; or a `NewToken`: the token's q|k|v before
+        RoPE, which the kernel rotates, writing k and v to the cache before it reads it.
       k_cache, v_cache: [R, KV, max_seq, D]; request b reads row rows[b], positions 0..positions[b] (the
-        query's own key and value already written there).
+        query's own key and value there, or from the `NewToken`).
       positions: [B] int, each request's query position, in [0, max_seq).
       rows: [B] int cache row of each request.
       window: sliding window: keys at positions > position - window only.
       chunk: split into chunks of this many positions too (a power of two >= 64), combined after.
 
     Returns:
-      [B, KV, G, D] in q's dtype (softmax with scale 1/sqrt(D), f32 accumulation).
+      [B, KV, G, D] in q's dtype (softmax with scale 1/sqrt(D), f32 accumulation); from a `NewToken`, (that,
+      k_cache, v_cache), the caches with the token written (in place where XLA can donate them).
     """
     max_seq = k_cache.shape[2]
     return _call(_kernel, "decode_attention", q, jnp.clip(positions, 0, max_seq - 1), rows, k_cache, v_cache,
-                 block_t=_block_t(max_seq), window=window, chunk=chunk, limit=max_seq)
+                 block_t=_block_t(max_seq), window=window, chunk=chunk, limit=max_seq, kv=k_cache.shape[1])
 
 
 def paged_decode_attention(
-    q: jax.Array,
+    q: jax.Array | NewToken,
     k_pages: jax.Array,
     v_pages: jax.Array,
     positions: jax.Array,
@@ -239,12 +341,12 @@ def paged_decode_attention(
     *,
     window: int | None = None,
     chunk: int | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_attention` over a paged cache: request b's position p lives in block tables[b, p // S] at
     offset p % S (S the block size).
 
     Args:
-      q: [B, KV, G, D] queries.
+      q: [B, KV, G, D] queries, or a `NewToken` (as `decode_attention`'s).
       k_pages, v_pages: [P, KV, S, D] the cache's blocks; S a power of two >= 16.
       positions: [B] int, each request's query position, < max_blocks · S.
       tables: [B, max_blocks] int, each request's blocks in position order (blocks may be shared between
@@ -254,52 +356,71 @@ def paged_decode_attention(
         after.
 
     Returns:
-      [B, KV, G, D] in q's dtype.
+      [B, KV, G, D] in q's dtype; from a `NewToken`, (that, k_pages, v_pages).
     """
     num_blocks, kv, size, d = k_pages.shape
     limit = tables.shape[1] * size
     # Keys in blocks of 64 positions, as over rows, whatever the page: with one 16-position page a step, each waited
     # on its load, and pages of 128 or more as one key block would take more shared memory than a program has.
     kernel = functools.partial(_paged_kernel, page=size)
-    return _call(kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables,
-                 k_pages.reshape(num_blocks * kv * size, d), v_pages.reshape(num_blocks * kv * size, d),
-                 block_t=64, window=window, chunk=chunk, limit=limit, step_blocks=None)
+    got = _call(kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables,
+                k_pages.reshape(num_blocks * kv * size, d), v_pages.reshape(num_blocks * kv * size, d),
+                block_t=64, window=window, chunk=chunk, limit=limit, step_blocks=None, kv=kv)
+    return got if isinstance(got, jax.Array) else (got[0], got[1].reshape(k_pages.shape), got[2].reshape(v_pages.shape))
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
-          limit: int, num_warps: int = 4, num_stages: int | None = None, step_blocks: int | None = 1) -> jax.Array:
-    """`kernel` over q [B, KV, G, D] and `limit` cache positions -> [B, KV, G, D]: one program per (request, KV
+          limit: int, num_warps: int = 4, num_stages: int | None = None, step_blocks: int | None = 1,
+          kv: int | None = None):
+    """`kernel` over q [B, KV, G, D] (or a `NewToken` of `kv` KV heads) and `limit` cache positions -> [B, KV, G,
+    D] (from a `NewToken`, and the caches k and v as given, the token written): one program per (request, KV
     head), and per chunk of `chunk` positions when that is given (None: unsplit). `num_warps` and `num_stages`
-    are Triton's (None: `_stages` of the grid), `step_blocks` the key blocks a loop step loads (None: `_step_blocks`
-    of the grid, the paged kernel's rule); bench/studies/attention_tiles.py sweeps them with `block_t`."""
-    batch, kv, groups, d = q.shape
-    flat = q.reshape(batch * kv * groups, d)
-    n = flat.shape[0]
+    are Triton's (None: `_stages` of the grid), `step_blocks` the key blocks a loop step loads (None:
+    `_step_blocks` of the grid, the paged kernel's rule); bench/studies/attention_tiles.py sweeps them with
+    `block_t`."""
+    token = q if isinstance(q, NewToken) else None
+    if token is None:
+        batch, kv, groups, d = q.shape
+        flat = q.reshape(batch * kv * groups, d)
+    else:
+        batch, heads, d = token.qkv.shape
+        groups = heads // kv - 2
+        flat = token.qkv.reshape(batch * heads, d)
+    n = batch * kv * groups
     if chunk is not None and (chunk % block_t or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be a power of two and a multiple of the key block {block_t}, got {chunk}")
     if chunk is None:
-        grid, out_shape = (batch, kv), jax.ShapeDtypeStruct(flat.shape, q.dtype)
+        grid, out_shape = (batch, kv), (jax.ShapeDtypeStruct((n, d), flat.dtype),)
     else:
         chunks = -(-limit // chunk)
         grid = (batch, kv, chunks)
         out_shape = (jax.ShapeDtypeStruct((chunks, n, d), jnp.float32), jax.ShapeDtypeStruct((chunks, n), jnp.float32),
                      jax.ShapeDtypeStruct((chunks, n), jnp.float32))
         name = f"{name}_split{chunks}"
+    inputs = [positions.astype(jnp.int32), where.astype(jnp.int32), flat, k, v]
+    aliases = {}
+    if token is not None:  # the caches (inputs 3 and 4) come back as the last two outputs, the same buffers
+        inputs += [token.cos.astype(jnp.float32), token.sin.astype(jnp.float32), token.write.astype(jnp.int32)]
+        aliases = {3: len(out_shape), 4: len(out_shape) + 1}
+        out_shape += (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+        name = f"{name}_rope"
     programs = math.prod(grid)
     kernel = functools.partial(kernel, groups=groups, tile=dot_dim(groups), block_t=block_t, window=window,
                                chunk_blocks=None if chunk is None else chunk // block_t, scale=1 / math.sqrt(d),
-                               precision=dot_precision(q.dtype),
+                               precision=dot_precision(flat.dtype), token=token is not None,
                                step_blocks=step_blocks or _step_blocks(programs, block_t * d * k.dtype.itemsize))
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps,
                                                 num_stages=num_stages or _stages(programs)),
-        interpret=jax.default_backend() != "gpu",
+        interpret=_interpret(),
         name=f"jlora_{name}_{kv}x{groups}x{d}",
-    )(positions.astype(jnp.int32), where.astype(jnp.int32), flat, k, v)
-    return (out if chunk is None else _combine(*out).astype(q.dtype)).reshape(q.shape)
+    )(*inputs)
+    attention = (out[0] if chunk is None else _combine(*out[:3]).astype(flat.dtype)).reshape(batch, kv, groups, d)
+    return attention if token is None else (attention, *out[-2:])
 
 
 def _combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
 """The Pallas decode-attention kernels (interpret mode on CPU) against a plain masked-softmax reference, and
 the paged one against a float64 oracle that gathers each position from its block; split over chunks of
-positions, the same, and each request's result bit for bit what it is alone."""
+positions, the same, and each request's result bit for bit what it is alone; with the token's RoPE and cache
+write in the kernel, what the model's own rotation and write give."""
 
 import functools
 import importlib
@@ -12,6 +13,7 @@ import pytest
 
 from jlora.pallas.decode_attention import (_stages, decode_attention, decode_attention_supported,
                                            paged_decode_attention, split_chunk)
+from jlora.models import llama
 from jlora.pallas.config import num_sms
 from tests import oracle
 
@@ -289,3 +291,59 @@ def test_the_grid_rules_follow_the_sms_and_two_key_blocks_a_step_only_the_measur
     assert _stages(2 * sms) == 3 and _stages(2 * sms + 1) == 2
     assert attention._step_blocks(8, 64 * 128 * 4) == 1  # float32 keys: twice the shared memory a step
     assert attention._step_blocks(8, 64 * 256 * 2) == 1  # head_dim 256
+
+
+def _rotated(x, cos, sin):
+    """x [B, H, D] rotated as the model rotates it outside the kernel (`llama._rope`), cos and sin [B, D]."""
+    return llama._rope(x[:, None], cos[:, None], sin[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("paged, chunk, window", [(False, None, None), (False, 256, 300), (True, None, 100),
+                                                  (True, 256, None)])
+def test_a_new_token_is_rotated_written_and_read_as_the_model_does_it_apart(dtype, paged, chunk, window):
+    """With a `NewToken` the kernel rotates q and k by RoPE (LongLoRA's fractional positions too) and writes k and v
+    at each query's position, then attends: the cache and the output are those of the model's own rotation and
+    write followed by the kernel without a token (bit for bit in interpret mode; the rotation within an ulp on a
+    GPU). A padding request (write False) on a real request's row leaves the cache as it was; every position no
+    query writes keeps its bits."""
+    rng = np.random.default_rng(11)
+    batch, kv, groups, d, max_seq = 4, 2, 4, 32, 1024
+    positions = jnp.array([1023, 0, 700, 300], jnp.int32)  # the last, the first, mid-chunk, a padding request's
+    write = jnp.array([True, True, True, False])
+    rope_positions = positions.astype(jnp.float32) / jnp.array([1.0, 1.0, 4.0, 1.0])  # one LongLoRA factor
+    inv_freq = 1.0 / (10000 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    cos, sin = (x[:, 0] for x in llama._rotation(rope_positions[:, None], inv_freq))
+    q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), dtype)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((batch, kv, d)), dtype) for _ in range(2))
+    if paged:  # request 3 (padding) shares request 0's blocks
+        size = 16
+        k, v = (jnp.asarray(rng.standard_normal((256, kv, size, d)), dtype) for _ in range(2))
+        tables = jnp.asarray(rng.permutation(256)[: 3 * 64].reshape(3, 64), jnp.int32)
+        where = jnp.concatenate([tables, tables[:1]])
+        block = where[jnp.arange(batch), positions // size]
+        at = (block, slice(None), positions % size)
+        attend = functools.partial(paged_decode_attention, tables=where)
+    else:
+        k, v = (jnp.asarray(rng.standard_normal((3, kv, max_seq, d)), dtype) for _ in range(2))
+        where = jnp.array([2, 0, 1, 2], jnp.int32)  # request 3 (padding) on request 0's row
+        at = (where, slice(None), positions)
+        attend = functools.partial(decode_attention, rows=where)
+    kept = np.asarray(write)
+    want_k = k.at[tuple(i[kept] if not isinstance(i, slice) else i for i in at)].set(_rotated(new_k, cos, sin)[kept])
+    want_v = v.at[tuple(i[kept] if not isinstance(i, slice) else i for i in at)].set(new_v[kept])
+    q_rotated = _rotated(q.reshape(batch, kv * groups, d), cos, sin).reshape(q.shape)
+    want = attend(q_rotated, want_k, want_v, positions, window=window, chunk=chunk)
+    qkv = jnp.concatenate([q.reshape(batch, kv * groups, d), new_k, new_v], axis=1)  # [B, H + 2·KV, D]
+    out, got_k, got_v = attend(attention.NewToken(qkv, cos, sin, write), k, v, positions, window=window, chunk=chunk)
+    assert got_k.shape == k.shape and got_k.dtype == k.dtype and out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    if jax.default_backend() == "gpu":  # the rotation's mul-adds may contract otherwise than XLA's
+        ulp = float(jnp.finfo(dtype).eps)
+        np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32), rtol=ulp, atol=ulp)
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        err = jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))
+        assert err < tol
+    else:
+        np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
