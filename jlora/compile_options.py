@@ -4,8 +4,8 @@ bf16 rounded where the program rounds it.
 XLA records a GPU step's kernels into CUDA graphs (command buffers). By default a graph runs them one after
 another; with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT` it gets only the data dependencies, so
 independent kernels overlap: the LoRA shrink, which reads the same x as the base projection's GEMM, runs
-beside that GEMM instead of after it. With the model's `base_first` (the gate|up base GEMM scheduled before
-its LoRA kernels where those run in XLA, so the GEMM keeps the graph's stream) decode gains at every batch size
+beside that GEMM instead of after it. With the model's `base_first` (the base GEMMs scheduled before their
+LoRA kernels where those run in XLA, so each GEMM keeps the graph's stream) decode gains at every batch size
 but one, where it is level, so decode steps compile CONCURRENT and prefill keeps XLA's default (no gain there
 and more temporary memory). The per-size table: docs/performance.md (bench/results/scheduling.json).
 
@@ -48,7 +48,7 @@ def _flag(name: str) -> str | None:
 def concurrent_graphs(seq_len: int) -> bool:
     """Whether a model step of seq_len tokens per request runs CONCURRENT CUDA graphs: decode steps (seq_len 1)
     do, at every batch size (module doc), unless XLA_FLAGS sets the mode itself (then whether it sets CONCURRENT).
-    The engine's steps then order the gate|up base GEMM before its XLA LoRA kernels (`CallOptions.base_first`),
+    The engine's steps then order the base GEMMs before their XLA LoRA kernels (`CallOptions.base_first`),
     which pays only under these graphs."""
     mode = _flag(_SCHEDULING)
     return seq_len == 1 if mode is None else mode == "CONCURRENT"

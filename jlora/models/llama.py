@@ -115,15 +115,15 @@ class CallOptions:
         attention in the Pallas decode-attention kernel.
       reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
         row-parallel over (`jlora.parallel`); None on one device.
-      base_first: put each layer's gate|up base GEMM before its LoRA kernels in XLA's schedule (an
-        optimization barrier on the GEMM's output and x) where those run in XLA (gather). Under CONCURRENT
+      base_first: put each layer's base GEMMs before their LoRA kernels in XLA's schedule (an optimization
+        barrier on the GEMM's output and x; `base_first_projection` says which) where those run in XLA (gather). Under CONCURRENT
         CUDA graphs (which `jlora.step_compiler_options` asks for decode steps; the engine sets this for them)
         the first node after a fork keeps the graph's stream, and left to itself XLA scheduled the LoRA shrink
         first, so the GEMM started late on a second stream. The barrier orders nothing at run time: the LoRA
         kernels still run beside the GEMM. Calls on the Pallas kernels keep none: the barrier held their
-        deferred expand until the GEMM ended (1-3.6 % slower steps). The other projections and the lm_head
-        keep none (their split-K GEMMs end in reductions XLA fuses into the consumers, which a barrier would
-        split off). Off by default: under XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
+        deferred expand until the GEMM ended (1-3.6 % slower steps). The lm_head keeps none (its split-K GEMM
+        ends in a reduction XLA fuses into the consumer, which a barrier would split off). Off by default: under
+        XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
       attention_chunk: split the Pallas decode attention over chunks of this many positions too
         (`jlora.pallas.decode_attention`; None: unsplit). It changes the rounding, so an engine fixes it once
         (`EngineConfig.attention_chunk`), never per call.
@@ -242,21 +242,31 @@ class Linear(nnx.Module):
         return y.astype(x.dtype)
 
 
+def base_first_projection(name: str, reductions: bool) -> bool:
+    """Whether projection `name`'s base op goes before its LoRA kernels in XLA's schedule under the call's
+    `base_first` (`CallOptions`): every GEMM's, and gate|up's where the projections are row reductions (`project`
+    at one token over [out, in]). Left to XLA, the other GEMMs ran on side streams beside the LoRA reductions and
+    slowed there: the barrier at every projection made an H200's batch-8 step with adapters 11-14 % faster, batch
+    16's 4-11 %, batch 32's on the gather backend 1-3 %, batch 4's level, and the batch-1 step over reductions 4 %
+    slower (docs/performance.md § The model step, *The base op before its LoRA at every projection*)."""
+    return name == "gate_up" or not reductions
+
+
 def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | None, name: str,
-               slice_sizes: tuple[int, ...], row_parallel: bool = False, ordered: bool = False) -> jax.Array:
+               slice_sizes: tuple[int, ...], row_parallel: bool = False) -> jax.Array:
     """The projection's output [T, N], plus its adapters' deltas when LoRA is on.
 
     `row_parallel` (o and down): under tensor parallelism (the options' `reduce_axis`) x, the weight's input
     rows and A's input columns are this device's shard. The expand is linear in the shrink, so each device expands its
     partial [T, R] shrink (B is replicated) into its partial output, and the layer's one all-reduce sums
-    base and deltas together: LoRA adds no collective. `ordered`: under the context's `base_first`, the base
-    GEMM goes before the LoRA kernels in XLA's schedule (see `CallOptions`).
+    base and deltas together: LoRA adds no collective. Under the context's `base_first`, the base GEMM of a
+    `base_first_projection` goes before the LoRA kernels in XLA's schedule (see `CallOptions`).
     """
     lora, options = ctx.lora, ctx.options
     reduce_axis = options.reduce_axis if row_parallel else None
     out = proj(x)
     if lora is not None and name in group.a:  # a group no loaded adapter targets is left out of the weights
-        if (ordered and options.base_first
+        if (options.base_first and base_first_projection(name, proj.out_in and x.shape[0] == 1)
                 and resolve_backend(options.backend, x.shape[0], group.b[name].shape[2]) != "pallas"):
             out, x = jax.lax.optimization_barrier((out, x))
         scale = None if group.scale is None else group.scale[name]
@@ -451,7 +461,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, ctx: _Context, group: LayerLoRA | None):
         i = self.config.intermediate_size
-        gate_up = _with_lora(self.gate_up, x, ctx, group, "gate_up", (i, i), ordered=True)
+        gate_up = _with_lora(self.gate_up, x, ctx, group, "gate_up", (i, i))
         h = jax.nn.silu(gate_up[:, :i].astype(jnp.float32)) * gate_up[:, i:].astype(jnp.float32)
         return _with_lora(self.down, h.astype(x.dtype), ctx, group, "down", (self.config.hidden_size,),
                           row_parallel=True)

@@ -329,8 +329,9 @@ def test_decode_steps_rope_and_write_in_the_attention_kernel_unless_lora_adds_it
 
 
 def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
-    """`base_first` (the engine's decode steps) adds an optimization barrier per layer, at the gate|up projection,
+    """`base_first` (the engine's decode steps) adds an optimization barrier at each projection an adapter targets
     where the LoRA runs in XLA (auto is reference on CPU, gather on GPU), none where it runs the Pallas kernels,
+    only at gate|up where the projections are row reductions (one token over [out, in]: `base_first_projection`),
     and leaves the logits as they were."""
     kind = "llama"
     engine = Engine.from_pretrained(_model(tmp_path, kind), max_loras=2, max_lora_rank=16, dtype="float32",
@@ -349,14 +350,25 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
         options = StepOptions(16, "auto", base_first=base_first)
         texts[base_first] = forward.with_options({}).lower(*args, cache, engine.pool.weights, options).as_text()
         outs[base_first] = np.asarray(forward(*args, cache, engine.pool.weights, options)[0])
+    targeted = len(engine.pool.weights.layers[0].a)
+    assert targeted == 4  # q|k|v, o, gate|up, down
     assert texts[False].count("optimization_barrier") == 0
-    assert texts[True].count("optimization_barrier") == config.num_layers
+    assert texts[True].count("optimization_barrier") == targeted * config.num_layers
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
-    for backend, barriers in (("gather", config.num_layers), ("pallas", 0)):  # what auto picks on a GPU
+    for backend, barriers in (("gather", targeted), ("pallas", 0)):  # what auto picks on a GPU
         cache = KVCache.zeros(config, 3, 8, jnp.float32)
         options = StepOptions(16, backend, base_first=True)
         text = forward.with_options({}).lower(*args, cache, engine.pool.weights, options).as_text()
-        assert text.count("optimization_barrier") == barriers, backend
+        assert text.count("optimization_barrier") == barriers * config.num_layers, backend
+    one = Engine.from_pretrained(_model(tmp_path, kind), max_batch=1, max_loras=2, max_lora_rank=16, dtype="float32",
+                                 progress=False)  # its weights [out, in]
+    one.load_adapter("a", str(tmp_path / "a"))
+    assert one.model_config.weights_out_in
+    call = Call(Batch.of(tokens[:1], positions[:1]), slots[:1], jnp.asarray(one.pool.ranks))
+    cache = KVCache.zeros(config, 1, 8, jnp.float32)
+    text = forward.with_options({}).lower(one.runner.model_def, one.runner.params, call, cache, one.pool.weights,
+                                          StepOptions(16, "gather", base_first=True)).as_text()
+    assert text.count("optimization_barrier") == config.num_layers  # gate|up's
 
 
 @pytest.mark.parametrize("backend", ["pallas"])  # decode group in the kernel; the engine's tests run the others
