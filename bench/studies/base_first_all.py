@@ -46,7 +46,8 @@ def main() -> None:
     for batch in map(int, args.batches.split(",")):
         stored = engine_layout(model_def, params, batch)
         cache, call = base_decode(config, batch, 1024, 512, False)
-        options = StepOptions(16, args.backend, attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
+        chunk = engine_config(batch).attention_chunk(config.num_kv_heads)
+        options = StepOptions(16, args.backend, attention_chunk=chunk)
         for adapters in sorted({1, batch}):
             slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % adapters), jnp.int32)
             step = Call(call.batch, slots, jnp.full(SLOTS, 16, jnp.int32))

@@ -15,7 +15,8 @@ then prompt pieces into other rows) whose tokens go through the projections toge
 on GPU (or under an explicit "pallas" backend) run attention in a Pallas kernel
 (`jlora.pallas.decode_attention`, through the block tables when a request has several), which reads each
 request's positions only up to its own, and which also rotates q and k by RoPE and writes the cache
-(`rope_in_attention`); everything else uses XLA's masked contractions over the blocks a group's tables name. Where that kernel runs, the norms run in a Pallas kernel too (`jlora.pallas.rms_norm`).
+(`rope_in_attention`); everything else uses XLA's masked contractions over the blocks a group's tables name.
+Where that kernel runs, the norms run in a Pallas kernel too (`jlora.pallas.rms_norm`).
 """
 
 from __future__ import annotations
@@ -116,14 +117,14 @@ class CallOptions:
       reduce_axis: under tensor parallelism (inside `shard_map`), the mesh axis that o and down are
         row-parallel over (`jlora.parallel`); None on one device.
       base_first: put each layer's base GEMMs before their LoRA kernels in XLA's schedule (an optimization
-        barrier on the GEMM's output and x; `base_first_projection` says which) where those run in XLA (gather). Under CONCURRENT
-        CUDA graphs (which `jlora.step_compiler_options` asks for decode steps; the engine sets this for them)
-        the first node after a fork keeps the graph's stream, and left to itself XLA scheduled the LoRA shrink
-        first, so the GEMM started late on a second stream. The barrier orders nothing at run time: the LoRA
-        kernels still run beside the GEMM. Calls on the Pallas kernels keep none: the barrier held their
-        deferred expand until the GEMM ended (1-3.6 % slower steps). The lm_head keeps none (its split-K GEMM
-        ends in a reduction XLA fuses into the consumer, which a barrier would split off). Off by default: under
-        XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
+        barrier on the GEMM's output and x; `base_first_projection` says which) where those run in XLA
+        (gather). Under CONCURRENT CUDA graphs (which `jlora.step_compiler_options` asks for decode steps; the
+        engine sets this for them) the first node after a fork keeps the graph's stream, and left to itself XLA
+        scheduled the LoRA shrink first, so the GEMM started late on a second stream. The barrier orders
+        nothing at run time: the LoRA kernels still run beside the GEMM. Calls on the Pallas kernels keep none:
+        the barrier held their deferred expand until the GEMM ended (1-3.6 % slower steps). The lm_head keeps
+        none (its split-K GEMM ends in a reduction XLA fuses into the consumer, which a barrier would split
+        off). Off by default: under XLA's default graphs it costs 1-4 %. Evidence: docs/performance.md.
       attention_chunk: split the Pallas decode attention over chunks of this many positions too
         (`jlora.pallas.decode_attention`; None: unsplit). It changes the rounding, so an engine fixes it once
         (`EngineConfig.attention_chunk`), never per call.

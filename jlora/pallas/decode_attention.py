@@ -267,7 +267,7 @@ def _kernel(
 def _paged_kernel(
     pos_ref,  # [B] int32 query positions
     table_ref,  # [B, max_blocks] int32 each request's blocks, in position order
-    q_ref,  # [B·KV·G, D]
+    q_ref,  # [B·KV·G, D], or a token's q|k|v (as `_kernel`'s)
     k_ref,  # [P·KV·S, D] the blocks [P, KV, S, D], flat
     v_ref,  # [P·KV·S, D]
     *refs,  # as `_kernel`'s
@@ -366,7 +366,9 @@ def paged_decode_attention(
     got = _call(kernel, "paged_decode_attention", q, jnp.clip(positions, 0, limit - 1), tables,
                 k_pages.reshape(num_blocks * kv * size, d), v_pages.reshape(num_blocks * kv * size, d),
                 block_t=64, window=window, chunk=chunk, limit=limit, step_blocks=None, kv=kv)
-    return got if isinstance(got, jax.Array) else (got[0], got[1].reshape(k_pages.shape), got[2].reshape(v_pages.shape))
+    if not isinstance(q, NewToken):
+        return got
+    return got[0], got[1].reshape(k_pages.shape), got[2].reshape(v_pages.shape)
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
@@ -384,6 +386,8 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
         flat = q.reshape(batch * kv * groups, d)
     else:
         batch, heads, d = token.qkv.shape
+        if heads % kv or heads // kv < 3:
+            raise ValueError(f"a NewToken's q|k|v has G + 2 heads per KV head of the cache ({kv}), got {heads}")
         groups = heads // kv - 2
         flat = token.qkv.reshape(batch * heads, d)
     n = batch * kv * groups

@@ -347,3 +347,10 @@ def test_a_new_token_is_rotated_written_and_read_as_the_model_does_it_apart(dtyp
     else:
         np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
         np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_a_new_token_of_the_wrong_heads_is_refused():
+    cache = jnp.zeros((2, 2, 64, 16))
+    token = attention.NewToken(jnp.zeros((1, 5, 16)), jnp.zeros((1, 16)), jnp.zeros((1, 16)), jnp.ones(1, bool))
+    with pytest.raises(ValueError, match="G \\+ 2 heads per KV head of the cache \\(2\\), got 5"):
+        decode_attention(token, cache, cache, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
