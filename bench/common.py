@@ -85,7 +85,8 @@ def trace_kernels(run) -> dict[str, list[float]]:
 def patched_model(model_def, target, attribute: str, value, inline: tuple = ()):
     """(a copy of `model_def`, a context manager, calls): the copy is a jit cache key of its own (a `ModelDef`
     hashes by identity), so a step of it traced inside the context sees `target.attribute` answer `value`
-    whatever its arguments; `calls` records each call of the patched rule, to check that the trace saw it.
+    whatever its arguments (a function `value`: `target.attribute` is it); `calls` records each call of the
+    patched rule, to check that the trace saw it.
     `inline`: (module, name) pairs of jitted functions that the model calls and that read the rule; inside
     the context they run unjitted, since a jit's trace cache is keyed by its arguments, not by the rule, and
     would hand the copy the shipped trace (or the shipped step the copy's)."""
@@ -94,7 +95,8 @@ def patched_model(model_def, target, attribute: str, value, inline: tuple = ()):
     @contextlib.contextmanager
     def patched():
         with contextlib.ExitStack() as stack:
-            stack.enter_context(mock.patch.object(target, attribute, lambda *args: calls.append(args) or value))
+            stack.enter_context(mock.patch.object(
+                target, attribute, lambda *args: calls.append(args) or (value(*args) if callable(value) else value)))
             for module, name in inline:
                 stack.enter_context(mock.patch.object(module, name, getattr(module, name).__wrapped__))
             yield
@@ -104,7 +106,7 @@ def patched_model(model_def, target, attribute: str, value, inline: tuple = ()):
 
 def compare_patched(model_def, params, call, cache, lora, options, target, attribute: str, value,
                     labels: tuple[str, str], inline: tuple = ()) -> tuple[dict, object]:
-    """A model step as shipped against the same step traced with `target.attribute` answering `value`
+    """A model step as shipped against the same step traced with `target.attribute` answering (or being) `value`
     (`patched_model`, with `inline`), timed in alternating rounds: ({"ms": {label: median ms}, "kernels": {label: kernels a
     step}, "logits_max_abs_diff", "logits_equal_fraction"}, cache). The logits are compared first."""
     from jlora.runner import forward

@@ -6,9 +6,11 @@ with an optimization barrier (`llama.base_first_projection`); the profile of bat
 (`bench/results/model_profile_b8_r16.txt`) shows the other projections' GEMMs on side streams beside the LoRA
 reductions, and slower there than in the base step (q|k|v 14.3 -> 19.1 µs, o 10.0 -> 13.2, down 29.6 -> 38.3).
 
-Model: the 8B-shaped decode step (`bench/model.py`'s random model and inputs, each batch as it runs it), as
-shipped and with `base_first_projection` answering True for every projection while the second copy traces,
-timed in alternating rounds; both variants' logits compared first. JSON: base_first_all.json.
+Model: the 8B-shaped decode step (`bench/model.py`'s random model, each batch as it runs it; r=16 adapters, one
+for every row or one per row), as shipped and with `base_first_projection` replaced by the other rule while the
+second copy traces (gate|up only where the shipped rule puts every GEMM first; every projection where the
+projections are row reductions, which ship gate|up only), timed in alternating rounds; both variants' logits
+compared first. JSON: base_first_all.json.
 
   python bench/studies/base_first_all.py [--batches 1,8,16] [--backend auto] [--out DIR]  # GPU
 """
@@ -48,12 +50,16 @@ def main() -> None:
         cache, call = base_decode(config, batch, 1024, 512, False)
         chunk = engine_config(batch).attention_chunk(config.num_kv_heads)
         options = StepOptions(16, args.backend, attention_chunk=chunk)
+        reductions = engine_config(batch).weights_out_in and batch == 1  # `project`'s one-token reductions
+        labels = LABELS if reductions else LABELS[::-1]  # the shipped rule's first
+        other = (lambda name, _: True) if reductions else (lambda name, _: name == "gate_up")
         for adapters in sorted({1, batch}):
             slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % adapters), jnp.int32)
             step = Call(call.batch, slots, jnp.full(SLOTS, 16, jnp.int32))
-            got, cache = compare_patched(*stored, step, cache, lora, options, llama, "base_first_projection", True,
-                                         LABELS)
-            record(patched_row(f"decode B={batch}, {adapters} r=16", got, LABELS, backend=args.backend))
+            got, cache = compare_patched(*stored, step, cache, lora, options, llama, "base_first_projection", other,
+                                         labels)
+            record(patched_row(f"decode B={batch}, {adapters} r=16", got, LABELS, shipped=labels[0],
+                               backend=args.backend))
         del stored
 
 
