@@ -305,8 +305,8 @@ def test_a_new_token_is_rotated_written_and_read_as_the_model_does_it_apart(dtyp
     """With a `NewToken` the kernel rotates q and k by RoPE (LongLoRA's fractional positions too) and writes k and v
     at each query's position, then attends: the cache and the output are those of the model's own rotation and
     write followed by the kernel without a token (bit for bit in interpret mode; the rotation within an ulp on a
-    GPU), for 1, 4 and 7 query heads a KV head. A padding request (write False) on a real request's row leaves the cache as it was; every position no
-    query writes keeps its bits."""
+    GPU), for 1, 4 and 7 query heads a KV head. A padding request (write False) on a real request's row leaves the
+    cache as it was; every position no query writes keeps its bits."""
     rng = np.random.default_rng(11)
     batch, kv, d, max_seq = 4, 2, 32, 1024
     positions = jnp.array([1023, 0, 700, 300], jnp.int32)  # the last, the first, mid-chunk, a padding request's
