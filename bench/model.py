@@ -82,8 +82,8 @@ def bench_model(tiny: bool, root: str) -> tuple[Transformer, dict, jnp.dtype]:
     return model_def.merge(params), llama3_8b_hf(32), jnp.bfloat16
 
 
-def random_lora(config: ModelConfig, rank: int) -> LoRAWeights:
-    zeros = LoRAWeights.zeros(config, SLOTS, rank, jnp.bfloat16)
+def random_lora(config: ModelConfig, rank: int, slots: int = SLOTS) -> LoRAWeights:
+    zeros = LoRAWeights.zeros(config, slots, rank, jnp.bfloat16)
     keys = iter(jax.random.split(jax.random.key(1), 4096))
     return jax.tree.map(lambda z: (jax.random.normal(next(keys), z.shape, jnp.float32) * 0.01).astype(z.dtype), zeros)
 

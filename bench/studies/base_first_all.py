@@ -8,11 +8,11 @@ reductions, and slower there than in the base step (q|k|v 14.3 -> 19.1 µs, o 10
 
 Model: the 8B-shaped decode step (`bench/model.py`'s random model, each batch as it runs it; r=16 adapters, one
 for every row or one per row), as shipped and with `base_first_projection` replaced by the other rule while the
-second copy traces (gate|up only where the shipped rule puts every GEMM first; every projection where the
-projections are row reductions, which ship gate|up only), timed in alternating rounds; both variants' logits
-compared first. JSON: base_first_all.json.
+second copy traces (by default the other shipped rule: gate|up only where the shipped rule puts every GEMM first;
+every projection where the projections are row reductions, which ship gate|up only; or `--other` names one of
+RULES), timed in alternating rounds; both variants' logits compared first. JSON: base_first_all.json.
 
-  python bench/studies/base_first_all.py [--batches 1,8,16] [--backend auto] [--out DIR]  # GPU
+  python bench/studies/base_first_all.py [--batches 1,8,16] [--rank 16] [--other RULE] [--backend auto] [--out DIR]
 """
 
 from __future__ import annotations
@@ -32,33 +32,37 @@ from split_attention import base_decode  # noqa: E402
 from jlora.models import llama  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
-LABELS = ("gate|up only", "every projection")
+RULES = {"gate|up only": lambda name, _: name == "gate_up", "every projection": lambda name, _: True,
+         "every projection but q|k|v": lambda name, _: name != "qkv"}  # q|k|v's LoRA then leads its GEMM
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,16")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--other", choices=RULES, help="the rule against the shipped one (default: the other of "
+                        "gate|up only and every projection)")
     parser.add_argument("--backend", default="auto", help="the LoRA backend (gather: the XLA LoRA at any batch)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     _, record = row_recorder(args.out, "base_first_all.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    lora = random_lora(config, 16)
+    lora = random_lora(config, args.rank)
     for batch in map(int, args.batches.split(",")):
         stored = engine_layout(model_def, params, batch)
         cache, call = base_decode(config, batch, 1024, 512, False)
         chunk = engine_config(batch).attention_chunk(config.num_kv_heads)
-        options = StepOptions(16, args.backend, attention_chunk=chunk)
+        options = StepOptions(args.rank, args.backend, attention_chunk=chunk)
         reductions = engine_config(batch).weights_out_in and batch == 1  # `project`'s one-token reductions
-        labels = LABELS if reductions else LABELS[::-1]  # the shipped rule's first
-        other = (lambda name, _: True) if reductions else (lambda name, _: name == "gate_up")
+        shipped = "gate|up only" if reductions else "every projection"
+        labels = (shipped, args.other or ("every projection" if reductions else "gate|up only"))
         for adapters in sorted({1, batch}):
             slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % adapters), jnp.int32)
-            step = Call(call.batch, slots, jnp.full(SLOTS, 16, jnp.int32))
-            got, cache = compare_patched(*stored, step, cache, lora, options, llama, "base_first_projection", other,
-                                         labels)
-            record(patched_row(f"decode B={batch}, {adapters} r=16", got, LABELS, shipped=labels[0],
+            step = Call(call.batch, slots, jnp.full(SLOTS, args.rank, jnp.int32))
+            got, cache = compare_patched(*stored, step, cache, lora, options, llama, "base_first_projection",
+                                         RULES[labels[1]], labels)
+            record(patched_row(f"decode B={batch}, {adapters} r={args.rank}", got, labels, shipped=labels[0],
                                backend=args.backend))
         del stored
 
