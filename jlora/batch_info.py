@@ -10,7 +10,7 @@ one compiled program serves every mix (JAX's counterpart of CUDA-graph capture i
 How this differs from the peers:
 - vLLM passes `token_indices_sorted_by_lora_ids`, `num_tokens_per_lora`, `lora_token_start_loc` and
   `active_lora_ids` and launches a grid of (max_loras + 1) x cdiv(T, BLOCK_M) programs, most of which exit
-  early. We precompute the segment list instead, so the grid is cdiv(T, block_m) + L programs at most.
+  early. We precompute the segment list instead, so the grid is min(T, cdiv(T, block_m) + L) programs at most.
 - SGLang's chunked SGMV also uses a sorted permutation and fixed-size chunks, but builds them on the host;
   `build` here is pure jnp (argsort, cumsum, searchsorted), so it runs inside the jitted step with no host
   round trip.
@@ -37,11 +37,12 @@ def host_values(x: jax.Array) -> np.ndarray | None:
 def num_segments(num_tokens: int, num_slots: int, block_m: int) -> int:
     """Upper bound `S` on the segments of any batch of `num_tokens` tokens over `num_slots` slots.
 
-    Slot `l` with `c_l` tokens needs `ceil(c_l / block_m) <= c_l / block_m + 1` segments, and the counts sum
-    to at most `T`, so `S = cdiv(T, block_m) + L` always suffices. (DESIGN.md's `+ 1` is not needed: tokens
-    of slot -1 get no segment.)
+    Slot `l` with `c_l` tokens needs `ceil(c_l / block_m)` segments, at most `c_l / block_m + 1` and at most
+    `c_l`, and the counts sum to at most `T`, so `S = min(T, cdiv(T, block_m) + L)` always suffices (tokens of
+    slot -1 get no segment). The Pallas kernels launch programs for all S, so the bound by T keeps a decode
+    batch's grid from growing with the slots: at batch 32 over 128 slots, 32 segments instead of 130.
     """
-    return -(-num_tokens // block_m) + num_slots
+    return min(num_tokens, -(-num_tokens // block_m) + num_slots)
 
 
 @functools.partial(

@@ -53,6 +53,16 @@ def test_build_properties(batch):
     assert not used[np.argmin(used) :].any() if not used.all() else True
 
 
+@pytest.mark.parametrize("num_tokens, num_slots, block_m", [(4, 8, 16), (32, 32, 16), (32, 128, 16), (3, 3, 1)])
+def test_a_batch_of_one_token_per_slot_fills_every_segment(num_tokens, num_slots, block_m):
+    # T <= L: the bound is min(T, ...) = T segments, one per token, whatever the slots: the kernels' grids
+    # hold no program more than such a batch uses.
+    info = LoRABatchInfo.build(np.arange(num_tokens), np.full(num_slots, 4), np.ones(num_slots), block_m=block_m)
+    seg_len = np.asarray(info.seg_len)
+    assert seg_len.shape == (num_segments(num_tokens, num_slots, block_m),) == (num_tokens,)
+    assert (seg_len == 1).all()
+
+
 def test_build_is_jittable_and_shape_stable():
     f = jax.jit(lambda s: LoRABatchInfo.build(s, jnp.array([4, 8]), jnp.array([1.0, 2.0]), block_m=16))
     a = f(jnp.array([0, 1, -1, 1, 0], jnp.int32))
