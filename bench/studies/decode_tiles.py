@@ -1,0 +1,100 @@
+"""The decode step with the Pallas LoRA kernels' tiles overridden, against the shipped tiles, for #39.
+
+Each variant names fields of `ShrinkConfig` and `ExpandConfig` to set on the tiles the heuristics pick
+(`jlora.pallas.config`), for every projection's `lora_linear` of the step, e.g. `--variants
+'late={"expand": {"segments_first": true}}'`: the expand's grid as one axis with the used segments' programs first,
+so the programs that find no segment launch after the others instead of among them.
+
+Model: the 8B-shaped decode step (`bench/model.py`'s model and adapters, 32 slots; each batch as `bench/model.py`
+runs it), the slots shuffled over the rows, on the Pallas LoRA backend; timed in alternating rounds, one process;
+each variant's logits compared with the shipped step's. JSON: decode_tiles.json.
+
+  python bench/studies/decode_tiles.py --variants NAME=JSON[;NAME=JSON] [--cases 32x16x1,32x16x32,32x64x1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import json
+import os
+import sys
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from common import count_and_time, row_recorder  # noqa: E402
+from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
+from split_attention import base_decode  # noqa: E402
+
+from jlora import ops, pallas  # noqa: E402
+from jlora.pallas.config import expand_config, shrink_config  # noqa: E402
+from jlora.runner import forward  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
+
+
+def tiled_linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False,
+                 overrides: tuple):
+    """`ops._linear` on the Pallas kernels with `overrides` ((("shrink" | "expand", field), value), ...) set on
+    the shipped tiles."""
+    assert backend == "pallas", backend
+    num_tokens, k = x.shape
+    rank, slices = b.shape[2], len(slice_sizes)
+    tiles = {"shrink": shrink_config(num_tokens, k, slices * rank, info.block_m, x.dtype.itemsize, slices),
+             "expand": expand_config(num_tokens, slice_sizes, info.block_m, rank, defer_add)}
+    for (kernel, field), value in overrides:
+        tiles[kernel] = dataclasses.replace(tiles[kernel], **{field: value})
+    return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes, scale=scale, shift=shift,
+                         shrink_config=tiles["shrink"], expand_config=tiles["expand"], defer_add=defer_add)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", required=True, help="NAME=JSON pairs joined by ';'")
+    parser.add_argument("--cases", default="32x16x1,32x16x32,32x64x1", help="batch x rank x adapters")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    variants = {}
+    for item in args.variants.split(";"):
+        name, spec = item.split("=", 1)
+        variants[name] = tuple(((kernel, field), value) for kernel, fields in json.loads(spec).items()
+                               for field, value in fields.items())
+    _, record = row_recorder(args.out, "decode_tiles.json")
+    config = llama3_8b(32)
+    model_def, params = random_model(config)
+    loras = {}
+    for case in args.cases.split(","):
+        batch, rank, used = map(int, case.split("x"))
+        lora = loras.setdefault(rank, random_lora(config, rank))
+        stored_def, stored = engine_layout(model_def, params, batch)
+        cache, call = base_decode(config, batch, 1024, 512, False)
+        slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
+        call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
+        options = StepOptions(16, "pallas", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
+        logits, runs = {}, {}
+        for name, overrides in {"shipped": None, **variants}.items():
+            mdef = stored_def if overrides is None else copy.copy(stored_def)  # a jit cache key of its own
+            linear = ops._linear if overrides is None else jax.jit(
+                functools.partial(tiled_linear, overrides=overrides), static_argnames=("slice_sizes", "backend",
+                                                                                      "defer_add"))
+            with mock.patch.object(ops, "_linear", linear):  # the step traces with it
+                logits[name], cache = forward(mdef, stored, call, cache, lora, options)
+            runs[name] = lambda c, mdef=mdef: forward(mdef, stored, call, c, lora, options)
+        got, cache = count_and_time(runs, cache)
+        ms, kernels = got["ms"], got["kernels"]
+        row = dict(batch=batch, rank=rank, adapters=used, ms=ms, kernels=kernels,
+                   overrides={n: [[kernel, field, value] for (kernel, field), value in o] for n, o in variants.items()},
+                   logits_equal={n: bool(jnp.array_equal(v, logits["shipped"])) for n, v in logits.items()})
+        print(f"decode B={batch} r={rank} adapters={used}: " + ", ".join(
+            f"{n} {t:.3f} ms ({t / ms['shipped']:.3f}x, {kernels[n]} kernels, same logits {row['logits_equal'][n]})"
+            for n, t in ms.items()), flush=True)
+        record(row)
+
+
+if __name__ == "__main__":
+    main()
