@@ -53,7 +53,7 @@ def main() -> None:
         stored = engine_layout(model_def, params, batch)
         cache, call = base_decode(config, batch, 1024, 512, False)
         chunk = engine_config(batch).attention_chunk(config.num_kv_heads)
-        options = StepOptions(args.rank, args.backend, attention_chunk=chunk)
+        options = StepOptions(16, args.backend, attention_chunk=chunk)
         reductions = engine_config(batch).weights_out_in and batch == 1  # `project`'s one-token reductions
         shipped = "gate|up only" if reductions else "every projection"
         labels = (shipped, args.other or ("every projection" if reductions else "gate|up only"))
