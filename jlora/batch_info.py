@@ -120,6 +120,8 @@ class LoRABatchInfo:
             )
         if ranks.shape[0] == 0:
             raise ValueError("need at least one adapter slot (ranks has shape [0])")
+        if token_slot.shape[0] == 0:
+            raise ValueError("need at least one token (token_slot has shape [0])")
         if (slots := host_values(token_slot)) is not None:
             bad = (slots < -1) | (slots >= ranks.shape[0])
             if bad.any():

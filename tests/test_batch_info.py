@@ -95,6 +95,7 @@ def test_from_requests():
         ([0], [4, 4], [1.0], 16, "expected token_slot"),
         ([0], [4], [1.0], 0, "block_m"),
         ([-1], [], [], 16, "at least one adapter slot"),
+        (np.zeros(0, np.int32), [4], [1.0], 16, r"at least one token \(token_slot has shape \[0\]\)"),
     ],
 )
 def test_build_errors(slots, ranks, scalings, block_m, match):
