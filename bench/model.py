@@ -36,7 +36,7 @@ from common import copy_bandwidth, kernel_durations, pyplot, trace_events
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.engine_config import EngineConfig
-from jlora.runner import ModelDef, bucket, forward, segment_lanes
+from jlora.runner import ModelDef, bucket, forward
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Batch, KVCache, Transformer, with_weight_layout
 from jlora.models.loading import load_model
@@ -121,11 +121,9 @@ def engine_layout(model_def: ModelDef, params: list[jax.Array], batch: int) -> t
 
 
 def model_step(model_def, params, tokens, positions, lora, token_slot, ranks, block_m, tp=None, attention_chunk=None):
-    """cache -> (logits, cache): one jitted model call on these inputs, over segment lanes where the engine's
-    runner would take them (`segment_lanes`)."""
+    """cache -> (logits, cache): one jitted model call on these inputs."""
     call = Call(Batch.of(tokens, positions), token_slot, ranks)
-    lanes = None if lora is None else segment_lanes(np.asarray(token_slot), BACKEND, lora.layers[0].b["qkv"].shape[2])
-    options = StepOptions(block_m, BACKEND, tp, attention_chunk=attention_chunk, lanes=lanes)
+    options = StepOptions(block_m, BACKEND, tp, attention_chunk=attention_chunk)
     return lambda c: forward(model_def, params, call, c, lora, options)
 
 

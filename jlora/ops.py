@@ -217,7 +217,6 @@ def lora_linear(
     scale: jax.Array | None = None,
     shift: jax.Array | None = None,
     defer_add: bool = False,
-    lanes: int | None = None,
 ) -> jax.Array:
     """A (fused) linear layer's LoRA: `lora_expand(lora_shrink(x), ...)`, the one call layers make.
 
@@ -234,11 +233,6 @@ def lora_linear(
         into base's buffer. The expand then need not wait for `base`: inside a jitted step it runs beside the
         GEMM that makes `base`, and XLA fuses the add into the kernel that reads the sum. A call on its own
         pays one more pass over [T, N]. The model passes True; other backends add so already or ignore it.
-      lanes: the pallas backend runs each kernel with `lanes` programs along the segments, each looping over
-        every lanes-th segment in use, instead of a program per segment the batch may hold (`num_segments`),
-        most of which find none where few adapters are in use. Exact for any batch, fastest for one whose
-        segments in use are at most `lanes` (one trip each); a caller that knows its batch passes it
-        (`jlora.runner.segment_lanes`). Other backends ignore it.
 
     Returns:
       [T, N] in base.dtype, base plus each token's adapter delta (then the affine).
@@ -251,18 +245,15 @@ def lora_linear(
     if a.shape[1] // len(slice_sizes) != b.shape[2]:
         raise ValueError(f"A {a.shape} and B {b.shape} disagree on the max rank R")
     _check_affine(b, scale=scale, shift=shift)
-    if lanes is not None and (not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1):
-        raise ValueError(f"lanes must be a positive int or None, got {lanes!r}")
-    backend = resolve_backend(backend, x.shape[0], b.shape[2])
-    return _linear(x, base, a, b, info, scale, shift, slice_sizes=slice_sizes, backend=backend,
-                   defer_add=bool(defer_add), lanes=lanes if backend == "pallas" else None)
+    return _linear(x, base, a, b, info, scale, shift, slice_sizes=slice_sizes,
+                   backend=resolve_backend(backend, x.shape[0], b.shape[2]), defer_add=bool(defer_add))
 
 
-@functools.partial(jax.jit, static_argnames=("slice_sizes", "backend", "defer_add", "lanes"))
-def _linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False, lanes=None):
+@functools.partial(jax.jit, static_argnames=("slice_sizes", "backend", "defer_add"))
+def _linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False):
     if backend == "pallas":
         return pallas.linear(x, base, a, b, info, slice_sizes=slice_sizes, scale=scale, shift=shift,
-                             defer_add=defer_add, lanes=lanes)
+                             defer_add=defer_add)
     s = _shrink(x, a, info, num_slices=len(slice_sizes), backend=backend)
     return _expand(s, b, info, base, scale, shift, slice_sizes=slice_sizes, backend=backend)
 

@@ -30,13 +30,11 @@ from jlora.models.config import ModelConfig
 from jlora.models.llama import Batch, CallOptions, KVCache, LoRAInput, Transformer
 from jlora.logprobs import StepLogprobs, top_logprobs
 from jlora.models.lora_weights import LoRAWeights
-from jlora.ops import resolve_backend
 from jlora.parallel import TensorParallel
 from jlora.sampling import apply_penalties, request_keys, sample_tokens
 from jlora.step import Call, Step, StepOptions
 
-__all__ = ["ModelDef", "ModelRunner", "bucket", "forward", "generate_step", "pack_prompts", "row_tile",
-           "segment_lanes"]
+__all__ = ["ModelDef", "ModelRunner", "bucket", "forward", "generate_step", "pack_prompts", "row_tile"]
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -48,22 +46,6 @@ def row_tile(num_tokens: int) -> int:
     """`LoRABatchInfo.block_m` for a step of `num_tokens` tokens: 16 at decode sizes, 64 for prefill
     (bench/kernels.py --sweep: larger row tiles re-read each adapter's weights less often)."""
     return 16 if num_tokens <= 256 else 64
-
-
-def segment_lanes(token_slot: np.ndarray, backend: str, rank: int) -> int | None:
-    """`StepOptions.lanes` for a call whose tokens' slots are `token_slot` [T] on weights of rank `rank`: twice its
-    row tiles, 2·cdiv(T, block_m), where its projections' LoRA runs the Pallas kernels at decode sizes (T <= 256)
-    and the segments its adapters fill fit in them, so each lane takes at most one; else None (a program per
-    segment the call may hold, most of which find none where few adapters are in use, and slow the base GEMMs
-    beside them). The bits are the same either way; the choice is a second compiled variant of a step shape, as
-    `lora_for`'s. Evidence: docs/kernels.md § Segment lanes."""
-    num_tokens = token_slot.size
-    if num_tokens > 256 or resolve_backend(backend, num_tokens, rank) != "pallas":
-        return None
-    block_m = row_tile(num_tokens)
-    used = int(np.sum(-(-np.bincount(token_slot[token_slot >= 0]) // block_m)))
-    lanes = 2 * -(-num_tokens // block_m)
-    return lanes if 0 < used <= lanes else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,7 +83,7 @@ def _model_call(model_def: ModelDef, params, call: Call, cache: KVCache, lora: L
     tp = options.tp
     base_first = concurrent_graphs(call.seq_len) if options.base_first is None else options.base_first
     model_options = CallOptions(options.backend, None if tp is None else parallel.AXIS, base_first,
-                                options.attention_chunk, options.lanes)
+                                options.attention_chunk)
 
     def run(params, call, cache, lora):
         lora_input = None
@@ -277,16 +259,15 @@ class ModelRunner:
         shape), which with every slot -1 would add nothing at full cost."""
         return self.pool.step_weights if (token_slot >= 0).any() else None
 
-    def options(self, token_slot: np.ndarray) -> StepOptions:
-        """The static options of a call whose tokens' slots are `token_slot` [T]."""
-        return StepOptions(row_tile(token_slot.size), self.backend, self.tp, attention_chunk=self.attention_chunk,
-                           lanes=segment_lanes(token_slot, self.backend, self.pool.rank))
+    def options(self, num_tokens: int) -> StepOptions:
+        """The static options of a call of `num_tokens` tokens."""
+        return StepOptions(row_tile(num_tokens), self.backend, self.tp, attention_chunk=self.attention_chunk)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, token_slot: np.ndarray, cache: KVCache):
         """One jitted model call on padded host arrays [B, S] (token_slot [B·S]); returns (logits [B, S, V] f32,
         cache)."""
         call = Call(Batch.of(tokens, positions), token_slot, self.pool.ranks.copy())
-        return forward(self.model_def, self.params, call, cache, self.lora_for(token_slot), self.options(token_slot))
+        return forward(self.model_def, self.params, call, cache, self.lora_for(token_slot), self.options(tokens.size))
 
     def step(self, step: Step, cache: KVCache):
         """Dispatches one `generate_step`; returns (next tokens [R, 1] on the device, cache, `StepLogprobs` or
@@ -294,7 +275,7 @@ class ModelRunner:
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first).
         return generate_step(self.model_def, self.params, step, cache, self.lora_for(step.token_slot),
-                             self.options(step.token_slot))
+                             self.options(step.token_slot.size))
 
     def copy_blocks(self, cache: KVCache, sources: np.ndarray, targets: np.ndarray) -> KVCache:
         """`copy_blocks` dispatched, padded to a power-of-two count (`_padded`)."""

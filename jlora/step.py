@@ -78,12 +78,11 @@ class Step:
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """A call's static options: the LoRA ops' row tile (`LoRABatchInfo.block_m`) and backend, the tensor-parallel
-    mesh (None: one device), `base_first` (None: the engine's rule, `jlora.compile_options.concurrent_graphs`),
-    `attention_chunk` and `lanes` (see `jlora.models.llama.CallOptions` for the three)."""
+    mesh (None: one device), `base_first` (None: the engine's rule, `jlora.compile_options.concurrent_graphs`)
+    and `attention_chunk` (see `jlora.models.llama.CallOptions` for both)."""
 
     block_m: int
     backend: str
     tp: TensorParallel | None = None
     base_first: bool | None = None
     attention_chunk: int | None = None
-    lanes: int | None = None

@@ -358,25 +358,6 @@ def test_jitted_lora_linear_compiles_once_over_adapter_mixes():
     assert len(traces) == 1 and step._cache_size() == 1
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("lanes", [1, 2, 3, 64])
-def test_lanes_give_the_kernels_bits_for_any_count_of_segments_in_use(scenario, lanes):
-    # Fewer lanes than segments in use (several trips a lane), as many, and more (lanes that find none): every
-    # case the same bits as a program per segment (rows of slot -1 untouched), adding in place or apart.
-    rng = np.random.default_rng(5)
-    info, (x, a, b, base), _, _ = make_case(rng, scenario_slots(scenario, rng), jnp.bfloat16, (48, 32, 16))
-    for defer_add in (False, True):
-        run = functools.partial(jlora.lora_linear, x, base, a, b, info, slice_sizes=(48, 32, 16), backend="pallas",
-                                defer_add=defer_add)
-        np.testing.assert_array_equal(np.asarray(run(lanes=lanes), np.float32), np.asarray(run(), np.float32))
-
-
-@pytest.mark.parametrize("lanes", [0, -2, 1.5, True])
-def test_lanes_must_be_a_positive_int(lanes):
-    with pytest.raises(ValueError, match="lanes must be a positive int or None"):
-        jlora.lora_linear(*_args(), slice_sizes=(32,), backend="pallas", lanes=lanes)
-
-
 def _args(dtype=jnp.float32, t=8, k=32, n=32, rank=16, slots=2):
     info = LoRABatchInfo.build(np.zeros(t, np.int32), np.full(slots, 4), np.ones(slots))
     return (

@@ -128,16 +128,12 @@ class CallOptions:
       attention_chunk: split the Pallas decode attention over chunks of this many positions too
         (`jlora.pallas.decode_attention`; None: unsplit). It changes the rounding, so an engine fixes it once
         (`EngineConfig.attention_chunk`), never per call.
-      lanes: the projections' Pallas LoRA kernels run over this many segment lanes (`jlora.lora_linear`), for
-        a call whose segments in use are known to be at most that many (`jlora.runner.segment_lanes`); the
-        same bits as without.
     """
 
     backend: str = "auto"
     reduce_axis: str | None = None
     base_first: bool = False
     attention_chunk: int | None = None
-    lanes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +275,7 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
         if shift is not None and reduce_axis is not None:  # the partial outputs are summed: add it on one device
             shift = jnp.where(jax.lax.axis_index(reduce_axis) == 0, shift, 0)
         out = lora_linear(x, out, group.a[name], group.b[name], lora.info, slice_sizes=slice_sizes,
-                          backend=options.backend, scale=scale, shift=shift, defer_add=True, lanes=options.lanes)
+                          backend=options.backend, scale=scale, shift=shift, defer_add=True)
     return out if reduce_axis is None else jax.lax.psum(out, reduce_axis)
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jlora.precision import dot_precision
 
-__all__ = ["dot_dim", "dot_precision", "for_segments", "segment_meta", "segment_rows", "segments_in_use"]
+__all__ = ["dot_dim", "dot_precision", "segment_meta", "segment_rows"]
 
 
 def dot_dim(n: int) -> int:
@@ -37,25 +37,3 @@ def segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, num_row
     return seg_len_ref[seg], jnp.maximum(seg_slot_ref[seg], 0), rows
 
 
-
-
-def segments_in_use(info) -> jax.Array:
-    """[1] int32: how many of a `LoRABatchInfo`'s segments hold tokens (they come first), for `for_segments`."""
-    return jnp.sum(info.seg_len > 0, dtype=jnp.int32)[None]
-
-
-def for_segments(segment, index, lanes: int | None, used_ref) -> None:
-    """Runs `segment(seg)` for a program's segments: segment `index` (a program per segment), or with `lanes`
-    (a program per lane) segments index, index + lanes, ... below the count in use (`used_ref`,
-    `segments_in_use`). The grid then holds `lanes` programs where it held one per segment a batch may have
-    (cdiv(T, block_m) + L): with few adapters in use most of those find no segment, and their launches take
-    the GPU from the kernels beside (docs/kernels.md, "Segment lanes")."""
-    if lanes is None:
-        segment(index)
-        return
-
-    def step(i, carry):
-        segment(index + i * lanes)
-        return carry
-
-    jax.lax.fori_loop(0, (used_ref[0] - index + lanes - 1) // lanes, step, 0)  # no trip past the segments in use

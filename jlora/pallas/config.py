@@ -27,7 +27,6 @@ class ShrinkConfig:
     block_k: int  # K columns per step of a program's loop
     k_splits: int  # programs sharing one segment's K (split-K); partial sums are added by the consumer
     split_slices: bool = False  # one program per slice (more programs) instead of all slices sharing x
-    lanes: int | None = None  # programs along the segments, each looping over every lanes-th one in use
     num_warps: int = 4
     num_stages: int = 3
 
@@ -43,7 +42,6 @@ class ExpandConfig:
     full_rank_branch: bool = True  # slots at the full rank R take a fast path (see jlora.pallas.expand)
     segments_first: bool = False  # launch the grid as one axis, the used segments' programs first
     delta: bool = False  # write the delta alone, added to the base by XLA, instead of into the base's buffer
-    lanes: int | None = None  # programs along the segments, each looping over every lanes-th one in use
     num_warps: int = 4
     num_stages: int = 2
 

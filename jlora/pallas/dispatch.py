@@ -8,7 +8,6 @@ already padded, so the model never pays it. K or a slice narrower than 16 is zer
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -17,7 +16,6 @@ import numpy as np
 
 from jlora.batch_info import LoRABatchInfo
 from jlora.pallas.common import dot_dim
-from jlora.pallas import config as tiles
 from jlora.pallas.config import ExpandConfig, ShrinkConfig
 from jlora.pallas.expand import expand as _expand
 from jlora.pallas.shrink import default_config, shrink_partials
@@ -139,10 +137,9 @@ def linear(
     scale: jax.Array | None = None,
     shift: jax.Array | None = None,
     defer_add: bool = False,
-    lanes: int | None = None,
 ) -> jax.Array:
     """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly.
-    The configs override the heuristic tiles of either kernel; `lanes` sets both kernels' `lanes`.
+    The configs override the heuristic tiles of either kernel.
 
     Two kernels at every size: a fused shrink+expand kernel, slot-loop kernels and per-token kernels were
     built and were slower (docs/kernels.md, "Kernels built and not adopted")."""
@@ -151,11 +148,6 @@ def linear(
     x, a = _pad_k(x, _pad_slices(a, 1, len(slice_sizes), rank))
     padded, b, base, scale, shift, keep = _pad_narrow_slices(slice_sizes, _pad_slices(b, 2, 1, rank), base, scale,
                                                              shift)
-    if lanes is not None:
-        shrink_config = dataclasses.replace(shrink_config or default_config(x, a, info, len(slice_sizes)),
-                                            lanes=lanes)
-        expand_config = dataclasses.replace(
-            expand_config or tiles.expand_config(x.shape[0], padded, info.block_m, b.shape[2], defer_add), lanes=lanes)
     partials = shrink_partials(x, a, info, num_slices=len(slice_sizes), config=shrink_config)
     out = _expand(partials, b, info, base, slice_sizes=padded, config=expand_config, scale=scale, shift=shift,
                   defer_add=defer_add)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.batch_info import LoRABatchInfo
-from jlora.pallas.common import dot_precision, for_segments, segment_meta, segments_in_use
+from jlora.pallas.common import dot_precision, segment_meta
 from jlora.pallas.config import ExpandConfig, expand_config, pow2_divisor
 from jlora.reference import add_deltas, own_rows
 
@@ -35,7 +35,6 @@ def _expand_kernel(
     seg_start_ref,  # [S] int32
     seg_len_ref,  # [S] int32
     seg_slot_ref,  # [S] int32
-    used_ref,  # [1] int32: segments in use (the first ones); read with `lanes`
     ranks_ref,  # [L] int32
     s_ref,  # [P, T, num_slices * R] shrink output as P partial sums (P = 1 for a finished s)
     b_ref,  # [L, N, R]
@@ -56,7 +55,6 @@ def _expand_kernel(
     group: int,
     full_rank_branch: bool,
     segments_first: bool,
-    lanes: int | None,
     precision,
     base_precision,
 ):
@@ -64,84 +62,79 @@ def _expand_kernel(
     shift_ref = refs[int(has_scale)] if has_shift else None
     base_ref = refs[int(has_scale) + int(has_shift)] if has_base else None
     o_ref = refs[-1]
-    # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h;
-    # with `lanes`, of segments lane, lane + lanes, ... in use, p = lane·parts + h) and `group` consecutive column
-    # blocks of one slice: the rows, s and rank mask are loaded once, and the loop over blocks lets the compiler
-    # pipeline loads.
+    # Program (p, g) covers rows h·block_rows ... (h + 1)·block_rows - 1 of segment `seg` (p = seg·parts + h)
+    # and `group` consecutive column blocks of one slice: the rows, s and rank mask are loaded once, and the
+    # loop over blocks lets the compiler pipeline loads.
     if segments_first:  # one grid axis, column groups fastest: the used segments' programs launch first
         p, g = pl.program_id(0) // num_groups, pl.program_id(0) % num_groups
     else:  # CUDA launches the first axis fastest: used and unused segments' programs interleave
         p, g = pl.program_id(0), pl.program_id(1)
-    h = p % parts
+    seg, h = p // parts, p % parts
+    # The metadata is read ahead of the branch, so its loads issue together (see `segment_meta`).
+    seg_len, slot, rows = segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, block_rows,
+                                       h * block_rows)  # rows: [BR]
+    slot_rank = ranks_ref[slot]
 
-    def segment(seg):
-        # The metadata is read ahead of the branch, so its loads issue together (see `segment_meta`).
-        seg_len, slot, rows = segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, block_rows,
-                                           h * block_rows)  # rows: [BR]
-        slot_rank = ranks_ref[slot]
+    @pl.when(seg_len > h * block_rows)
+    def _():
+        # The slice of group g: the last whose first group is <= g (static offsets). Integer steps
+        # (0 or 1) instead of booleans: the Triton lowering mistypes bool -> int converts.
+        sl, col0, end, g0 = 0, slice_start[0], slice_end[0], group_start[0]
+        for i in range(1, len(slice_start)):
+            step = jnp.clip(g - group_start[i] + 1, 0, 1)  # 1 once g reaches slice i
+            sl += step
+            col0 += step * (slice_start[i] - slice_start[i - 1])
+            end += step * (slice_end[i] - slice_end[i - 1])
+            g0 += step * (group_start[i] - group_start[i - 1])
+        first_col = col0 + (g - g0) * (group * block_n)
+        r = pl.ds(sl * rank if len(slice_start) == 1 else pl.multiple_of(sl * rank, rank), rank)
 
-        @pl.when(seg_len > h * block_rows)
-        def _():
-            # The slice of group g: the last whose first group is <= g (static offsets). Integer steps (0 or 1)
-            # instead of booleans: the Triton lowering mistypes bool -> int converts.
-            sl, col0, end, g0 = 0, slice_start[0], slice_end[0], group_start[0]
-            for i in range(1, len(slice_start)):
-                step = jnp.clip(g - group_start[i] + 1, 0, 1)  # 1 once g reaches slice i
-                sl += step
-                col0 += step * (slice_start[i] - slice_start[i - 1])
-                end += step * (slice_end[i] - slice_end[i - 1])
-                g0 += step * (group_start[i] - group_start[i - 1])
-            first_col = col0 + (g - g0) * (group * block_n)
-            r = pl.ds(sl * rank if len(slice_start) == 1 else pl.multiple_of(sl * rank, rank), rank)
+        s = s_ref[0, rows, r]  # [BM, R]
+        for p in range(1, s_ref.shape[0]):  # split-K partials of the shrink
+            s += s_ref[p, rows, r]
+        col = jnp.arange(rank)[None, :]  # [1, R]
+        s = jnp.where(col < slot_rank, s, 0).astype(b_ref.dtype)  # columns past the rank contribute nothing
+        # B is read in 16-column chunks up to the rank: a mask constant over 16 contiguous columns keeps
+        # the loads vectorized (a per-column mask makes them scalar), and chunks past the rank are not read.
+        # The masked loads are slower than plain ones, so with `full_rank_branch` slots at the full rank R
+        # take a fast path: B read unmasked, and the base added through a `dot` with the identity, which
+        # makes Triton stream the base tiles into shared memory ahead of use as it does a dot's operands
+        # (exact: one 1 per row, f32 accumulation). Slots below the full rank keep the plain add.
+        # So a rank that is no multiple of 16 reads its last chunk whole: B's columns there past the rank
+        # multiply zeros of s and must be finite (the pool stores zeros); selecting them out cost 7 %.
+        # Figures: docs/kernels.md, "The full-rank fast path".
+        in_rank = col // 16 * 16 < slot_rank  # [1, R]
+        eye = (jnp.arange(block_rows)[:, None] == jnp.arange(block_rows)[None, :]).astype(o_ref.dtype)
 
-            s = s_ref[0, rows, r]  # [BM, R]
-            for p in range(1, s_ref.shape[0]):  # split-K partials of the shrink
-                s += s_ref[p, rows, r]
-            col = jnp.arange(rank)[None, :]  # [1, R]
-            s = jnp.where(col < slot_rank, s, 0).astype(b_ref.dtype)  # columns past the rank contribute nothing
-            # B is read in 16-column chunks up to the rank: a mask constant over 16 contiguous columns keeps
-            # the loads vectorized (a per-column mask makes them scalar), and chunks past the rank are not read.
-            # The masked loads are slower than plain ones, so with `full_rank_branch` slots at the full rank R
-            # take a fast path: B read unmasked, and the base added through a `dot` with the identity, which
-            # makes Triton stream the base tiles into shared memory ahead of use as it does a dot's operands
-            # (exact: one 1 per row, f32 accumulation). Slots below the full rank keep the plain add.
-            # So a rank that is no multiple of 16 reads its last chunk whole: B's columns there past the rank
-            # multiply zeros of s and must be finite (the pool stores zeros); selecting them out cost 7 %.
-            # Figures: docs/kernels.md, "The full-rank fast path".
-            in_rank = col // 16 * 16 < slot_rank  # [1, R]
-            eye = (jnp.arange(block_rows)[:, None] == jnp.arange(block_rows)[None, :]).astype(o_ref.dtype)
+        def columns(full_rank: bool):
+            def block(j, carry):
+                if tail:  # a block past the slice's end moves back to end there
+                    cols = pl.ds(jnp.minimum(first_col + j * block_n, end - block_n), block_n)
+                else:
+                    cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
+                base = base_ref[rows, cols] if has_base else None  # [BR, BN]
+                if full_rank:
+                    b = b_ref[slot, cols, :]  # [BN, R]
+                    out = pltriton.dot(eye, base, precision=base_precision) if has_base else None  # = base
+                else:
+                    b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
+                    out = base.astype(jnp.float32) if has_base else None
+                delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
+                out = delta if out is None else out + delta
+                if has_scale:  # the slot's column affine (DoRA's magnitude over the column norm)
+                    out *= scale_ref[slot, cols].astype(jnp.float32)[None, :]
+                if has_shift:  # (a LoRA bias)
+                    out += shift_ref[slot, cols].astype(jnp.float32)[None, :]
+                o_ref[rows, cols] = out.astype(o_ref.dtype)
+                return carry
 
-            def columns(full_rank: bool):
-                def block(j, carry):
-                    if tail:  # a block past the slice's end moves back to end there
-                        cols = pl.ds(jnp.minimum(first_col + j * block_n, end - block_n), block_n)
-                    else:
-                        cols = pl.ds(pl.multiple_of(first_col + j * block_n, block_n), block_n)
-                    base = base_ref[rows, cols] if has_base else None  # [BR, BN]
-                    if full_rank:
-                        b = b_ref[slot, cols, :]  # [BN, R]
-                        out = pltriton.dot(eye, base, precision=base_precision) if has_base else None  # = base
-                    else:
-                        b = pltriton.load(b_ref.at[slot, cols, :], mask=in_rank, other=0)
-                        out = base.astype(jnp.float32) if has_base else None
-                    delta = pltriton.dot(s, b, trans_b=True, precision=precision)  # [BR, BN] f32
-                    out = delta if out is None else out + delta
-                    if has_scale:  # the slot's column affine (DoRA's magnitude over the column norm)
-                        out *= scale_ref[slot, cols].astype(jnp.float32)[None, :]
-                    if has_shift:  # (a LoRA bias)
-                        out += shift_ref[slot, cols].astype(jnp.float32)[None, :]
-                    o_ref[rows, cols] = out.astype(o_ref.dtype)
-                    return carry
+            jax.lax.fori_loop(0, group, block, 0)
 
-                jax.lax.fori_loop(0, group, block, 0)
-
-            if full_rank_branch:
-                pl.when(slot_rank >= rank)(lambda: columns(True))
-                pl.when(slot_rank < rank)(lambda: columns(False))
-            else:
-                columns(False)
-
-    for_segments(segment, p // parts, lanes, used_ref)
+        if full_rank_branch:
+            pl.when(slot_rank >= rank)(lambda: columns(True))
+            pl.when(slot_rank < rank)(lambda: columns(False))
+        else:
+            columns(False)
 
 
 def expand(
@@ -201,20 +194,19 @@ def expand(
         group=group,
         full_rank_branch=config.full_rank_branch,
         segments_first=config.segments_first,
-        lanes=config.lanes,
         precision=dot_precision(b.dtype),
         base_precision=dot_precision(base.dtype),
     )
-    grid = ((config.lanes or info.num_segments) * (info.block_m // block_rows), group_start[-1])
+    grid = (info.num_segments * (info.block_m // block_rows), group_start[-1])
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
         grid=(grid[0] * grid[1],) if config.segments_first else grid,
-        input_output_aliases={} if delta else {8 + len(affine) + int(tail): 0},
+        input_output_aliases={} if delta else {7 + len(affine) + int(tail): 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_expand_{len(slice_sizes)}x{rank}x{base.shape[1]}",  # shapes: readable profiles
-    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, segments_in_use(info), info.ranks, s, b, *affine,
+    )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, *affine,
       *(() if delta else (base,) * (1 + int(tail))))
     if not delta:
         return out

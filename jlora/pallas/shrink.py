@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlora.batch_info import LoRABatchInfo
-from jlora.pallas.common import dot_precision, for_segments, segment_meta, segments_in_use
+from jlora.pallas.common import dot_precision, segment_meta
 from jlora.pallas.config import ShrinkConfig, shrink_config
 
 __all__ = ["default_config", "shrink_partials"]
@@ -26,7 +26,6 @@ def _shrink_kernel(
     seg_start_ref,  # [S] int32
     seg_len_ref,  # [S] int32
     seg_slot_ref,  # [S] int32
-    used_ref,  # [1] int32: segments in use (the first ones); read with `lanes`
     ranks_ref,  # [L] int32
     scalings_ref,  # [L] f32
     x_ref,  # [T, K]
@@ -38,58 +37,51 @@ def _shrink_kernel(
     block_k: int,
     k_per_split: int,
     k_tail: int,
-    lanes: int | None,
     precision,
 ):
-    # Program (seg, split, part): segment `seg` (with `lanes`, segments lane, lane + lanes, ... in use), K range
-    # `split`, and slices part·spp .. part·spp + spp - 1 (spp = slices_per_program: all slices share one read of
-    # x, or one slice each for more programs).
+    # Program (seg, split, part): segment `seg`, K range `split`, and slices part·spp .. part·spp + spp - 1
+    # (spp = slices_per_program: all slices share one read of x, or one slice each for more programs).
     o_ref = refs[-1]  # [k_splits, T, num_slices * R] partial sums, f32 or the aliased buffer's dtype
-    split, part = pl.program_id(1), pl.program_id(2)
+    seg, split, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # The metadata is read ahead of the branch, so its loads issue together (see `segment_meta`).
+    seg_len, slot, rows = segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, block_m)
+    slot_rank, scale = ranks_ref[slot], scalings_ref[slot]
 
-    def segment(seg):
-        # The metadata is read ahead of the branch, so its loads issue together (see `segment_meta`).
-        seg_len, slot, rows = segment_meta(idx_ref, seg_start_ref, seg_len_ref, seg_slot_ref, seg, block_m)
-        slot_rank, scale = ranks_ref[slot], scalings_ref[slot]
+    @pl.when(seg_len > 0)
+    def _():
+        in_rank = (jnp.arange(rank) < slot_rank)[:, None]  # [R, 1]: rows of A past the rank unread
+        k_base = split * k_per_split
+        # A rows (and output columns) of each slice this program computes.
+        cols = [pl.ds(pl.multiple_of((part * slices_per_program + i) * rank, rank), rank)
+                for i in range(slices_per_program)]
 
-        @pl.when(seg_len > 0)
-        def _():
-            in_rank = (jnp.arange(rank) < slot_rank)[:, None]  # [R, 1]: rows of A past the rank unread
-            k_base = split * k_per_split
-            # A rows (and output columns) of each slice this program computes.
-            cols = [pl.ds(pl.multiple_of((part * slices_per_program + i) * rank, rank), rank)
-                    for i in range(slices_per_program)]
-
-            def step(j, accs):
-                k = pl.ds(pl.multiple_of(k_base + j * block_k, block_k), block_k)
-                xb = x_ref[rows, k]  # [BM, BK]
-                return tuple(
-                    acc
-                    + pltriton.dot(
-                        xb,
-                        pltriton.load(a_ref.at[slot, c, k], mask=in_rank, other=0),  # [R, BK]
-                        trans_b=True,
-                        precision=precision,
-                    )
-                    for c, acc in zip(cols, accs)
+        def step(j, accs):
+            k = pl.ds(pl.multiple_of(k_base + j * block_k, block_k), block_k)
+            xb = x_ref[rows, k]  # [BM, BK]
+            return tuple(
+                acc
+                + pltriton.dot(
+                    xb,
+                    pltriton.load(a_ref.at[slot, c, k], mask=in_rank, other=0),  # [R, BK]
+                    trans_b=True,
+                    precision=precision,
                 )
+                for c, acc in zip(cols, accs)
+            )
 
-            zeros = tuple(jnp.zeros((block_m, rank), jnp.float32) for _ in cols)
-            accs = jax.lax.fori_loop(0, k_per_split // block_k, step, zeros)
-            if k_tail:  # K's last k_tail columns, past the splits' full blocks, go to the last split: a block
-                # ending at K (in bounds, overlapping the one before), with A's columns before the tail masked out
-                k_dim = x_ref.shape[1]
-                k = pl.ds(k_dim - block_k, block_k)
-                tail = (jnp.arange(block_k) >= block_k - k_tail)[None, :] & (split == pl.num_programs(1) - 1)
-                xb = x_ref[rows, k]
-                accs = tuple(acc + pltriton.dot(xb, pltriton.load(a_ref.at[slot, c, k], mask=in_rank & tail,
-                                                                  other=0),
-                                                trans_b=True, precision=precision)
-                             for c, acc in zip(cols, accs))
-            for c, acc in zip(cols, accs):
-                o_ref[split, rows, c] = (acc * scale).astype(o_ref.dtype)
-
-    for_segments(segment, pl.program_id(0), lanes, used_ref)
+        zeros = tuple(jnp.zeros((block_m, rank), jnp.float32) for _ in cols)
+        accs = jax.lax.fori_loop(0, k_per_split // block_k, step, zeros)
+        if k_tail:  # K's last k_tail columns, past the splits' full blocks, go to the last split: a block
+            # ending at K (in bounds, overlapping the one before), with A's columns before the tail masked out
+            k_dim = x_ref.shape[1]
+            k = pl.ds(k_dim - block_k, block_k)
+            tail = (jnp.arange(block_k) >= block_k - k_tail)[None, :] & (split == pl.num_programs(1) - 1)
+            xb = x_ref[rows, k]
+            accs = tuple(acc + pltriton.dot(xb, pltriton.load(a_ref.at[slot, c, k], mask=in_rank & tail, other=0),
+                                            trans_b=True, precision=precision)
+                         for c, acc in zip(cols, accs))
+        for c, acc in zip(cols, accs):
+            o_ref[split, rows, c] = (acc * scale).astype(o_ref.dtype)
 
 
 def default_config(x: jax.Array, a: jax.Array, info: LoRABatchInfo, num_slices: int) -> ShrinkConfig:
@@ -132,18 +124,16 @@ def shrink_partials(
         block_k=config.block_k,
         k_per_split=k_per_split,
         k_tail=k_tail,
-        lanes=config.lanes,
         precision=dot_precision(x.dtype),
     )
     shape = (config.k_splits, num_tokens, num_slices * rank)
     if out is not None and out.shape != shape:
         raise ValueError(f"out {out.shape} must be {shape} under {config}")
-    operands = (info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, segments_in_use(info), info.ranks,
-                info.scalings, x, a)
+    operands = (info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, info.scalings, x, a)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32 if out is None else out.dtype),
-        grid=(config.lanes or info.num_segments, config.k_splits, num_slices // slices_per_program),
+        grid=(info.num_segments, config.k_splits, num_slices // slices_per_program),
         input_output_aliases={} if out is None else {len(operands): 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=jax.default_backend() != "gpu",
