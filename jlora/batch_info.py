@@ -12,7 +12,7 @@ How this differs from the peers:
   `active_lora_ids` and launches a grid of (max_loras + 1) x cdiv(T, BLOCK_M) programs, most of which exit
   early. We precompute the segment list instead, so the grid is min(T, cdiv(T, block_m) + L) programs at most.
 - SGLang's chunked SGMV also uses a sorted permutation and fixed-size chunks, but builds them on the host;
-  `build` here is pure jnp (argsort, cumsum, searchsorted), so it runs inside the jitted step with no host
+  `build` here is pure jnp (argsort, cumsum, comparisons), so it runs inside the jitted step with no host
   round trip.
 """
 
@@ -154,6 +154,14 @@ class LoRABatchInfo:
         return LoRABatchInfo.build(token_slot, ranks, scalings, block_m=block_m)
 
 
+def bin_index(edges: jax.Array, values: jax.Array) -> jax.Array:
+    """[N] int32: for each of `values` [N], how many of the ascending `edges` [E] are <= it (searchsorted, side
+    right). Every pair is compared at once, one fused kernel: jnp.searchsorted's default binary search is an XLA
+    while loop, which on the GPU runs outside the step's CUDA graphs and makes the host wait for the device at
+    each of its log2(E) iterations."""
+    return jnp.searchsorted(edges, values, side="right", method="compare_all").astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("block_m",))
 def _build(token_slot: jax.Array, ranks: jax.Array, scalings: jax.Array, *, block_m: int) -> LoRABatchInfo:
     """The jitted body of `LoRABatchInfo.build` (arguments already checked)."""
@@ -171,7 +179,7 @@ def _build(token_slot: jax.Array, ranks: jax.Array, scalings: jax.Array, *, bloc
     chunks = (counts + block_m - 1) // block_m  # [L]
     chunk_end = jnp.cumsum(chunks)  # [L] exclusive end of each slot's chunk range
     seg = jnp.arange(num_segs, dtype=jnp.int32)
-    slot = jnp.searchsorted(chunk_end, seg, side="right").astype(jnp.int32)  # [S], == L when unused
+    slot = bin_index(chunk_end, seg)  # [S], == L when unused
     used = slot < num_slots
     slot_c = jnp.minimum(slot, num_slots - 1)
     offset = (seg - (chunk_end[slot_c] - chunks[slot_c])) * block_m  # first token of s within its slot
@@ -204,6 +212,6 @@ def token_slots_from_requests(
         )
     end = jnp.cumsum(request_len)  # [B]
     pos = jnp.arange(num_tokens, dtype=jnp.int32)
-    owner = jnp.searchsorted(end, pos, side="right")  # [T] request of each token; B past the end
+    owner = bin_index(end, pos)  # [T] request of each token; B past the end
     valid = owner < request_slot.shape[0]
     return jnp.where(valid, request_slot[jnp.minimum(owner, request_slot.shape[0] - 1)], -1).astype(jnp.int32)

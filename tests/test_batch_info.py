@@ -78,6 +78,19 @@ def test_out_of_range_slot_under_jit_counts_as_none():
     assert int(info.seg_len.sum()) == 1
 
 
+def test_the_metadata_runs_no_while_loop():
+    """Its searches compare every pair: an XLA while loop (jnp.searchsorted's default binary search) runs outside
+    the step's CUDA graphs on the GPU, the host waiting on the device at each iteration."""
+    def build(request_slot, request_len):
+        return LoRABatchInfo.from_requests(request_slot, request_len, jnp.full(128, 16), jnp.ones(128),
+                                           num_tokens=64)
+
+    text = jax.jit(build).lower(jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.int32)).as_text()
+    assert "stablehlo.while" not in text
+    search = jax.jit(lambda edges, values: jnp.searchsorted(edges, values))  # the binary search: a while loop
+    assert "stablehlo.while" in search.lower(jnp.arange(128), jnp.arange(64)).as_text()
+
+
 def test_from_requests():
     slots = token_slots_from_requests(jnp.array([2, -1, 0]), jnp.array([3, 1, 2]), num_tokens=8)
     np.testing.assert_array_equal(slots, [2, 2, 2, -1, 0, 0, -1, -1])
