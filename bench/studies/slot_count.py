@@ -1,9 +1,10 @@
 """The decode step against the number of adapter slots the GPU holds, with the same adapters in use, for #39.
 
-The segmented Pallas kernels' grids have a program per segment a batch may hold, cdiv(T, block_m) + L (L the
-slots), whatever the batch holds: at batch 32 with 32 slots the expand of gate|up runs 34 x 224 programs, and
-with one adapter in use 32 of every 34 find no segment and exit. This times the same step (the same adapters
-on the same rows) over stacks of L slots, so the only change is the programs that exit.
+The segmented Pallas kernels' grids have a program per segment a batch may hold, min(T, cdiv(T, block_m) + L)
+(L the slots), whatever the batch holds: at batch 32 with 32 slots the expand of gate|up runs 32 x 224 programs,
+and with one adapter in use 30 of every 32 find no segment and exit (at 4 slots, 4 of every 6). This times the same
+step (the same adapters on the same rows) over stacks of L slots, so the only change is what grows with L: the
+programs that exit, and the LoRA metadata's [L] arrays.
 
 Model: the 8B-shaped decode step (`bench/model.py`'s random model; 1024 positions a request, query at 512;
 each batch as `bench/model.py` runs it), the adapters random over the stack's first slots, one for every row
