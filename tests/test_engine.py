@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -265,6 +267,33 @@ def test_compilations_bounded_over_1000_decode_steps_with_loads(engine):
         engine.unload_adapter(victim)
         engine.load_adapter(victim, str(engine.root / victim))
     assert generate_step._cache_size() == compiled
+
+
+def _while_loops(jaxpr) -> int:
+    """XLA while loops (`while` and `scan`) in `jaxpr` and the jaxprs it calls; a Pallas kernel's own loops,
+    which run inside the kernel, are not counted."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "pallas_call":
+            count += eqn.primitive.name in ("while", "scan")
+            count += sum(_while_loops(getattr(sub, "jaxpr", sub)) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+    return count
+
+
+def test_the_engine_steps_run_no_while_loop(engine, monkeypatch):
+    """The engine's steps (decode and prompt pieces with adapters, so two `LoRABatchInfo`s; sampling filtered,
+    penalties, log-probabilities) trace no XLA while loop: on the GPU one stands between two CUDA graphs, the host
+    launching each iteration (docs/performance.md, *The LoRA metadata without a while loop*)."""
+    import jlora.runner as runner_module
+
+    calls = []
+    monkeypatch.setattr(runner_module, "generate_step", lambda *args: calls.append(args) or generate_step(*args))
+    engine.generate(PROMPTS, ADAPTERS, max_new_tokens=4, temperature=0.7, top_p=0.9, repetition_penalty=1.2,
+                    logprobs=2)
+    assert {call[2].prefill is not None for call in calls} == {True, False}
+    for call in calls:
+        assert _while_loops(generate_step.with_options({}).trace(*call).jaxpr.jaxpr) == 0
+    assert _while_loops(jax.make_jaxpr(jnp.searchsorted)(np.arange(4), np.arange(3)).jaxpr) == 1  # it counts them
 
 
 def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):

@@ -371,40 +371,6 @@ def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):
     assert text.count("optimization_barrier") == config.num_layers  # gate|up's
 
 
-def _while_loops(jaxpr) -> int:
-    """XLA while loops (`while` and `scan`) in `jaxpr` and the jaxprs it calls; a Pallas kernel's own loops,
-    which run inside the kernel, are not counted."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            continue
-        count += eqn.primitive.name in ("while", "scan")
-        count += sum(_while_loops(getattr(sub, "jaxpr", sub)) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-    return count
-
-
-def test_a_mixed_call_on_the_pallas_kernels_runs_no_while_loop(tmp_path):
-    """A call of decode tokens and a prompt piece, adapters on both and logits at chosen tokens (two
-    `LoRABatchInfo`s, their segments read by the Pallas kernels), traces no XLA while loop outside the kernels:
-    on the GPU one runs outside the step's CUDA graphs, the host waiting on the device at each iteration."""
-    kind = "llama"
-    engine = Engine.from_pretrained(_model(tmp_path, kind), max_loras=2, max_lora_rank=16, dtype="float32",
-                                    progress=False)
-    testing.write_adapter(str(tmp_path / "a"), MODELS[kind], seed=3, **ADAPTERS["all_rslora"])
-    engine.load_adapter("a", str(tmp_path / "a"))
-    decode = Group(jnp.asarray([[3], [5], [0]], jnp.int32), jnp.asarray([[2], [4], [0]], jnp.int32),
-                   jnp.asarray([[True], [True], [False]]))  # every cache row's token; row 2 prefills
-    piece = Group(jnp.asarray([[1, 2, 3, 4]], jnp.int32), jnp.arange(4, dtype=jnp.int32)[None],
-                  tables=jnp.asarray([[2]], jnp.int32))
-    call = Call(Batch((decode, piece), jnp.asarray([0, 1, 6])), jnp.asarray([0, -1, -1, 0, 0, 0, 0], jnp.int32),
-                jnp.asarray(engine.pool.ranks))
-    cache = KVCache.zeros(engine.model_config, 3, 8, jnp.float32)
-    args = (engine.runner.model_def, engine.runner.params, call, cache, engine.pool.weights)
-    traced = forward.with_options({}).trace(*args, StepOptions(16, "pallas"))
-    assert _while_loops(traced.jaxpr.jaxpr) == 0
-    assert _while_loops(jax.make_jaxpr(jnp.searchsorted)(jnp.arange(4), jnp.arange(3)).jaxpr) == 1  # it counts
-
-
 @pytest.mark.parametrize("backend", ["pallas"])  # decode group in the kernel; the engine's tests run the others
 def test_a_mixed_call_decodes_and_prefills_pieces_as_full_forwards_do(tmp_path, backend):
     """One call with two groups: every cache row's decode token (two rows valid) and prompt pieces into two
