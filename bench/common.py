@@ -104,25 +104,51 @@ def patched_model(model_def, target, attribute: str, value, inline: tuple = ()):
     return copy.copy(model_def), patched, calls
 
 
+def time_variants(params, call, cache, lora, variants: dict) -> tuple[dict, object]:
+    """Model steps compiled as variants of one step, timed in alternating rounds: `variants` maps a name to
+    (model_def, options, patch), `patch` a context manager factory inside which that variant's step traces (None:
+    as shipped) and `model_def` a jit cache key of its own where there is one (`copy.copy` of the model's: a
+    `ModelDef` hashes by identity), so that the patch reaches it. The first variant is the reference. Returns
+    ({"ms": {name: median ms}, "kernels": {name: kernels a step}, "logits_max_abs_diff" and
+    "logits_equal_fraction": {name: against the first}}, cache); the logits are compared first."""
+    from jlora.runner import forward
+
+    logits = {}
+    for name, (model_def, options, patch) in variants.items():
+        with (patch or contextlib.nullcontext)():  # the variant's step traces here
+            logits[name], cache = forward(model_def, params, call, cache, lora, options)
+    runs = {name: (lambda c, model_def=model_def, options=options: forward(model_def, params, call, c, lora, options))
+            for name, (model_def, options, _) in variants.items()}
+    got, cache = count_and_time(runs, cache)
+    first = next(iter(logits.values()))
+    return dict(got, logits_max_abs_diff={name: float(jnp.abs(v - first).max()) for name, v in logits.items()},
+                logits_equal_fraction={name: float(jnp.mean(v == first)) for name, v in logits.items()}), cache
+
+
+def variants_row(name: str, got: dict, **extra) -> dict:
+    """`time_variants`' result as a JSON row, printed: the case's `name`, `extra`, and each variant's median ms,
+    its ratio to the first's, kernels a step and how its logits differ from the first's."""
+    ms = got["ms"]
+    first = next(iter(ms.values()))
+    row = dict(case=name, **extra, **got)
+    print(f"{name}: " + ", ".join(
+        f"{v} {t:.3f} ms ({t / first:.3f}x, {got['kernels'][v]} kernels, logits max |diff| "
+        f"{got['logits_max_abs_diff'][v]:.2g})" for v, t in ms.items()), flush=True)
+    return row
+
+
 def compare_patched(model_def, params, call, cache, lora, options, target, attribute: str, value,
                     labels: tuple[str, str], inline: tuple = ()) -> tuple[dict, object]:
     """A model step as shipped against the same step traced with `target.attribute` answering (or being) `value`
     (`patched_model`, with `inline`), timed in alternating rounds: ({"ms": {label: median ms}, "kernels": {label: kernels a
     step}, "logits_max_abs_diff", "logits_equal_fraction"}, cache). The logits are compared first."""
-    from jlora.runner import forward
-
     shipped, patched_label = labels
     patched_def, patched, traced = patched_model(model_def, target, attribute, value, inline)
-    with patched():  # the copy's step traces here
-        patched_logits, cache = forward(patched_def, params, call, cache, lora, options)
+    got, cache = time_variants(params, call, cache, lora, {patched_label: (patched_def, options, patched),
+                                                           shipped: (model_def, options, None)})
     assert traced, f"the patched variant did not trace {attribute}"
-    logits, cache = forward(model_def, params, call, cache, lora, options)
-    diff = jnp.abs(logits - patched_logits)
-    runs = {shipped: lambda c: forward(model_def, params, call, c, lora, options),
-            patched_label: lambda c: forward(patched_def, params, call, c, lora, options)}
-    got, cache = count_and_time(runs, cache)
-    return dict(got, logits_max_abs_diff=float(diff.max()),
-                logits_equal_fraction=float(jnp.mean(logits == patched_logits))), cache
+    return dict(ms=got["ms"], kernels=got["kernels"], logits_max_abs_diff=got["logits_max_abs_diff"][shipped],
+                logits_equal_fraction=got["logits_equal_fraction"][shipped]), cache
 
 
 def patched_row(name: str, got: dict, labels: tuple[str, str], **extra) -> dict:

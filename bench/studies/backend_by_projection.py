@@ -20,23 +20,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import contextlib
 import os
 import sys
 from unittest import mock
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import count_and_time  # noqa: E402
+from common import row_recorder, time_variants, variants_row  # noqa: E402
 from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora import ops  # noqa: E402
 from jlora.models import llama  # noqa: E402
-from jlora.runner import forward  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -60,54 +58,48 @@ def gathered(variant: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def patch(config, gather: frozenset[str]):
+    """A context manager factory: the LoRA of the projections in `gather` on the gather forms, the rest as the
+    step's backend; the barrier before gate|up's LoRA where the engine puts it (where that LoRA runs in XLA)."""
+    original = ops._linear
+
+    def linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False):
+        chosen = "gather" if projection(config, x, slice_sizes) in gather else backend
+        return original(x, base, a, b, info, scale, shift, slice_sizes=slice_sizes, backend=chosen, defer_add=defer_add)
+
+    def barrier(backend, *_):
+        return "gather" if "gate_up" in gather else backend
+
+    @contextlib.contextmanager
+    def patched():
+        with mock.patch.object(ops, "_linear", linear), mock.patch.object(llama, "resolve_backend", barrier):
+            yield
+
+    return patched
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="32x16x1,32x16x8,32x16x32,64x16x32", help="batch x rank x adapters")
     parser.add_argument("--variants", default="pallas,o,qkv,o+qkv,down,o+qkv+down,gate_up,gather")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    device = jax.devices()[0].device_kind
-    print(f"# {device}: the LoRA backend per projection (gather on those named, Pallas elsewhere)", flush=True)
+    _, record = row_recorder(args.out, "backend_by_projection.json")
+    print("# the LoRA backend per projection (gather on those named, Pallas elsewhere)", flush=True)
     config = llama3_8b(32)
     model_def, params = random_model(config)
     variants = args.variants.split(",")
-    defs = {}  # (batch, rank, variant): the variant's model def, so that each compiles once per shape
-    result, loras = {"device": device, "rows": []}, {}
-    os.makedirs(args.out, exist_ok=True)
-    original = ops._linear
+    defs, loras = {}, {}  # defs: (batch, rank, variant) -> its model def, so that each compiles once per shape
     for case in args.cases.split(","):
         batch, rank, used = map(int, case.split("x"))
         lora = loras.setdefault(rank, random_lora(config, rank))
         cache, call = base_decode(config, batch, 1024, 512, False)
         slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
         call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
-        options = StepOptions(16, "pallas")
-        logits, runs = {}, {}
-        for name in variants:
-            mdef = defs.setdefault((batch, rank, name), copy.copy(model_def))
-            gather = gathered(name)
-
-            def linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False,
-                       gather=gather):
-                chosen = "gather" if projection(config, x, slice_sizes) in gather else backend
-                return original(x, base, a, b, info, scale, shift, slice_sizes=slice_sizes, backend=chosen,
-                                defer_add=defer_add)
-
-            # the barrier before gate|up's LoRA goes where the engine puts it: where that LoRA runs in XLA
-            barrier = (lambda backend, *_, gather=gather: "gather" if "gate_up" in gather else backend)
-            with mock.patch.object(ops, "_linear", linear), mock.patch.object(llama, "resolve_backend", barrier):
-                logits[name], cache = forward(mdef, params, call, cache, lora, options)
-            runs[name] = lambda c, mdef=mdef: forward(mdef, params, call, c, lora, options)
-        got, cache = count_and_time(runs, cache)
-        ms, kernels = got["ms"], got["kernels"]
-        row = dict(batch=batch, rank=rank, adapters=used, ms=ms, kernels=kernels,
-                   logits_max_abs_diff={n: float(jnp.abs(v - logits[variants[0]]).max()) for n, v in logits.items()})
-        result["rows"].append(row)
-        print(f"decode B={batch} r={rank} adapters={used}: " + ", ".join(
-            f"{n} {t:.3f} ms ({t / ms[variants[0]]:.3f}x, {kernels[n]} kernels, "
-            f"|dlogits| {row['logits_max_abs_diff'][n]:.2g})" for n, t in ms.items()), flush=True)
-        with open(os.path.join(args.out, "backend_by_projection.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        steps = {name: (defs.setdefault((batch, rank, name), copy.copy(model_def)), StepOptions(16, "pallas"),
+                        patch(config, gathered(name))) for name in variants}
+        got, cache = time_variants(params, call, cache, lora, steps)
+        record(variants_row(f"decode B={batch} r={rank} adapters={used}", got, batch=batch, rank=rank, adapters=used))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -34,13 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import count_and_time  # noqa: E402
+from common import row_recorder, time_variants, variants_row  # noqa: E402
 from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora import ops, pallas  # noqa: E402
 from jlora.pallas.config import expand_config, pow2_divisor, shrink_config  # noqa: E402
-from jlora.runner import forward  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 
@@ -77,12 +75,10 @@ def main() -> None:
     parser.add_argument("--caps", default="16,32,66,132")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    device = jax.devices()[0].device_kind
-    print(f"# {device}: gather against the Pallas kernels, their grids capped at {args.caps or 'none'}", flush=True)
+    _, record = row_recorder(args.out, "capped_grid.json")
+    print(f"# gather against the Pallas kernels, their grids capped at {args.caps or 'none'}", flush=True)
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    result = {"device": device, "rows": []}
-    os.makedirs(args.out, exist_ok=True)
     loras, caps = {}, [int(c) for c in args.caps.split(",") if c]
     for case in args.cases.split(","):
         batch, rank, used = map(int, case.split("x"))
@@ -90,27 +86,15 @@ def main() -> None:
         cache, call = base_decode(config, batch, 1024, 512, False)
         slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
         call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
-        variants = {"gather": (model_def, "gather", None), "pallas": (copy.copy(model_def), "pallas", None)}
-        variants |= {f"cap{c}": (copy.copy(model_def), "pallas", c) for c in caps}
-        logits, runs = {}, {}
-        for name, (mdef, backend, cap) in variants.items():
-            options = StepOptions(16, backend)
-            linear = ops._linear if cap is None else jax.jit(
-                functools.partial(capped_linear, used_slots=used, cap=cap),
-                static_argnames=("slice_sizes", "backend", "defer_add"))
-            with mock.patch.object(ops, "_linear", linear):
-                logits[name], cache = forward(mdef, params, call, cache, lora, options)
-            runs[name] = lambda c, mdef=mdef, options=options: forward(mdef, params, call, c, lora, options)
-        got, cache = count_and_time(runs, cache)
-        ms, kernels = got["ms"], got["kernels"]
-        row = dict(batch=batch, rank=rank, adapters=used, ms=ms, kernels=kernels,
-                   logits_max_abs_diff={n: float(jnp.abs(v - logits["gather"]).max()) for n, v in logits.items()})
-        result["rows"].append(row)
-        print(f"decode B={batch} r={rank} adapters={used}: " + ", ".join(
-            f"{n} {t:.3f} ms ({t / ms['gather']:.3f}x, {kernels[n]} kernels, "
-            f"|dlogits| {row['logits_max_abs_diff'][n]:.2g})" for n, t in ms.items()), flush=True)
-        with open(os.path.join(args.out, "capped_grid.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        pallas = StepOptions(16, "pallas")
+        steps = {"gather": (model_def, StepOptions(16, "gather"), None), "pallas": (copy.copy(model_def), pallas, None)}
+        for cap in caps:
+            linear = jax.jit(functools.partial(capped_linear, used_slots=used, cap=cap),
+                             static_argnames=("slice_sizes", "backend", "defer_add"))
+            steps[f"cap{cap}"] = (copy.copy(model_def), pallas,
+                                  functools.partial(mock.patch.object, ops, "_linear", linear))
+        got, cache = time_variants(params, call, cache, lora, steps)
+        record(variants_row(f"decode B={batch} r={rank} adapters={used}", got, batch=batch, rank=rank, adapters=used))
 
 
 if __name__ == "__main__":

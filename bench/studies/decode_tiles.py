@@ -28,13 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import count_and_time, row_recorder  # noqa: E402
+from common import row_recorder, time_variants, variants_row  # noqa: E402
 from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora import ops, pallas  # noqa: E402
 from jlora.pallas.config import expand_config, shrink_config  # noqa: E402
-from jlora.runner import forward  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 
@@ -76,24 +75,15 @@ def main() -> None:
         slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
         call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
         options = StepOptions(16, "pallas", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
-        logits, runs = {}, {}
-        for name, overrides in {"shipped": None, **variants}.items():
-            mdef = stored_def if overrides is None else copy.copy(stored_def)  # a jit cache key of its own
-            linear = ops._linear if overrides is None else jax.jit(
-                functools.partial(tiled_linear, overrides=overrides), static_argnames=("slice_sizes", "backend",
-                                                                                      "defer_add"))
-            with mock.patch.object(ops, "_linear", linear):  # the step traces with it
-                logits[name], cache = forward(mdef, stored, call, cache, lora, options)
-            runs[name] = lambda c, mdef=mdef: forward(mdef, stored, call, c, lora, options)
-        got, cache = count_and_time(runs, cache)
-        ms, kernels = got["ms"], got["kernels"]
-        row = dict(batch=batch, rank=rank, adapters=used, ms=ms, kernels=kernels,
-                   overrides={n: [[kernel, field, value] for (kernel, field), value in o] for n, o in variants.items()},
-                   logits_equal={n: bool(jnp.array_equal(v, logits["shipped"])) for n, v in logits.items()})
-        print(f"decode B={batch} r={rank} adapters={used}: " + ", ".join(
-            f"{n} {t:.3f} ms ({t / ms['shipped']:.3f}x, {kernels[n]} kernels, same logits {row['logits_equal'][n]})"
-            for n, t in ms.items()), flush=True)
-        record(row)
+        steps = {"shipped": (stored_def, options, None)}
+        for name, overrides in variants.items():
+            linear = jax.jit(functools.partial(tiled_linear, overrides=overrides),
+                             static_argnames=("slice_sizes", "backend", "defer_add"))
+            steps[name] = (copy.copy(stored_def), options, functools.partial(mock.patch.object, ops, "_linear", linear))
+        got, cache = time_variants(stored, call, cache, lora, steps)
+        record(variants_row(f"decode B={batch} r={rank} adapters={used}", got, batch=batch, rank=rank, adapters=used,
+                            overrides={n: [[kernel, field, value] for (kernel, field), value in o]
+                                       for n, o in variants.items()}))
 
 
 if __name__ == "__main__":

@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import functools
 import os
 import sys
 from unittest import mock
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import count_and_time  # noqa: E402
+from common import row_recorder, time_variants, variants_row  # noqa: E402
 from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora import ops, reference  # noqa: E402
-from jlora.runner import forward  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 F32 = jnp.float32
@@ -60,35 +58,21 @@ def main() -> None:
     parser.add_argument("--ranks", default="16")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    device = jax.devices()[0].device_kind
-    print(f"# {device}: one adapter, the shipped step against dense one-slot dots", flush=True)
+    _, record = row_recorder(args.out, "one_slot.json")
+    print("# one adapter, the shipped step against dense one-slot dots", flush=True)
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    result = {"device": device, "rows": []}
-    os.makedirs(args.out, exist_ok=True)
     for rank in map(int, args.ranks.split(",")):
         lora = random_lora(config, rank)
         for batch in map(int, args.batches.split(",")):
             cache, call = base_decode(config, batch, 1024, 512, False)
             call = Call(call.batch, jnp.zeros(batch, jnp.int32), jnp.full(SLOTS, rank, jnp.int32))
             options = StepOptions(16, "auto")
-            dense_def = copy.copy(model_def)  # a jit cache key of its own
-            with mock.patch.object(ops, "_linear", one_slot_linear):
-                dense_logits, cache = forward(dense_def, params, call, cache, lora, options)
-            logits, cache = forward(model_def, params, call, cache, lora, options)
-            runs = {"shipped": lambda c, lora=lora: forward(model_def, params, call, c, lora, options),
-                    "one_slot": lambda c, lora=lora: forward(dense_def, params, call, c, lora, options)}
-            got, cache = count_and_time(runs, cache)
-            ms, kernels = got["ms"], got["kernels"]
-            row = dict(batch=batch, rank=rank, shipped_ms=ms["shipped"], one_slot_ms=ms["one_slot"],
-                       ratio=ms["one_slot"] / ms["shipped"], kernels=kernels,
-                       logits_max_abs_diff=float(jnp.abs(logits - dense_logits).max()))
-            result["rows"].append(row)
-            print(f"decode B={batch} r={rank}: shipped {ms['shipped']:.3f} ms, one slot {ms['one_slot']:.3f} ms "
-                  f"({row['ratio']:.3f}x); kernels {kernels['shipped']} / {kernels['one_slot']}; logits max |diff| "
-                  f"{row['logits_max_abs_diff']:.3g}", flush=True)
-            with open(os.path.join(args.out, "one_slot.json"), "w") as f:
-                json.dump(result, f, indent=1)
+            steps = {"shipped": (model_def, options, None),
+                     "one_slot": (copy.copy(model_def), options,
+                                  functools.partial(mock.patch.object, ops, "_linear", one_slot_linear))}
+            got, cache = time_variants(params, call, cache, lora, steps)
+            record(variants_row(f"decode B={batch} r={rank}", got, batch=batch, rank=rank))
         del lora
 
 
