@@ -156,9 +156,10 @@ class LoRABatchInfo:
 
 def bin_index(edges: jax.Array, values: jax.Array) -> jax.Array:
     """[N] int32: for each of `values` [N], how many of the ascending `edges` [E] are <= it (searchsorted, side
-    right). Every pair is compared at once, one fused kernel: jnp.searchsorted's default binary search is an XLA
-    while loop, which on the GPU runs outside the step's CUDA graphs and makes the host wait for the device at
-    each of its log2(E) iterations."""
+    right). Every pair is compared at once, in one fused kernel of N·E comparisons (here at most T·(T/block_m + L)
+    and T·B): jnp.searchsorted's default binary search is an XLA while loop, which on the GPU stands between two
+    of the step's CUDA graphs, the host reading its predicate back at each of its log2(E) iterations
+    (docs/performance.md § The model step, *The LoRA metadata without a while loop*)."""
     return jnp.searchsorted(edges, values, side="right", method="compare_all").astype(jnp.int32)
 
 
