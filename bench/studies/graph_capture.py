@@ -3,7 +3,8 @@ Pallas calls launch outside them): XLA's thunk sequence of the model's decode st
 it (8B shape, r=16 adapters), counted.
 
 XLA dumps each compiled step's thunks (`--xla_dump_to`, `*.thunk_sequence_after_thunk_passes.txt`): a line per
-top-level thunk, a `kCommandBuffer` (one CUDA graph) listing its commands indented beneath it. Per step: the
+top-level thunk, a `kCommandBuffer` (one CUDA graph) listing its commands indented beneath it, a `kWhile` its
+condition's and body's thunks. Per step: the
 top-level thunks by kind, the kernels inside graphs, and those outside with their names (a `pallas_call`
 kernel is named by the kernel's function: `jlora_decode_attention_*`, `jlora_shrink_*`, ...).
 
@@ -32,19 +33,23 @@ import model  # noqa: E402
 
 
 def summary(path: str) -> dict:
-    """Top-level thunks by kind, kernels inside command buffers, and the kernels outside them by name."""
+    """Top-level thunks by kind, the kernels inside command buffers, and what runs outside them: the thunks at the
+    top level other than command buffers (a `kWhile`, say, whose iterations the host launches) and the thunks
+    nested in them, by name."""
     top, inside, outside = collections.Counter(), 0, collections.Counter()
+    in_graph = False
     for line in open(path):
-        match = re.match(r"(\s*)\d+: (\w+) \[[^\]]*\] ?(\S*)", line)
+        match = re.match(r"(\s*)\d+: (k\w+)(?: \[[^\]]*\])? ?(\S*)", line)
         if match is None:
             continue
         indent, kind, name = match.groups()
-        if indent:
-            inside += 1
-        else:
+        if not indent:
             top[kind] += 1
-            if kind != "kCommandBuffer":
-                outside[re.sub(r"_\d+$", "", name) or kind] += 1
+            in_graph = kind == "kCommandBuffer"
+        if indent and in_graph:
+            inside += 1
+        elif not in_graph:
+            outside[re.sub(r"_\d+$", "", name) or kind] += 1
     return {"top_level": dict(top), "kernels_in_graphs": inside, "outside": dict(outside)}
 
 
