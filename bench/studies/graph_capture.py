@@ -4,9 +4,9 @@ it (8B shape, r=16 adapters), counted.
 
 XLA dumps each compiled step's thunks (`--xla_dump_to`, `*.thunk_sequence_after_thunk_passes.txt`): a line per
 top-level thunk, a `kCommandBuffer` (one CUDA graph) listing its commands indented beneath it, a `kWhile` its
-condition's and body's thunks. Per step: the
-top-level thunks by kind, the kernels inside graphs, and those outside with their names (a `pallas_call`
-kernel is named by the kernel's function: `jlora_decode_attention_*`, `jlora_shrink_*`, ...).
+condition's and body's thunks. Per step: the top-level thunks by kind, the kernels inside graphs, and what runs
+outside them by name (a `pallas_call` kernel is named by the kernel's function: `jlora_decode_attention_*`,
+`jlora_shrink_*`, ...).
 
   python bench/studies/graph_capture.py [--layers 32] [--batches 1,32] [--backends auto,pallas]  # GPU
 """
