@@ -91,6 +91,17 @@ def test_the_metadata_runs_no_while_loop():
     assert "stablehlo.while" in search.lower(jnp.arange(128), jnp.arange(64)).as_text()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 3), st.integers(0, 5)), min_size=1, max_size=8), st.integers(1, 40))
+def test_token_slots_from_requests_lay_requests_back_to_back(requests, num_tokens):
+    """Request b owns the tokens after those of the requests before it (empty requests own none); tokens past
+    them get -1, and a buffer too short keeps the first num_tokens."""
+    slots, lengths = map(np.array, zip(*requests))
+    want = np.concatenate([np.repeat(slots, lengths), np.full(num_tokens, -1)])[:num_tokens]
+    got = token_slots_from_requests(jnp.asarray(slots), jnp.asarray(lengths), num_tokens=num_tokens)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_from_requests():
     slots = token_slots_from_requests(jnp.array([2, -1, 0]), jnp.array([3, 1, 2]), num_tokens=8)
     np.testing.assert_array_equal(slots, [2, 2, 2, -1, 0, 0, -1, -1])
