@@ -88,6 +88,13 @@ def random_lora(config: ModelConfig, rank: int, slots: int = SLOTS) -> LoRAWeigh
     return jax.tree.map(lambda z: (jax.random.normal(next(keys), z.shape, jnp.float32) * 0.01).astype(z.dtype), zeros)
 
 
+def shuffled_slots(batch: int, adapters: int, rng: np.random.Generator | None = None) -> jax.Array:
+    """[batch] int32: `adapters` adapters over the rows, row i on slot i % adapters, the rows in a random order
+    (`rng`'s, else a fixed one)."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    return jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
+
+
 def adapter_bytes(lora: LoRAWeights, used: int, tokens: int) -> int:
     """Bytes of LoRA weights a step must read for `used` adapters (the embedding A side: only T columns)."""
     per_slot = sum(x[0].nbytes for x in jax.tree.leaves(lora)) - lora.embed_a[0].nbytes
@@ -259,7 +266,7 @@ def main() -> None:
         cases = {(0, 0): (None, jnp.full(batch, -1, jnp.int32), jnp.zeros(SLOTS, jnp.int32))}
         for rank in ranks_tested:
             for adapters in (a for a in (1, 8, 32) if a <= batch):
-                slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
+                slots = shuffled_slots(batch, adapters, rng)
                 cases[rank, adapters] = (loras[rank], slots, jnp.full(SLOTS, rank, jnp.int32))
         stored, chunk = engine_layout(model_def, params, batch), engine_config(batch).attention_chunk(config.num_kv_heads)
         host = {}
@@ -328,7 +335,7 @@ def features(config, model_def, params, device, out_dir, batch: int = 32, prefil
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (n, seq)), jnp.int32)
         positions = (jnp.full((n, 1), CONTEXT, jnp.int32) if seq == 1
                      else jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (n, seq)))
-        slots = jnp.repeat(jnp.asarray(rng.permutation(np.arange(n) % SLOTS), jnp.int32), seq)
+        slots = jnp.repeat(shuffled_slots(n, SLOTS, rng), seq)
         runs = {"base": model_step(model_def, params, tokens, positions, None, jnp.full(n * seq, -1, jnp.int32),
                                    jnp.zeros(SLOTS, jnp.int32), 16 if seq == 1 else 64)}
         runs |= {name: model_step(model_def, params, tokens, positions, w, slots, ranks, 16 if seq == 1 else 64)

@@ -26,11 +26,10 @@ import sys
 from unittest import mock
 
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import row_recorder, time_variants, variants_row  # noqa: E402
-from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model, shuffled_slots  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora import ops  # noqa: E402
@@ -94,7 +93,7 @@ def main() -> None:
         batch, rank, used = map(int, case.split("x"))
         lora = loras.setdefault(rank, random_lora(config, rank))
         cache, call = base_decode(config, batch, 1024, 512, False)
-        slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
+        slots = shuffled_slots(batch, used)
         call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
         steps = {name: (defs.setdefault((batch, rank, name), copy.copy(model_def)), StepOptions(16, "pallas"),
                         patch(config, gathered(name))) for name in variants}

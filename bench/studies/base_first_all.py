@@ -22,11 +22,11 @@ import os
 import sys
 
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import compare_patched, patched_row, row_recorder  # noqa: E402
-from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
+from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
+                   shuffled_slots)
 from split_attention import base_decode  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
@@ -58,7 +58,7 @@ def main() -> None:
         shipped = "gate|up only" if reductions else "every projection"
         labels = (shipped, args.other or ("every projection" if reductions else "gate|up only"))
         for adapters in sorted({1, batch}):
-            slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % adapters), jnp.int32)
+            slots = shuffled_slots(batch, adapters)
             step = Call(call.batch, slots, jnp.full(SLOTS, args.rank, jnp.int32))
             got, cache = compare_patched(*stored, step, cache, lora, options, llama, "base_first_projection",
                                          RULES[labels[1]], labels)

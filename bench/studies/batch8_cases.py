@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import row_recorder  # noqa: E402
 from model import (CONTEXT, SLOTS, engine_config, engine_layout, llama3_8b, model_step, random_lora,  # noqa: E402
-                   random_model, time_alternating)
+                   random_model, shuffled_slots, time_alternating)
 
 from jlora.models.llama import KVCache  # noqa: E402
 
@@ -44,7 +44,7 @@ def main() -> None:
     cases = {(0, 0): (None, jnp.full(batch, -1, jnp.int32), jnp.zeros(SLOTS, jnp.int32))}
     for rank in (16, 64):
         for adapters in (1, 8):
-            slots = jnp.asarray(rng.permutation(np.arange(batch) % adapters), jnp.int32)
+            slots = shuffled_slots(batch, adapters, rng)
             cases[rank, adapters] = (loras[rank], slots, jnp.full(SLOTS, rank, jnp.int32))
     stored, chunk = engine_layout(model_def, params, batch), engine_config(batch).attention_chunk(config.num_kv_heads)
     steps = {case: model_step(*stored, tokens, positions, *args, 16, None, chunk) for case, args in cases.items()}

@@ -25,11 +25,11 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import row_recorder, time_variants, variants_row  # noqa: E402
-from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
+from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
+                   shuffled_slots)
 from split_attention import base_decode  # noqa: E402
 
 from jlora import ops, pallas  # noqa: E402
@@ -72,7 +72,7 @@ def main() -> None:
         lora = loras.setdefault(rank, random_lora(config, rank))
         stored_def, stored = engine_layout(model_def, params, batch)
         cache, call = base_decode(config, batch, 1024, 512, False)
-        slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(batch) % used), jnp.int32)
+        slots = shuffled_slots(batch, used)
         call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
         options = StepOptions(16, "pallas", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
         steps = {"shipped": (stored_def, options, None)}

@@ -21,11 +21,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import count_and_time, row_recorder  # noqa: E402
-from model import engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
+from model import engine_config, engine_layout, llama3_8b, random_lora, random_model, shuffled_slots  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora.runner import forward  # noqa: E402
@@ -51,7 +50,7 @@ def main() -> None:
     options = StepOptions(16, args.backend, attention_chunk=engine_config(args.batch).attention_chunk(
         config.num_kv_heads))
     for adapters in map(int, args.adapters.split(",")):
-        slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(args.batch) % adapters), jnp.int32)
+        slots = shuffled_slots(args.batch, adapters)
         runs = {}
         for size, lora in stacks.items():
             if size < adapters:
