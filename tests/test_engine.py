@@ -276,7 +276,8 @@ def _while_loops(jaxpr) -> int:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != "pallas_call":
             count += eqn.primitive.name in ("while", "scan")
-            count += sum(_while_loops(getattr(sub, "jaxpr", sub)) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+            subs = jax.extend.core.jaxprs_in_params(eqn.params)
+            count += sum(_while_loops(getattr(sub, "jaxpr", sub)) for sub in subs)
     return count
 
 

@@ -24,7 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import compare_patched, patched_row, row_recorder  # noqa: E402
-from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model, shuffled_slots  # noqa: E402
+from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
+                   shuffled_slots)
 from split_attention import base_decode  # noqa: E402
 
 from jlora import batch_info  # noqa: E402
