@@ -11,7 +11,7 @@ from tests.oracle import build_np
 
 @st.composite
 def slot_batches(draw):
-    num_slots = draw(st.integers(1, 6))
+    num_slots = draw(st.one_of(st.integers(1, 6), st.integers(100, 300)))  # few slots, or more than tokens
     num_tokens = draw(st.integers(1, 70))
     mode = draw(st.sampled_from(["random", "all_none", "one_slot", "sparse"]))
     if mode == "all_none":
