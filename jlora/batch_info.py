@@ -197,13 +197,11 @@ def _build(token_slot: jax.Array, ranks: jax.Array, scalings: jax.Array, *, bloc
     )
 
 
-@functools.partial(jax.jit, static_argnames=("num_tokens",))
-def token_slots_from_requests(
-    request_slot: jax.Array, request_len: jax.Array, *, num_tokens: int
-) -> jax.Array:
+def token_slots_from_requests(request_slot: jax.Array, request_len: jax.Array, *, num_tokens: int) -> jax.Array:
     """[B] slots and [B] lengths -> [num_tokens] int32 per-token slots, padding with -1.
 
-    Request b owns tokens [sum(len[:b]), sum(len[:b+1])). Jittable: shapes depend on `num_tokens` only.
+    Request b owns tokens [sum(len[:b]), sum(len[:b+1])). Jittable: shapes depend on `num_tokens` only. Concrete
+    lengths below 0 raise ValueError; traced ones (inside jit, where nothing can be raised) must not be.
     """
     request_slot = jnp.asarray(request_slot, jnp.int32)
     request_len = jnp.asarray(request_len, jnp.int32)
@@ -211,6 +209,14 @@ def token_slots_from_requests(
         raise ValueError(
             f"request_slot and request_len must both be [B]; got {request_slot.shape} and {request_len.shape}"
         )
+    if (lengths := host_values(request_len)) is not None and (lengths < 0).any():
+        raise ValueError(f"request_len must be >= 0; got {sorted(set(lengths[lengths < 0].tolist()))[:8]}")
+    return _token_slots(request_slot, request_len, num_tokens=num_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens",))
+def _token_slots(request_slot: jax.Array, request_len: jax.Array, *, num_tokens: int) -> jax.Array:
+    """The jitted body of `token_slots_from_requests` (arguments already checked)."""
     end = jnp.cumsum(request_len)  # [B]
     pos = jnp.arange(num_tokens, dtype=jnp.int32)
     owner = bin_index(end, pos)  # [T] request of each token; B past the end

@@ -105,6 +105,10 @@ def test_token_slots_from_requests_lay_requests_back_to_back(requests, num_token
 def test_from_requests():
     slots = token_slots_from_requests(jnp.array([2, -1, 0]), jnp.array([3, 1, 2]), num_tokens=8)
     np.testing.assert_array_equal(slots, [2, 2, 2, -1, 0, 0, -1, -1])
+    with pytest.raises(ValueError, match=r"request_len must be >= 0; got \[-1\]"):  # its ends would decrease
+        token_slots_from_requests(jnp.array([0, 1, 2]), jnp.array([2, -1, 3]), num_tokens=6)
+    with pytest.raises(ValueError, match="request_len must be >= 0"):
+        LoRABatchInfo.from_requests(np.array([0]), np.array([-2]), np.array([4]), np.array([1.0]), num_tokens=4)
     info = LoRABatchInfo.from_requests(
         jnp.array([1, 0]), jnp.array([2, 0]), jnp.array([4, 8]), jnp.array([1.0, 1.0]), num_tokens=4
     )

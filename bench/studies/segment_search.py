@@ -33,7 +33,7 @@ from jlora.models.llama import Batch, KVCache  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 LABELS = ("compare all", "binary search")
-INLINE = ((batch_info, "_build"), (batch_info, "token_slots_from_requests"))  # jitted callers of bin_index
+INLINE = ((batch_info, "_build"), (batch_info, "_token_slots"))  # the jitted callers of bin_index
 
 
 def binary_search(edges, values):
