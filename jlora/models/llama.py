@@ -35,10 +35,8 @@ from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.config import delta_expand
 from jlora.pallas.decode_attention import (NewToken, decode_attention, decode_attention_supported,
                                            paged_decode_attention)
-from jlora.pallas.dispatch import linear as pallas_linear
 from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
-from jlora.reference import add_deltas, own_rows
 
 __all__ = ["Batch", "CallOptions", "Group", "KVCache", "LoRAInput", "Transformer", "rope_frequencies"]
 
@@ -219,24 +217,14 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
     return config.weights_out_in and tokens == 1
 
 
-def rope_in_attention(xla_adds_delta: bool) -> bool:
+def rope_in_attention(qkv_delta_apart: bool) -> bool:
     """Whether a decode part whose attention runs in the Pallas kernel hands it its q|k|v before RoPE (a
     `NewToken`), so the kernel rotates q and k and writes the cache: XLA ran those as five small kernels a layer
-    and copied the slices of q|k|v (2.3 % of an H200's batch-1 step, 0.6-1.8 % at batch 8-32). Not where XLA adds
-    a q|k|v delta the Pallas LoRA kernels wrote apart (`defer_add`; `xla_adds_delta`, where the kernel does not take
-    it: `qkv_delta_in_attention`): before the kernel that add is a kernel of its own (a batch-32 step with one
-    adapter 2.1 % slower). Evidence: docs/performance.md § The model step, *RoPE and the cache write in the
-    attention kernel*."""
-    return not xla_adds_delta
-
-
-def qkv_delta_in_attention(affine: bool) -> bool:
-    """Whether a decode step whose q|k|v delta the Pallas LoRA kernels write apart (`defer_add`) hands that delta
-    to the decode attention kernel (`NewToken.delta`), which adds it before RoPE, where XLA added it in a fusion
-    before the kernel with RoPE and the cache writes. Not under a column affine on q|k|v (`affine`: DoRA's
-    magnitude, LoRA bias), which applies after the add. Evidence: docs/performance.md § The model step, *The
-    q|k|v delta in the attention kernel*."""
-    return not affine
+    and copied the slices of q|k|v (2.3 % of an H200's batch-1 step, 0.6-1.8 % at batch 8-32). Not where the
+    Pallas LoRA kernels wrote the q|k|v delta `qkv_delta_apart` for XLA to add into its consumer (`defer_add`):
+    before the kernel that add is a kernel of its own (a batch-32 step with one adapter 2.1 % slower). Evidence:
+    docs/performance.md § The model step, *RoPE and the cache write in the attention kernel*."""
+    return not qkv_delta_apart
 
 
 class Linear(nnx.Module):
@@ -292,20 +280,12 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
 
 
 def _qkv_delta_apart(ctx: _Context, group: LayerLoRA | None, tokens: int) -> bool:
-    """Whether the Pallas LoRA kernels write the q|k|v delta of a call of `tokens` tokens on its own, for XLA or the
-    attention kernel to add (`lora_linear`'s `defer_add`)."""
+    """Whether `_with_lora` has the Pallas LoRA kernels write the q|k|v delta of a call of `tokens` tokens on its
+    own, for XLA to add (`lora_linear`'s `defer_add`)."""
     if ctx.lora is None or "qkv" not in group.a:
         return False
     return (resolve_backend(ctx.options.backend, tokens, group.b["qkv"].shape[2]) == "pallas"
             and delta_expand(tokens, True))
-
-
-def _qkv_delta_to_attention(ctx: _Context, group: LayerLoRA | None, tokens: int) -> bool:
-    """Whether the call's decode parts take that delta into the attention kernel (`qkv_delta_in_attention`)."""
-    if not _qkv_delta_apart(ctx, group, tokens) or not any(p.kernel for p in ctx.parts):
-        return False
-    affine = any(a is not None and a["qkv"] is not None for a in (group.scale, group.shift))
-    return qkv_delta_in_attention(affine)
 
 
 def _override_rows(x: jax.Array, tokens: jax.Array, token_slot: jax.Array, ids: jax.Array,
@@ -400,25 +380,12 @@ class Attention(nnx.Module):
         read and XLA updates the donated cache in place.
         """
         c = self.config
-        sizes, tokens = (c.q_size, c.kv_size, c.kv_size), x.shape[0]
-        handed = _qkv_delta_to_attention(ctx, group, tokens)
-        xla_adds = _qkv_delta_apart(ctx, group, tokens) and not handed
-        in_kernel = [p.kernel and rope_in_attention(xla_adds) for p in ctx.parts]
-        if handed:  # the base q|k|v and its delta apart; the parts XLA rotates (if any) read the sum
-            info = ctx.lora.info
-            qkv = self.qkv(x)
-            delta = pallas_linear(x, qkv, group.a["qkv"], group.b["qkv"], info, slice_sizes=sizes, defer_add=True,
-                                  raw_delta=True)
-            summed = None if all(in_kernel) else add_deltas(qkv, [own_rows(delta, info)], info)
-        else:
-            qkv, delta, summed = _with_lora(self.qkv, x, ctx, group, "qkv", sizes), None, None
-        qkvs, deltas, start = [], [], 0
-        for i, p in enumerate(ctx.parts):
-            rows = slice(start, start + p.b * p.s)
+        qkv = _with_lora(self.qkv, x, ctx, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
+        qkvs, start = [], 0
+        for p in ctx.parts:
+            qkvs.append(qkv[start: start + p.b * p.s].reshape(p.b, p.s, -1, c.head_dim))  # [B, S, H + 2·KV, D]
             start += p.b * p.s
-            qkvs.append((qkv if summed is None or in_kernel[i] else summed)[rows].reshape(p.b, p.s, -1, c.head_dim))
-            deltas.append((delta[rows].reshape(qkvs[i].shape), info.token_slot[rows] >= 0)
-                          if handed and in_kernel[i] else None)  # [B, S, H + 2·KV, D], [B·S]
+        in_kernel = [p.kernel and rope_in_attention(_qkv_delta_apart(ctx, group, x.shape[0])) for p in ctx.parts]
         # XLA's cache writes first, then the kernels' (each reads and writes the cache it is given), then the rest's
         # attention: each version of the cache is read before the next is written, so XLA updates it in place.
         queries = [None] * len(ctx.parts)
@@ -428,7 +395,7 @@ class Attention(nnx.Module):
         outs = [None] * len(ctx.parts)
         for i, p in enumerate(ctx.parts):
             if in_kernel[i]:
-                outs[i], k_cache, v_cache = self._attend_token(qkvs[i], deltas[i], p, k_cache, v_cache)
+                outs[i], k_cache, v_cache = self._attend_token(qkvs[i], p, k_cache, v_cache)
         for i, p in enumerate(ctx.parts):
             if not in_kernel[i]:
                 outs[i] = self._attend(queries[i], p, k_cache, v_cache)
@@ -453,12 +420,10 @@ class Attention(nnx.Module):
         v_cache = v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop")
         return q.reshape(p.b, p.s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim), k_cache, v_cache
 
-    def _attend_token(self, qkv, delta, p: _Part, k_cache, v_cache):
-        """A decode part's (S = 1) attention in the Pallas kernel, which also adds its LoRA `delta` (None, or the
-        delta like qkv and which of the B tokens have one [B]), rotates q and k of its q|k|v [B, 1, H + 2·KV, D]
-        and writes k and v to the cache: ([B, KV, G, D], k_cache, v_cache)."""
-        lora = () if delta is None else (delta[0][:, 0], delta[1])
-        token = NewToken(qkv[:, 0], p.cos[:, 0], p.sin[:, 0], p.valid[:, 0], *lora)
+    def _attend_token(self, qkv, p: _Part, k_cache, v_cache):
+        """A decode part's (S = 1) attention in the Pallas kernel, which also rotates q and k of its q|k|v
+        [B, 1, H + 2·KV, D] and writes k and v to the cache: ([B, KV, G, D], k_cache, v_cache)."""
+        token = NewToken(qkv[:, 0], p.cos[:, 0], p.sin[:, 0], p.valid[:, 0])
         if p.tables.shape[1] == 1:  # one block per request: the contiguous kernel
             return decode_attention(token, k_cache, v_cache, p.positions[:, 0], p.tables[:, 0], window=self.window,
                                     chunk=p.chunk)

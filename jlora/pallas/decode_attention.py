@@ -23,8 +23,7 @@ beside it nor on the cache's size, as long as the chunk stays the same (`split_c
 Given a `NewToken` (the q|k|v projection's output) the kernel also does what ran between that projection and
 attention: it rotates q and the token's key by RoPE (the operations and rounding of `jlora.models.llama`'s) and
 writes the key and value to the cache at the query's position before it reads the cache. In XLA those were five
-small kernels a layer in series, and a copy of each slice of q|k|v. A token may also bring its LoRA delta, which
-the kernel adds first, as `jlora.reference.add_deltas` adds it (in f32, rounded to q|k|v's dtype).
+small kernels a layer in series, and a copy of each slice of q|k|v.
 """
 
 from __future__ import annotations
@@ -56,18 +55,12 @@ class NewToken:
         output as it is: no slice of it is copied).
       cos, sin: [B, D] f32 its rotation: cos and sin of position x inverse frequency, the D/2 angles twice.
       write: [B] bool: False leaves the cache as it was (a padding request, which may share a real one's row).
-      delta: None, or [B, H + 2·KV, D] each request's LoRA delta of q|k|v, in qkv's dtype, added before RoPE
-        where `adapted` (the Pallas expand's delta as it writes it: `jlora.pallas.linear`'s `raw_delta`).
-      adapted: [B] bool with `delta`: the requests whose delta row holds their delta; the others' rows may hold
-        anything (NaN too) and are not read.
     """
 
     qkv: jax.Array
     cos: jax.Array
     sin: jax.Array
     write: jax.Array
-    delta: jax.Array | None = None
-    adapted: jax.Array | None = None
 
 
 def _interpret() -> bool:
@@ -168,54 +161,36 @@ def _first_block(pos, window: int | None, block_t: int):
     return 0 if window is None else jnp.maximum(pos - window + 1, 0) // block_t
 
 
-def _token_loader(qkv_ref, delta_refs, b):
-    """load(rows [M], columns [C]) -> [M, C] of the token's q|k|v (qkv_ref [B·(H + 2·KV), D]) in its dtype, for
-    request b: with `delta_refs` (the refs of delta, like qkv_ref, and adapted [B]) and adapted[b], plus its delta,
-    added in f32 and rounded as `jlora.reference.add_deltas` adds it."""
-    if not delta_refs:
-        return lambda rows, columns: qkv_ref[rows[:, None], columns[None, :]]
-    delta_ref, adapted_ref = delta_refs
-    adapted = adapted_ref[b] != 0
-
-    def load(rows, columns):
-        at = rows[:, None], columns[None, :]
-        x = qkv_ref[at]
-        summed = (x.astype(jnp.float32) + delta_ref[at].astype(jnp.float32)).astype(x.dtype)
-        return jnp.where(adapted, summed, x)  # an unadapted row's delta is never added: it may be NaN
-
-    return load
-
-
-def _rotated(load, rows, d: int, cos, sin):
-    """Rows [M] of the token's [N, D] values (`_token_loader`'s `load`) rotated as `jlora.models.llama` rotates
-    them (x·cos + rotate_half(x)·sin in f32, cos and sin [M, D], rounded to their dtype); rotate_half(x) =
-    [-x[D/2:], x[:D/2]], loaded as such."""
+def _rotated(ref, rows, cos, sin, dtype):
+    """Rows [M] of ref [N, D] rotated as `jlora.models.llama` rotates them (x·cos + rotate_half(x)·sin in f32, cos
+    and sin [M, D], rounded to `dtype`); rotate_half(x) = [-x[D/2:], x[:D/2]], loaded as such."""
+    d = ref.shape[1]
     columns = jnp.arange(d)
-    x = load(rows, columns)
-    swapped = load(rows, (columns + d // 2) % d).astype(jnp.float32)
+    x = ref[rows[:, None], columns[None, :]].astype(jnp.float32)
+    swapped = ref[rows[:, None], ((columns + d // 2) % d)[None, :]].astype(jnp.float32)
     rotated = jnp.where(columns[None, :] < d // 2, -swapped, swapped)
-    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    return (x * cos + rotated * sin).astype(dtype)
 
 
 def _new_token(token, qkv_ref, store, q_rows, tile: int, groups: int, writes):
     """Program (b, h)'s query heads (rows `q_rows` of qkv_ref [B·(H + 2·KV), D]) rotated, `token` the refs of cos,
-    sin [B, D] and write [B] (then, with a delta, of delta and adapted: `_token_loader`). Where `writes` and
-    write[b], the token's rotated key and its value go to the cache through `store(k, v)` ([tile, D] each,
-    identical rows), then a barrier, so the program's loads after it read them."""
-    cos_ref, sin_ref, write_ref, *delta_refs = token
+    sin [B, D] and write [B]. Where `writes` and write[b], the token's rotated key and its value go to the cache
+    through `store(k, v)` ([tile, D] each, identical rows), then a barrier, so the program's loads after it read
+    them."""
+    cos_ref, sin_ref, write_ref = token
     b, h, kv = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     at_b = jnp.minimum(jnp.arange(tile), 0) + b  # [tile] request b, repeated
     cos, sin = cos_ref[at_b, :], sin_ref[at_b, :]
-    load, d = _token_loader(qkv_ref, delta_refs, b), qkv_ref.shape[1]
+    dtype = qkv_ref.dtype
 
     @pl.when(writes & (write_ref[b] != 0))
     def _():
         key = b * (kv * groups + 2 * kv) + kv * groups + h + jnp.minimum(jnp.arange(tile), 0)  # [tile] repeated
-        store(_rotated(load, key, d, cos, sin), load(key + kv, jnp.arange(d)))
+        store(_rotated(qkv_ref, key, cos, sin, dtype), qkv_ref[key + kv, :])
 
     if not _interpret():  # interpret mode runs a program's operations in order, and has no barrier
         pltriton.debug_barrier()
-    return _rotated(load, q_rows, d, cos, sin)
+    return _rotated(qkv_ref, q_rows, cos, sin, dtype)
 
 
 def _program(q_ref, load, pos, outs, *, groups: int, tile: int, block_t: int, window: int | None,
@@ -249,13 +224,13 @@ def _program(q_ref, load, pos, outs, *, groups: int, tile: int, block_t: int, wi
     l_ref[c, heads] = l[:, 0]
 
 
-def _split_refs(refs, token: int):
-    """A kernel's refs after the cache's: (`_program`'s outs, the token's `token` refs or None, the cache's refs to
-    load from and store to). With a token the cache is also an output, the input's buffer (aliased), and the
-    program reads it there, so its loads see its own store (in interpret mode too, where the output is a copy)."""
+def _split_refs(refs, token: bool):
+    """A kernel's refs after the cache's: (`_program`'s outs, the token's refs or None, the cache's refs to load
+    from and store to). With a token the cache is also an output, the input's buffer (aliased), and the program
+    reads it there, so its loads see its own store (in interpret mode too, where the output is a copy)."""
     if not token:
         return refs, None, None
-    return refs[token:-2], refs[:token], refs[-2:]
+    return refs[3:-2], refs[:3], refs[-2:]
 
 
 def _kernel(
@@ -265,11 +240,11 @@ def _kernel(
     # q|k|v [B·(KV·G + 2·KV), D]
     k_ref,  # [R, KV, max_seq, D]
     v_ref,  # [R, KV, max_seq, D]
-    *refs,  # with a token, its cos, sin [B, D] and write [B] int32 (then, with a delta, its delta like q_ref and
-    # adapted [B] int32); then `_program`'s outs; then, with a token, the cache as outputs
+    *refs,  # with a token, its cos, sin [B, D] and write [B] int32; then `_program`'s outs; then, with a token, the
+    # cache as outputs
     block_t: int,
     tile: int,
-    token: int,  # the token's refs: 0 (none), 3, or 5 with a delta
+    token: bool,
     **options,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
@@ -299,7 +274,7 @@ def _paged_kernel(
     page: int,  # S, the cache's block size
     block_t: int,  # positions per key block: several table entries, or a part of one
     tile: int,
-    token: int,
+    token: bool,
     **options,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
@@ -415,12 +390,6 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
             raise ValueError(f"a NewToken's q|k|v has G + 2 heads per KV head of the cache ({kv}), got {heads}")
         groups = heads // kv - 2
         flat = token.qkv.reshape(batch * heads, d)
-        if (token.delta is None) != (token.adapted is None):
-            raise ValueError("a NewToken's delta and adapted come together")
-        if token.delta is not None and (token.delta.shape != token.qkv.shape or token.delta.dtype != token.qkv.dtype
-                                        or token.adapted.shape != (batch,)):
-            raise ValueError(f"a NewToken's delta {token.delta.dtype}{list(token.delta.shape)} must be its q|k|v's "
-                             f"{token.qkv.dtype}{list(token.qkv.shape)}, and adapted {list(token.adapted.shape)} [B]")
     n = batch * kv * groups
     if chunk is not None and (chunk % block_t or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be a power of two and a multiple of the key block {block_t}, got {chunk}")
@@ -436,16 +405,13 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
     aliases = {}
     if token is not None:  # the caches (inputs 3 and 4) come back as the last two outputs, the same buffers
         inputs += [token.cos.astype(jnp.float32), token.sin.astype(jnp.float32), token.write.astype(jnp.int32)]
-        if token.delta is not None:
-            inputs += [token.delta.reshape(flat.shape), token.adapted.astype(jnp.int32)]
-            name = f"{name}_delta"
         aliases = {3: len(out_shape), 4: len(out_shape) + 1}
         out_shape += (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
         name = f"{name}_rope"
     programs = math.prod(grid)
     kernel = functools.partial(kernel, groups=groups, tile=dot_dim(groups), block_t=block_t, window=window,
                                chunk_blocks=None if chunk is None else chunk // block_t, scale=1 / math.sqrt(d),
-                               precision=dot_precision(flat.dtype), token=len(inputs) - 5,
+                               precision=dot_precision(flat.dtype), token=token is not None,
                                step_blocks=step_blocks or _step_blocks(programs, block_t * d * k.dtype.itemsize))
     out = pl.pallas_call(
         kernel,

@@ -137,12 +137,9 @@ def linear(
     scale: jax.Array | None = None,
     shift: jax.Array | None = None,
     defer_add: bool = False,
-    raw_delta: bool = False,
 ) -> jax.Array:
     """[T, N] (see `jlora.lora_linear`): the expand kernel reads the shrink's split-K partials directly.
-    The configs override the heuristic tiles of either kernel. With `raw_delta` (and `defer_add` at decode
-    sizes), the delta alone as the expand writes it, the rows of slot -1 tokens unwritten (`expand`'s), for a
-    caller that adds it where it reads the base (the decode attention's `NewToken.delta`); no affine then.
+    The configs override the heuristic tiles of either kernel.
 
     Two kernels at every size: a fused shrink+expand kernel, slot-loop kernels and per-token kernels were
     built and were slower (docs/kernels.md, "Kernels built and not adopted")."""
@@ -152,8 +149,6 @@ def linear(
     padded, b, base, scale, shift, keep = _pad_narrow_slices(slice_sizes, _pad_slices(b, 2, 1, rank), base, scale,
                                                              shift)
     partials = shrink_partials(x, a, info, num_slices=len(slice_sizes), config=shrink_config)
-    if raw_delta and (scale is not None or shift is not None):
-        raise ValueError("raw_delta takes no scale or shift: they apply after the add")
     out = _expand(partials, b, info, base, slice_sizes=padded, config=expand_config, scale=scale, shift=shift,
-                  defer_add=defer_add, raw_delta=raw_delta)
+                  defer_add=defer_add)
     return out if keep is None else out[:, keep]

@@ -148,10 +148,9 @@ def expand(
     scale: jax.Array | None = None,
     shift: jax.Array | None = None,
     defer_add: bool = False,
-    raw_delta: bool = False,
 ) -> jax.Array:
     """[T, N] `base` plus the expand of `s`, computed in place in base's buffer, or with `config.delta` as a
-    delta of its own that XLA adds (with `raw_delta`, that delta as the kernel writes it, for the caller to add).
+    delta of its own that XLA adds.
 
     Args:
       s: [P, T, S·R] shrink output as P partial sums to add (P = 1 for a finished s).
@@ -163,8 +162,6 @@ def expand(
       scale, shift: optional [L, N] per-slot column affine: a token's row becomes
         `scale[slot] * (base + delta) + shift[slot]`. Without them the kernel has no such operand.
       defer_add: the caller lets the default config write the delta alone (`jlora.lora_linear`).
-      raw_delta: return that delta [T, N] in base's dtype, each token's in its row, the rows of slot -1 tokens
-        unwritten (any value, NaN too); base is not read. The config must write the delta alone.
     """
     num_tokens, rank = base.shape[0], b.shape[2]
     config = config or expand_config(num_tokens, slice_sizes, info.block_m, rank, defer_add)
@@ -179,9 +176,6 @@ def expand(
     bounds = tuple(itertools.accumulate(slice_sizes, initial=0))
     group_start = tuple(itertools.accumulate((n // group for n in blocks), initial=0))
     delta = config.delta
-    if raw_delta and not delta:
-        raise ValueError(f"raw_delta needs an expand that writes its delta alone (defer_add at decode sizes), "
-                         f"got {config}")
     affine = () if delta else tuple(x for x in (scale, shift) if x is not None)
     kernel = functools.partial(
         _expand_kernel,
@@ -214,7 +208,7 @@ def expand(
         name=f"jlora_expand_{len(slice_sizes)}x{rank}x{base.shape[1]}",  # shapes: readable profiles
     )(info.sorted_idx, info.seg_start, info.seg_len, info.seg_slot, info.ranks, s, b, *affine,
       *(() if delta else (base,) * (1 + int(tail))))
-    if not delta or raw_delta:
+    if not delta:
         return out
     # The kernel wrote the tokens' deltas only (slot -1 rows are unwritten): selected, rounded to base's dtype
     # as PEFT rounds its LoRA output, and added by XLA, which fuses the add into the kernel that reads the sum.

@@ -281,12 +281,11 @@ def test_one_token_steps_over_out_in_weights_add_in_the_norms_kernel(tmp_path):
     assert calls == [1] * (2 * layers) * 2, (len(calls), layers)
 
 
-def test_decode_steps_rope_write_and_the_qkv_delta_in_the_attention_kernel(tmp_path):
+def test_decode_steps_rope_and_write_in_the_attention_kernel_unless_lora_adds_its_delta_apart(tmp_path):
     """Decode steps on the Pallas kernels hand the attention kernel q|k|v before RoPE (`rope_in_attention`, a
-    `NewToken`), and where the Pallas LoRA kernels write q|k|v's delta apart (an explicit "pallas" backend with an
-    adapter) that delta too (`qkv_delta_in_attention`). With that decision forced off XLA adds the delta, then
-    rotates and writes; with RoPE forced into the kernel as well, the kernel rotates XLA's sum. Every way the steps
-    decode the logits a full forward computes, and the delta added in the kernel gives XLA's bits."""
+    `NewToken`), except where the Pallas LoRA kernels write q|k|v's delta for XLA to add (an explicit "pallas"
+    backend with an adapter: there XLA rotates and writes); either way, and with the decision forced the other
+    way, the steps decode the logits a full forward computes."""
     from unittest import mock
 
     from jlora.models import llama
@@ -295,44 +294,38 @@ def test_decode_steps_rope_write_and_the_qkv_delta_in_the_attention_kernel(tmp_p
     testing.write_adapter(str(tmp_path / "a"), MODELS["llama"], seed=6, r=8, alpha=16, target_modules=LINEAR_MODULES)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
 
-    def decode(adapter, rope_rule=llama.rope_in_attention, delta_rule=llama.qkv_delta_in_attention):
-        """(each traced attention call's (took a `NewToken`, took a delta), the decode steps' logits) under the
-        rules, checked against a full forward; a new engine each, so that its step traces under them."""
+    def decode(rule):
+        """(whether each traced kernel call took a `NewToken`, rope_in_attention's arguments) under `rule`."""
         engine = Engine.from_pretrained(model_dir, max_batch=2, max_loras=1, max_lora_rank=8, dtype="float32",
                                         backend="pallas", progress=False)
         engine.load_adapter("a", str(tmp_path / "a"))
-        kinds, attend = [], llama.decode_attention
-        spy = lambda q, *args, **kw: (kinds.append((isinstance(q, NewToken), getattr(q, "delta", None) is not None))
-                                      or attend(q, *args, **kw))
-        full = engine.prefill_logits([prompt], [adapter])[0]
-        slots = np.array([engine.pool.slot(adapter) if adapter else -1] * 2, np.int32)
-        cache = KVCache.zeros(engine.model_config, 2, 16, engine.runner.dtype)
-        with mock.patch.object(llama, "rope_in_attention", rope_rule), \
-                mock.patch.object(llama, "qkv_delta_in_attention", delta_rule), \
-                mock.patch.object(llama, "decode_attention", spy):
-            tokens = np.array([prompt[:4]] * 2, np.int32)
-            logits, cache = engine.runner.run(tokens, np.tile(np.arange(4, dtype=np.int32), (2, 1)),
-                                              np.repeat(slots, 4), cache)
-            steps = [np.asarray(logits)]
-            for pos in range(4, 8):
-                logits, cache = engine.runner.run(np.full((2, 1), prompt[pos], np.int32),
-                                                  np.full((2, 1), pos, np.int32), slots, cache)
-                steps.append(np.asarray(logits))
-        steps = np.concatenate(steps, axis=1)
-        for row in steps:
-            np.testing.assert_allclose(row, full, rtol=1e-4, atol=1e-4)
-        return kinds, steps[:, 4:]
+        asked, kinds, attend = [], [], llama.decode_attention
+        spy_attention = lambda q, *args, **kw: kinds.append(isinstance(q, NewToken)) or attend(q, *args, **kw)
+        spy_rule = lambda apart: asked.append(apart) or rule(apart)
+        for adapter in ("a", None):
+            full = engine.prefill_logits([prompt], [adapter])[0]
+            slots = np.array([engine.pool.slot(adapter) if adapter else -1] * 2, np.int32)
+            cache = KVCache.zeros(engine.model_config, 2, 16, engine.runner.dtype)
+            with mock.patch.object(llama, "rope_in_attention", spy_rule), \
+                    mock.patch.object(llama, "decode_attention", spy_attention):
+                tokens = np.array([prompt[:4]] * 2, np.int32)
+                logits, cache = engine.runner.run(tokens, np.tile(np.arange(4, dtype=np.int32), (2, 1)),
+                                                  np.repeat(slots, 4), cache)
+                steps = [np.asarray(logits)]
+                for pos in range(4, 8):
+                    logits, cache = engine.runner.run(np.full((2, 1), prompt[pos], np.int32),
+                                                      np.full((2, 1), pos, np.int32), slots, cache)
+                    steps.append(np.asarray(logits))
+            for row in np.concatenate(steps, axis=1):
+                np.testing.assert_allclose(row, full, rtol=1e-4, atol=1e-4)
+        return kinds, asked
 
     layers = MODELS["llama"]["num_hidden_layers"]
-    kinds, handed = decode("a")  # one trace of the decode step each
-    assert kinds == [(True, True)] * layers
-    kinds, _ = decode(None)
-    assert kinds == [(True, False)] * layers
-    kinds, added = decode("a", delta_rule=lambda affine: False)
-    assert kinds == [(False, False)] * layers
-    np.testing.assert_array_equal(handed, added)
-    kinds, _ = decode("a", rope_rule=lambda xla_adds: True, delta_rule=lambda affine: False)
-    assert kinds == [(True, False)] * layers
+    kinds, asked = decode(llama.rope_in_attention)  # one trace of the decode step each, adapter then base
+    assert asked == [True] * layers + [False] * layers
+    assert kinds == [False] * layers + [True] * layers
+    kinds, _ = decode(lambda apart: True)  # the delta added by XLA before the kernel rotates
+    assert kinds == [True] * (2 * layers)
 
 
 def test_base_first_reorders_the_schedule_not_the_numbers(tmp_path):

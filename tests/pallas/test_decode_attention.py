@@ -13,10 +13,8 @@ import pytest
 
 from jlora.pallas.decode_attention import (_stages, decode_attention, decode_attention_supported,
                                            paged_decode_attention, split_chunk)
-from jlora.batch_info import LoRABatchInfo
 from jlora.models import llama
 from jlora.pallas.config import num_sms
-from jlora.reference import add_deltas, own_rows
 from tests import oracle
 
 attention = importlib.import_module("jlora.pallas.decode_attention")  # the module: jlora.pallas names the function
@@ -301,17 +299,14 @@ def _rotated(x, cos, sin):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("paged, chunk, window, groups, lora", [
-    (False, None, None, 4, False), (False, 256, 300, 1, True), (True, None, 100, 7, True), (True, 256, None, 4, False)])
-def test_a_new_token_is_rotated_written_and_read_as_the_model_does_it_apart(dtype, paged, chunk, window, groups,
-                                                                            lora):
+@pytest.mark.parametrize("paged, chunk, window, groups", [(False, None, None, 4), (False, 256, 300, 1),
+                                                          (True, None, 100, 7), (True, 256, None, 4)])
+def test_a_new_token_is_rotated_written_and_read_as_the_model_does_it_apart(dtype, paged, chunk, window, groups):
     """With a `NewToken` the kernel rotates q and k by RoPE (LongLoRA's fractional positions too) and writes k and v
     at each query's position, then attends: the cache and the output are those of the model's own rotation and
     write followed by the kernel without a token (bit for bit in interpret mode; the rotation within an ulp on a
     GPU), for 1, 4 and 7 query heads a KV head. A padding request (write False) on a real request's row leaves the
-    cache as it was; every position no query writes keeps its bits. With a LoRA `delta`, the kernel first adds it
-    as `add_deltas` adds the Pallas expand's delta (`own_rows`: a request without an adapter reads none of its
-    row, NaN there)."""
+    cache as it was; every position no query writes keeps its bits."""
     rng = np.random.default_rng(11)
     batch, kv, d, max_seq = 4, 2, 32, 1024
     positions = jnp.array([1023, 0, 700, 300], jnp.int32)  # the last, the first, mid-chunk, a padding request's
@@ -319,16 +314,8 @@ def test_a_new_token_is_rotated_written_and_read_as_the_model_does_it_apart(dtyp
     rope_positions = positions.astype(jnp.float32) / jnp.array([1.0, 1.0, 4.0, 1.0])  # one LongLoRA factor
     inv_freq = 1.0 / (10000 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     cos, sin = (x[:, 0] for x in llama._rotation(rope_positions[:, None], inv_freq))
-    token = jnp.asarray(rng.standard_normal((batch, kv * groups + 2 * kv, d)), dtype)  # [B, H + 2·KV, D]
-    qkv, extra = token, ()
-    if lora:  # the kernel takes the base and the delta apart, the model's own rotation reads their sum
-        adapted = jnp.array([True, False, True, True])  # request 1 on the base model: NaN in its delta's row
-        delta = jnp.asarray(rng.standard_normal(token.shape), dtype).at[1].set(jnp.nan)
-        info = LoRABatchInfo.build(jnp.where(adapted, 0, -1), jnp.full(1, 4, jnp.int32), jnp.ones(1))
-        flat = lambda x: x.reshape(batch, -1)
-        qkv = add_deltas(flat(token), [own_rows(flat(delta), info)], info).reshape(token.shape)
-        extra = (delta, adapted)
-    q, new_k, new_v = jnp.split(qkv, [kv * groups, kv * groups + kv], axis=1)
+    q = jnp.asarray(rng.standard_normal((batch, kv, groups, d)), dtype)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((batch, kv, d)), dtype) for _ in range(2))
     if paged:  # request 3 (padding) shares request 0's blocks
         size = 16
         k, v = (jnp.asarray(rng.standard_normal((256, kv, size, d)), dtype) for _ in range(2))
@@ -345,10 +332,10 @@ def test_a_new_token_is_rotated_written_and_read_as_the_model_does_it_apart(dtyp
     kept = np.asarray(write)
     want_k = k.at[tuple(i[kept] if not isinstance(i, slice) else i for i in at)].set(_rotated(new_k, cos, sin)[kept])
     want_v = v.at[tuple(i[kept] if not isinstance(i, slice) else i for i in at)].set(new_v[kept])
-    q_rotated = _rotated(q, cos, sin).reshape(batch, kv, groups, d)
+    q_rotated = _rotated(q.reshape(batch, kv * groups, d), cos, sin).reshape(q.shape)
     want = attend(q_rotated, want_k, want_v, positions, window=window, chunk=chunk)
-    out, got_k, got_v = attend(attention.NewToken(token, cos, sin, write, *extra), k, v, positions, window=window,
-                               chunk=chunk)
+    qkv = jnp.concatenate([q.reshape(batch, kv * groups, d), new_k, new_v], axis=1)  # [B, H + 2·KV, D]
+    out, got_k, got_v = attend(attention.NewToken(qkv, cos, sin, write), k, v, positions, window=window, chunk=chunk)
     assert got_k.shape == k.shape and got_k.dtype == k.dtype and out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     if jax.default_backend() == "gpu":  # the rotation's mul-adds may contract otherwise than XLA's
