@@ -1,0 +1,93 @@
+"""Each Pallas LoRA projection's shrink before its base GEMM in XLA's schedule, against the shipped order, for #39.
+
+Under concurrent CUDA graphs the first kernel after a fork keeps the graph's stream and is launched first; the one
+launched first takes the SMs, and the other's programs start as the first's finish. With 32 r=64 adapters at
+batch 32 the shipped step puts the down and q|k|v GEMMs first: their shrinks beside them slow and q|k|v's expand
+runs after its GEMM, while a build that happened to put every shrink first spanned 233.5 against 247.6 µs a layer
+(bench/results/model_profile_b32_r64_*.txt). Here an optimization barrier on (x, the shrink's partial sums) before
+the GEMM puts the shrink first in the schedule of every projection on the Pallas LoRA kernels (decode sizes); like
+the engine's `base_first` the barrier orders the schedule, not the run (the GEMM reads x's buffer, not the
+shrink's). The same operations, so the same logits.
+
+Model: the 8B-shaped decode step (`bench/model.py`'s random model, each batch as `bench/model.py` runs it, 1024
+positions a request, query at 512; the adapters' slots shuffled over the rows), shipped and with the shrinks
+first, timed in alternating rounds. JSON: lora_first.json.
+
+  python bench/studies/lora_first.py [--cases 32x64x32,32x16x1,...] [--out DIR]  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from common import row_recorder, time_variants, variants_row  # noqa: E402
+from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
+                   shuffled_slots)
+from split_attention import base_decode  # noqa: E402
+
+from jlora.models import llama  # noqa: E402
+from jlora.ops import resolve_backend  # noqa: E402
+from jlora.pallas.config import delta_expand  # noqa: E402
+from jlora.pallas.expand import expand  # noqa: E402
+from jlora.pallas.shrink import shrink_partials  # noqa: E402
+from jlora.step import Call, StepOptions  # noqa: E402
+
+SHIPPED = llama._with_lora
+
+
+def shrink_first(proj, x, ctx, group, name, slice_sizes, row_parallel=False):
+    """`llama._with_lora` with the shrink before the GEMM in the schedule where the projection's LoRA runs the
+    Pallas kernels with the delta apart (`pallas.linear`'s two kernels, on weights the pool already padded)."""
+    lora, options = ctx.lora, ctx.options
+    if (lora is None or name not in group.a or options.reduce_axis is not None or not delta_expand(x.shape[0], True)
+            or resolve_backend(options.backend, x.shape[0], group.b[name].shape[2]) != "pallas"):
+        return SHIPPED(proj, x, ctx, group, name, slice_sizes, row_parallel)
+    partials = shrink_partials(x, group.a[name], lora.info, num_slices=len(slice_sizes))
+    x_gemm, partials = jax.lax.optimization_barrier((x, partials))
+    scale = None if group.scale is None else group.scale[name]
+    shift = None if group.shift is None else group.shift[name]
+    return expand(partials, group.b[name], lora.info, proj(x_gemm), slice_sizes=slice_sizes, scale=scale,
+                  shift=shift, defer_add=True)
+
+
+@contextlib.contextmanager
+def patched():
+    with mock.patch.object(llama, "_with_lora", shrink_first):
+        yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="32x64x32,64x64x32,32x64x8,32x64x1,32x16x32,32x16x1",
+                        help="decode batch x rank x adapters")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    _, record = row_recorder(args.out, "lora_first.json")
+    config = llama3_8b(32)
+    model_def, params = random_model(config)
+    loras = {}
+    for case in filter(None, args.cases.split(",")):
+        batch, rank, used = map(int, case.split("x"))
+        lora = loras.setdefault(rank, random_lora(config, rank))
+        stored_def, stored = engine_layout(model_def, params, batch)
+        cache, call = base_decode(config, batch, 1024, 512, False)
+        call = Call(call.batch, shuffled_slots(batch, used), jnp.full(SLOTS, rank, jnp.int32))
+        options = StepOptions(16, "auto", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
+        got, cache = time_variants(stored, call, cache, lora, {"shipped": (stored_def, options, None),
+                                                               "shrink first": (copy.copy(stored_def), options,
+                                                                                patched)})
+        record(variants_row(f"decode B={batch}, {used} r={rank}", got, batch=batch, rank=rank, adapters=used))
+        del stored, cache
+
+
+if __name__ == "__main__":
+    main()
