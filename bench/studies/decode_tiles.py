@@ -24,17 +24,14 @@ import sys
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import row_recorder, time_variants, variants_row  # noqa: E402
-from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
-                   shuffled_slots)
-from split_attention import base_decode  # noqa: E402
+from model import llama3_8b, random_model  # noqa: E402
+from split_attention import lora_decodes  # noqa: E402
 
 from jlora import ops, pallas  # noqa: E402
 from jlora.pallas.config import expand_config, shrink_config  # noqa: E402
-from jlora.step import Call, StepOptions  # noqa: E402
 
 
 def tiled_linear(x, base, a, b, info, scale=None, shift=None, *, slice_sizes, backend, defer_add=False,
@@ -66,25 +63,19 @@ def main() -> None:
     _, record = row_recorder(args.out, "decode_tiles.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    loras = {}
-    for case in args.cases.split(","):
-        batch, rank, used = map(int, case.split("x"))
-        lora = loras.setdefault(rank, random_lora(config, rank))
-        stored_def, stored = engine_layout(model_def, params, batch)
-        cache, call = base_decode(config, batch, 1024, 512, False)
-        slots = shuffled_slots(batch, used)
-        call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
-        options = StepOptions(16, "pallas", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
-        steps = {"shipped": (stored_def, options, None)}
+    for case in lora_decodes(config, model_def, params, args.cases, backend="pallas"):
+        steps = {"shipped": (case.model_def, case.options, None)}
         for name, overrides in variants.items():
             linear = jax.jit(functools.partial(tiled_linear, overrides=overrides),
                              static_argnames=("slice_sizes", "backend", "defer_add"))
-            steps[name] = (copy.copy(stored_def), options, functools.partial(mock.patch.object, ops, "_linear", linear))
-        got, cache = time_variants(stored, call, cache, lora, steps)
-        record(variants_row(f"decode B={batch} r={rank} adapters={used}", got, batch=batch, rank=rank, adapters=used,
+            steps[name] = (copy.copy(case.model_def), case.options,
+                           functools.partial(mock.patch.object, ops, "_linear", linear))
+        got, _ = time_variants(case.params, case.call, case.cache, case.lora, steps)
+        record(variants_row(f"decode B={case.batch} r={case.rank} adapters={case.adapters}", got, batch=case.batch,
+                            rank=case.rank, adapters=case.adapters,
                             overrides={n: [[kernel, field, value] for (kernel, field), value in o]
                                        for n, o in variants.items()}))
-
+        del case
 
 if __name__ == "__main__":
     main()

@@ -26,20 +26,17 @@ import sys
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import row_recorder, time_variants, variants_row  # noqa: E402
-from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
-                   shuffled_slots)
-from split_attention import base_decode  # noqa: E402
+from model import llama3_8b, random_model  # noqa: E402
+from split_attention import lora_decodes  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
 from jlora.ops import resolve_backend  # noqa: E402
 from jlora.pallas.config import delta_expand  # noqa: E402
 from jlora.pallas.expand import expand  # noqa: E402
 from jlora.pallas.shrink import shrink_partials  # noqa: E402
-from jlora.step import Call, StepOptions  # noqa: E402
 
 SHIPPED = llama._with_lora
 
@@ -74,20 +71,13 @@ def main() -> None:
     _, record = row_recorder(args.out, "lora_first.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
-    loras = {}
-    for case in filter(None, args.cases.split(",")):
-        batch, rank, used = map(int, case.split("x"))
-        lora = loras.setdefault(rank, random_lora(config, rank))
-        stored_def, stored = engine_layout(model_def, params, batch)
-        cache, call = base_decode(config, batch, 1024, 512, False)
-        call = Call(call.batch, shuffled_slots(batch, used), jnp.full(SLOTS, rank, jnp.int32))
-        options = StepOptions(16, "auto", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
-        got, cache = time_variants(stored, call, cache, lora, {"shipped": (stored_def, options, None),
-                                                               "shrink first": (copy.copy(stored_def), options,
-                                                                                patched)})
-        record(variants_row(f"decode B={batch}, {used} r={rank}", got, batch=batch, rank=rank, adapters=used))
-        del stored, cache
-
+    for case in lora_decodes(config, model_def, params, args.cases):
+        got, _ = time_variants(case.params, case.call, case.cache, case.lora, {
+            "shipped": (case.model_def, case.options, None),
+            "shrink first": (copy.copy(case.model_def), case.options, patched)})
+        record(variants_row(f"decode B={case.batch}, {case.adapters} r={case.rank}", got, batch=case.batch,
+                            rank=case.rank, adapters=case.adapters))
+        del case
 
 if __name__ == "__main__":
     main()

@@ -24,9 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import compare_patched, patched_row, row_recorder  # noqa: E402
-from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
-                   shuffled_slots)
-from split_attention import base_decode  # noqa: E402
+from model import SLOTS, llama3_8b, random_lora, random_model  # noqa: E402
+from split_attention import lora_decodes  # noqa: E402
 
 from jlora import batch_info  # noqa: E402
 from jlora.models.llama import Batch, KVCache  # noqa: E402
@@ -52,19 +51,13 @@ def main() -> None:
     config = llama3_8b(32)
     model_def, params = random_model(config)
     loras = {}
-    for case in filter(None, args.cases.split(",")):
-        batch, rank, used = map(int, case.split("x"))
-        lora = loras.setdefault(rank, random_lora(config, rank))
-        stored = engine_layout(model_def, params, batch)
-        cache, call = base_decode(config, batch, 1024, 512, False)
-        slots = shuffled_slots(batch, used)
-        call = Call(call.batch, slots, jnp.full(SLOTS, rank, jnp.int32))
-        options = StepOptions(16, "auto", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
-        got, cache = compare_patched(*stored, call, cache, lora, options, batch_info, "bin_index", binary_search,
-                                     LABELS, INLINE)
-        record(patched_row(f"decode B={batch}, {used} r={rank}", got, LABELS, kind="decode", batch=batch,
-                           rank=rank, adapters=used))
-        del stored, cache
+    for case in lora_decodes(config, model_def, params, args.cases):
+        loras[case.rank] = case.lora
+        got, _ = compare_patched(case.model_def, case.params, case.call, case.cache, case.lora, case.options,
+                                 batch_info, "bin_index", binary_search, LABELS, INLINE)
+        record(patched_row(f"decode B={case.batch}, {case.adapters} r={case.rank}", got, LABELS, kind="decode",
+                           batch=case.batch, rank=case.rank, adapters=case.adapters))
+        del case
     for case in filter(None, args.prefill.split(",")):
         requests, seq, used = map(int, case.split("x"))
         lora = loras.setdefault(16, random_lora(config, 16))

@@ -17,6 +17,7 @@ alternating rounds. JSON: split_attention.json, written after each row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -29,7 +30,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import trace_kernels  # noqa: E402
-from model import llama3_8b, random_model, time_alternating  # noqa: E402
+from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
+                   shuffled_slots, time_alternating)
 
 from jlora.models.llama import Batch, KVCache  # noqa: E402
 from jlora.pallas.decode_attention import decode_attention, paged_decode_attention, split_chunk  # noqa: E402
@@ -101,6 +103,38 @@ def base_decode(config, batch: int, max_seq: int, pos: int, paged: bool) -> tupl
     call = Call(Batch.of(jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), pos, jnp.int32), tables=tables),
                 jnp.full(batch, -1, jnp.int32), jnp.zeros(1, jnp.int32))
     return cache, call
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRADecode:
+    """A 'BxRxA' decode case of the 8B step: `adapters` adapters of rank `rank` (`lora`) over `batch` requests at
+    position 512 of rows of 1024, their slots shuffled over the rows (`call`, `cache`); the model's weights as that
+    batch's engine stores them (`model_def`, `params`: `engine_layout`) and its options (`engine_config`'s attention
+    split, the LoRA `backend`)."""
+
+    batch: int
+    rank: int
+    adapters: int
+    model_def: object
+    params: list
+    cache: KVCache
+    call: Call
+    options: StepOptions
+    lora: object
+
+
+def lora_decodes(config, model_def, params, cases: str, backend: str = "auto"):
+    """Each of `cases` ('BxRxA', comma-separated) as a `LoRADecode`, one random set of adapters per rank."""
+    loras = {}
+    for case in filter(None, cases.split(",")):
+        batch, rank, used = map(int, case.split("x"))
+        lora = loras.setdefault(rank, random_lora(config, rank))
+        stored_def, stored = engine_layout(model_def, params, batch)
+        cache, call = base_decode(config, batch, 1024, 512, False)
+        call = Call(call.batch, shuffled_slots(batch, used), jnp.full(SLOTS, rank, jnp.int32))
+        options = StepOptions(16, backend, attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
+        yield LoRADecode(batch, rank, used, stored_def, stored, cache, call, options, lora)
+        del stored_def, stored, cache, call  # a batch-1 layout's weight copies go before the next case's
 
 
 def model_rows(model_def, params, batches: list[int], max_seq: int, pos: int, paged: bool) -> list[dict]:
