@@ -77,5 +77,6 @@ def main() -> None:
                                        for n, o in variants.items()}))
         del case
 
+
 if __name__ == "__main__":
     main()

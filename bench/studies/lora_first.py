@@ -79,5 +79,6 @@ def main() -> None:
                             rank=case.rank, adapters=case.adapters))
         del case
 
+
 if __name__ == "__main__":
     main()

@@ -34,9 +34,10 @@ from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, 
                    shuffled_slots, time_alternating)
 
 from jlora.models.llama import Batch, KVCache  # noqa: E402
+from jlora.models.lora_weights import LoRAWeights  # noqa: E402
 from jlora.pallas.decode_attention import decode_attention, paged_decode_attention, split_chunk  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
-from jlora.runner import forward  # noqa: E402
+from jlora.runner import ModelDef, forward  # noqa: E402
 
 KV, GROUPS, HEAD_DIM, LAYERS, PAGE = 8, 4, 128, 32, 16
 CONTEXTS = [(1024, 512), (4096, 4000), (16384, 16000)]  # (cache positions, query position)
@@ -115,12 +116,12 @@ class LoRADecode:
     batch: int
     rank: int
     adapters: int
-    model_def: object
-    params: list
+    model_def: ModelDef
+    params: list[jax.Array]
     cache: KVCache
     call: Call
     options: StepOptions
-    lora: object
+    lora: LoRAWeights
 
 
 def lora_decodes(config, model_def, params, cases: str, backend: str = "auto"):
