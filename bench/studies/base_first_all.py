@@ -7,10 +7,10 @@ with an optimization barrier (`llama.base_first_projection`); the profile of bat
 reductions, and slower there than in the base step (q|k|v 14.3 -> 19.1 µs, o 10.0 -> 13.2, down 29.6 -> 38.3).
 
 Model: the 8B-shaped decode step (`bench/model.py`'s random model, each batch as it runs it; r=16 adapters, one
-for every row or one per row), as shipped and with `base_first_projection` replaced by the other rule while the
-second copy traces (by default the other shipped rule: gate|up only where the shipped rule puts every GEMM first;
-every projection where the projections are row reductions, which ship gate|up only; or `--other` names one of
-RULES), timed in alternating rounds; both variants' logits compared first. JSON: base_first_all.json.
+for every row or one per row), as shipped and with `base_first_projection` replaced by another rule while the
+second copy traces (by default gate|up only, the rule before the shipped ones: every GEMM first, and none where
+the projections are row reductions; or `--other` names one of RULES), timed in alternating rounds; both
+variants' logits compared first. JSON: base_first_all.json.
 
   python bench/studies/base_first_all.py [--batches 1,8,16] [--rank 16] [--other RULE] [--backend auto] [--out DIR]
 """
@@ -33,7 +33,8 @@ from jlora.models import llama  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 RULES = {"gate|up only": lambda name, _: name == "gate_up", "every projection": lambda name, _: True,
-         "every projection but q|k|v": lambda name, _: name != "qkv"}  # q|k|v's LoRA then leads its GEMM
+         "every projection but q|k|v": lambda name, _: name != "qkv",  # q|k|v's LoRA then leads its GEMM
+         "none": lambda name, _: False}
 
 
 def main() -> None:
@@ -55,8 +56,8 @@ def main() -> None:
         chunk = engine_config(batch).attention_chunk(config.num_kv_heads)
         options = StepOptions(16, args.backend, attention_chunk=chunk)
         reductions = engine_config(batch).weights_out_in and batch == 1  # `project`'s one-token reductions
-        shipped = "gate|up only" if reductions else "every projection"
-        labels = (shipped, args.other or ("every projection" if reductions else "gate|up only"))
+        shipped = "none" if reductions else "every projection"
+        labels = (shipped, args.other or "gate|up only")
         for adapters in sorted({1, batch}):
             slots = shuffled_slots(batch, adapters)
             step = Call(call.batch, slots, jnp.full(SLOTS, args.rank, jnp.int32))

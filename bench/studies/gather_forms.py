@@ -7,39 +7,47 @@ B, NaN there included), to show what the mask costs; "gather_one" one reduction 
 columns (each column reading its slice's columns of s) instead of one per slice: fewer kernels per layer;
 "gather_inline" each delta as R products added one after another, no reduction op, so that XLA may fuse the
 expand into the elementwise kernel after it (the residual add, SiLU·mul, RoPE) instead of a kernel of its own.
-Device µs per call of bench/kernels.py's 32-call functions on the decode rows where they differ, then decode
-steps of bench/model.py (batch 32 with 32 and with 1 r=16 adapter, batch 1 with one) under each form in
-alternating rounds.
+Device µs per call of bench/kernels.py's 32-call functions on the decode rows where they differ, then the 8B
+decode step of each of `--cases` ('BxRxA', each batch as bench/model.py runs it) with each form as the gather
+backend's expand (the rest of the step as shipped) in alternating rounds.
 
-  python bench/studies/gather_forms.py [--model-only] [--forms gather,gather_one]  # bash bench/run_gpu.sh gather
+  python bench/studies/gather_forms.py [--model-only] [--forms gather,gather_one] [--cases 1x16x1,8x64x8]
+  # bash bench/run_gpu.sh gather
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import os
-import statistics
 import sys
+from unittest import mock
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 import kernels as kb  # noqa: E402
 import model as mb  # noqa: E402
+from common import time_variants, variants_row  # noqa: E402
+from split_attention import lora_decodes  # noqa: E402
+
 import jlora.models.llama as llama  # noqa: E402
 from jlora import ops, reference  # noqa: E402
-from jlora.runner import forward, row_tile  # noqa: E402
-from jlora.step import Call, StepOptions  # noqa: E402
+from jlora.runner import row_tile  # noqa: E402
 
 _F32 = jnp.float32
+SHIPPED = llama._with_lora
 
 
 def expand_form(one_gather: bool, mask: str | None):
     """An expand_gather of another form: B[slot, slice] as one gather or sliced first; s masked by rank and slot,
     and besides that the mask on the products ("products"), on the rows of the concatenated delta at the add
     ("add") or nowhere (None)."""
-    def expand(s, b, info, base, *, slice_sizes):
+    def expand(s, b, info, base, *, slice_sizes, scale=None, shift=None):
+        assert scale is None and shift is None, "this form takes no column affine"
         rank = b.shape[2]
         keep = reference.column_scale(info, rank, len(slice_sizes), scaled=False) != 0
         used = (info.token_slot >= 0)[:, None]
@@ -64,11 +72,11 @@ def expand_one(s, b, info, base, *, slice_sizes, scale=None, shift=None):
     rank, tokens = b.shape[2], s.shape[0]
     keep = reference.column_scale(info, rank, len(slice_sizes), scaled=False) != 0
     s = jnp.where(keep, s.astype(_F32), 0.0)
-    slot, used = jnp.maximum(info.token_slot, 0), (info.token_slot >= 0)[:, None]
+    slot = jnp.maximum(info.token_slot, 0)
     s_cols = jnp.concatenate([jnp.broadcast_to(s[:, None, i * rank:(i + 1) * rank], (tokens, n, rank))
                               for i, n in enumerate(slice_sizes)], axis=1)  # [T, N, R]
     b_rows = jnp.where(keep[:, None, :rank], b[slot].astype(_F32), 0.0)
-    delta = jnp.where(used, jnp.sum(s_cols * b_rows, axis=-1), 0.0).astype(base.dtype)
+    delta = reference.own_rows(jnp.sum(s_cols * b_rows, axis=-1), info).astype(base.dtype)
     return reference.add_deltas(base, [delta], info, scale, shift)
 
 
@@ -125,33 +133,47 @@ def kernels() -> None:
         del inputs
 
 
-def model(forms, rounds: int = 6) -> None:
-    """Decode steps (batch 32 with 32 and 1 r=16 adapters, batch 1 with one), each form as the backend,
-    alternating rounds."""
+def with_form(expand_fn):
+    """`llama._with_lora` with `expand_fn` as the gather backend's expand (the shrink, the barrier and the
+    other backends as shipped): a patch under which a model step traces (`common.time_variants`)."""
+    def with_lora(proj, x, ctx, group, name, slice_sizes, row_parallel=False):
+        lora, options = ctx.lora, ctx.options
+        if (lora is None or name not in group.a or options.reduce_axis is not None
+                or ops.resolve_backend(options.backend, x.shape[0], group.b[name].shape[2]) != "gather"):
+            return SHIPPED(proj, x, ctx, group, name, slice_sizes, row_parallel)
+        out = proj(x)
+        if options.base_first and llama.base_first_projection(name, proj.out_in and x.shape[0] == 1):
+            out, x = jax.lax.optimization_barrier((out, x))
+        s = ops.lora_shrink(x, group.a[name], lora.info, num_slices=len(slice_sizes), backend="gather")
+        scale = None if group.scale is None else group.scale[name]
+        shift = None if group.shift is None else group.shift[name]
+        return expand_fn(s, group.b[name], lora.info, out, slice_sizes=slice_sizes, scale=scale, shift=shift)
+
+    @contextlib.contextmanager
+    def patch():
+        with mock.patch.object(llama, "_with_lora", with_lora):
+            yield
+    return patch
+
+
+def model(forms, cases: str) -> None:
+    """The 8B decode step of each of `cases` ('BxRxA', each batch as `bench/model.py` runs it) with each of `forms`
+    as the gather backend's expand, in alternating rounds; the first form is the reference for the logits."""
     config = mb.llama3_8b(32)
     model_def, params = mb.random_model(config)
-    lora = mb.random_lora(config, 16)
-    ranks = jnp.full(mb.SLOTS, 16, jnp.int32)
-    for batch, adapters in ((32, 32), (32, 1), (1, 1)):
-        cache = llama.KVCache.zeros(config, batch, 2 * mb.CONTEXT, jnp.bfloat16)
-        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, 1)), jnp.int32)
-        positions = jnp.full((batch, 1), mb.CONTEXT, jnp.int32)
-        slots = jnp.arange(batch, dtype=jnp.int32) % adapters
-        call = Call(llama.Batch.of(tokens, positions), slots, ranks)
-        runs = {name: lambda c, name=name: forward(model_def, params, call, c, lora, StepOptions(16, name))
-                for name in forms}
-        times, cache = mb.time_alternating(runs, cache, rounds=rounds)
-        for name, t in times.items():
-            print(f"model batch {batch}, {adapters} r=16 adapters, {name}: median {statistics.median(t) * 1e3:.3f} ms "
-                  f"[{', '.join(f'{x * 1e3:.2f}' for x in t)}]", flush=True)
-        del cache
+    for case in lora_decodes(config, model_def, params, cases):
+        got, _ = time_variants(case.params, case.call, case.cache, case.lora, {
+            form: (copy.copy(case.model_def), case.options, with_form(FORMS[form])) for form in forms})
+        variants_row(f"decode B={case.batch}, {case.adapters} r={case.rank}", got)
+        del case
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-only", action="store_true", help="the decode steps only, not the kernel rows")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"the forms the decode steps compare, of {list(FORMS)}")
+    parser.add_argument("--cases", default="32x16x32,32x16x1,1x16x1", help="the decode steps: batch x rank x adapters")
     args = parser.parse_args()
     if not args.model_only:
         kernels()
-    model(args.forms.split(","))
+    model(args.forms.split(","), args.cases)

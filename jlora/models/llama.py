@@ -245,12 +245,14 @@ class Linear(nnx.Module):
 
 def base_first_projection(name: str, reductions: bool) -> bool:
     """Whether projection `name`'s base op goes before its LoRA kernels in XLA's schedule under the call's
-    `base_first` (`CallOptions`): every GEMM's, and gate|up's where the projections are row reductions (`project`
-    at one token over [out, in]). Left to XLA, the other GEMMs ran on side streams beside the LoRA reductions and
+    `base_first` (`CallOptions`): every GEMM's, and none where the projections are row reductions (`project` at
+    one token over [out, in]). Left to XLA, the other GEMMs ran on side streams beside the LoRA reductions and
     slowed there: the barrier at every projection made an H200's batch-8 step with adapters 11-14 % faster, batch
-    16's 4-11 %, batch 32's on the gather backend 1-3 %, batch 4's level, and the batch-1 step over reductions 4 %
-    slower (docs/performance.md § The model step, *The base op before its LoRA at every projection*)."""
-    return name == "gate_up" or not reductions
+    16's 4-11 %, batch 32's on the gather backend 1-3 % and batch 4's level. Over reductions it held gate|up's
+    LoRA until that reduction ended: the batch-1 step was 1.0-1.3 % faster with none and 4 % slower with every
+    projection's (docs/performance.md § The model step, *The base op before its LoRA at every projection*)."""
+    del name  # the same rule for every projection
+    return not reductions
 
 
 def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | None, name: str,
