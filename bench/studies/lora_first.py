@@ -8,9 +8,9 @@ runs after its GEMM, while a build that happened to put every shrink first spann
 the GEMM puts the shrink first in the schedule; like the engine's `base_first` the barrier orders the schedule,
 not the run (the GEMM reads x's buffer, not the shrink's). On the Pallas LoRA kernels (decode sizes) the shrink
 is `pallas.linear`'s first kernel and its partial sums go to the expand; where the LoRA runs in XLA (gather:
-batch 1-16 under `auto`) the shipped step puts every GEMM before its LoRA (`base_first`), and at batch 8 with an
-r=64 adapter q|k|v's shrink, expand and add then run after its GEMM, 14.5 µs in series before the attention
-(bench/results/model_profile_b8_r64.txt). The variants:
+batch 1-16 under `auto`) the shipped step puts every GEMM before its LoRA (`base_first`; over batch 1's row
+reductions none), and at batch 8 with an r=64 adapter q|k|v's shrink, expand and add then run after its GEMM,
+14.5 µs in series before the attention (bench/results/model_profile_b8_r64.txt). The variants:
 - "shrink first": every projection's shrink before its GEMM;
 - "q|k|v shrink first": q|k|v's alone, the others as shipped;
 - "shrink beside" (XLA LoRA only): the shrink and the GEMM both before a barrier on (the GEMM's output, the

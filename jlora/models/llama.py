@@ -249,9 +249,9 @@ def base_first_projection(name: str, reductions: bool) -> bool:
     one token over [out, in]). Left to XLA, the other GEMMs ran on side streams beside the LoRA reductions and
     slowed there: the barrier at every projection made an H200's batch-8 step with adapters 11-14 % faster, batch
     16's 4-11 %, batch 32's on the gather backend 1-3 % and batch 4's level. Over reductions it held gate|up's
-    LoRA until that reduction ended: the batch-1 step was 1.0-1.3 % faster with none and 4 % slower with every
+    LoRA until that reduction ended: the batch-1 step was 1.0-1.6 % faster with none and 4 % slower with every
     projection's (docs/performance.md § The model step, *The base op before its LoRA at every projection*)."""
-    del name  # the same rule for every projection
+    del name  # one rule for every projection; the name is the seam bench/studies patch by
     return not reductions
 
 
