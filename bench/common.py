@@ -8,8 +8,12 @@ import glob
 import gzip
 import json
 import os
+import platform
 import statistics
+import subprocess
 import tempfile
+import threading
+import time
 from unittest import mock
 
 import jax
@@ -34,6 +38,86 @@ def copy_bandwidth(passes: int = 8, repeats: int = 3) -> float:
                                f"{len(durations)}")
         rates.append(passes * 2 * xs[0].nbytes / (sum(durations) * 1e-6))
     return statistics.median(rates)
+
+
+# nvidia-smi's fields: the card's identity and limits, read once, and what moves while a table runs, sampled.
+_GPU_FACTS = ("uuid", "name", "driver_version", "power.limit", "clocks.max.sm", "clocks.max.mem")
+_GPU_SAMPLED = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+# NVML's clock-event reasons: why the SM clock stood below its top (bits of clocks_event_reasons.active).
+_CLOCK_EVENTS = {0x1: "idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x10: "sync_boost",
+                 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks"}
+
+
+class GpuMonitor:
+    """The GPU a run measures on, as nvidia-smi reports it, so that tables from different processes and machines can
+    be told apart: `facts` (the card's UUID, power limit, top clocks and driver, and the host's kernel release,
+    which differs between the device tool's two runtimes) and `span()`, the SM and memory clocks, power draw,
+    temperature and clock-event reasons sampled every `period_ms` in the background while a block runs. Where
+    nvidia-smi is missing or fails, `facts` holds the kernel release alone and spans stay empty."""
+
+    def __init__(self, period_ms: int = 100):
+        self.facts: dict[str, str] = {}
+        self._samples: list[tuple[float, list[str]]] = []
+        self._sampler = None
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"  # JAX's first GPU
+        query = lambda fields: ["nvidia-smi", "-i", gpu, f"--query-gpu={','.join(fields)}",
+                                "--format=csv,noheader,nounits"]
+        try:
+            line = subprocess.run(query(_GPU_FACTS), capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.splitlines()[0]
+            self.facts = dict(zip(_GPU_FACTS, (v.strip() for v in line.split(","))))
+            self._sampler = subprocess.Popen(query(_GPU_SAMPLED) + [f"--loop-ms={period_ms}"], text=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            threading.Thread(target=self._read, daemon=True).start()
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+        self.facts["kernel"] = platform.release()
+
+    def _read(self) -> None:
+        for line in self._sampler.stdout:
+            values = [v.strip() for v in line.split(",")]
+            if len(values) == len(_GPU_SAMPLED):
+                self._samples.append((time.monotonic(), values))
+
+    @contextlib.contextmanager
+    def span(self):
+        """Yields a dict that holds, once the block ends, what the samples taken during it read: the SM clock's
+        median and least MHz, the memory clock's median MHz, the median and most power drawn (W), the hottest
+        temperature (C), and the clock-event reasons seen (NVML's names; "idle" and nothing else while the GPU
+        worked at its top clock); nothing where no sample was taken."""
+        got, start = {}, time.monotonic()
+        yield got
+        end = time.monotonic()
+        samples = [dict(zip(_GPU_SAMPLED, v)) for t, v in self._samples if start <= t <= end]
+
+        def numbers(field):
+            return [float(s[field]) for s in samples if s[field].replace(".", "", 1).isdigit()]
+
+        sm, mem, power, temp = (numbers(f) for f in ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu"))
+        events = 0
+        for s in samples:
+            with contextlib.suppress(ValueError):
+                events |= int(s["clocks_event_reasons.active"], 16)
+        if sm:
+            got.update(samples=len(samples), sm_mhz=statistics.median(sm), sm_mhz_min=min(sm),
+                       mem_mhz=statistics.median(mem) if mem else None,
+                       power_w=statistics.median(power) if power else None, power_w_max=max(power, default=None),
+                       temperature_c_max=max(temp, default=None),
+                       clock_events=[name for bit, name in _CLOCK_EVENTS.items() if events & bit])
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.terminate()
+            self._sampler.wait()
+
+
+def describe_span(got: dict) -> str:
+    """A `GpuMonitor.span()` result in a few words for a printed row ("" when it holds nothing)."""
+    if not got:
+        return ""
+    events = ",".join(e for e in got["clock_events"] if e != "idle") or "none"
+    return (f"  [SM {got['sm_mhz']:.0f} MHz (least {got['sm_mhz_min']:.0f}), {got['power_w_max'] or 0:.0f} W at most, "
+            f"clock events: {events}]")
 
 
 def row_recorder(out_dir: str, name: str):

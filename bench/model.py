@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import copy_bandwidth, kernel_durations, pyplot, trace_events
+from common import GpuMonitor, copy_bandwidth, describe_span, kernel_durations, pyplot, trace_events
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.engine_config import EngineConfig
@@ -232,14 +232,27 @@ def main() -> None:
     rows = []
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "model" + "_quick" * args.quick + ("" if BACKEND == "auto" else f"_{BACKEND}"))
+    monitor = GpuMonitor()  # the card and its clocks while each batch runs: what tells two runs' tables apart
+    print(f"# {monitor.facts}", flush=True)
 
     def save() -> None:  # after every row, so a run cut short keeps what it measured
         with open(stem + ".json", "w") as f:
-            json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "layers": args.layers, "rows": rows}, f,
-                      indent=1)
+            json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "layers": args.layers, "gpu": monitor.facts,
+                       "rows": rows}, f, indent=1)
         plot(rows, stem + ".png", device)
 
-    def record(kind, batch, tokens, rank, adapters, sec, base_sec, lora=None, host=None):
+    def timed(runs: dict, cache, **options):
+        """`time_alternating` under `monitor.span()`, each step compiled before it (so the span holds no compile's
+        idle GPU): (times, cache, what the GPU's clocks and power read)."""
+        for run in runs.values():
+            logits, cache = run(cache)
+            jax.block_until_ready(logits)
+        with monitor.span() as gpu:
+            times, cache = time_alternating(runs, cache, **options)
+        print(f"# {len(runs)} steps timed{describe_span(gpu)}", flush=True)
+        return times, cache, gpu
+
+    def record(kind, batch, tokens, rank, adapters, sec, base_sec, lora=None, host=None, gpu=None):
         floor = None if lora is None else base_sec + adapter_bytes(lora, adapters, tokens) / bandwidth
         # the base step's own floor (decode: its weights and KV read once at the copy bandwidth)
         base_floor = (weight_bytes(config) + kv_bytes(config, batch)) / bandwidth if kind == "decode" else None
@@ -250,7 +263,8 @@ def main() -> None:
                    base_floor_ms=None if base_floor is None else base_floor * 1e3,
                    base_vs_floor=None if base_floor is None else base_sec / base_floor,
                    # the host's time to dispatch a call: near `ms`, the host may be what sets the pace
-                   dispatch_ms=None if host is None else host * 1e3)
+                   dispatch_ms=None if host is None else host * 1e3,
+                   gpu=gpu)  # the clocks and power while the row's batch was timed (`GpuMonitor.span`)
         rows.append(row)
         save()
         extra = "" if floor is None else f"  floor {floor * 1e3:7.3f} ms  x{sec / floor:5.2f} of floor"
@@ -270,12 +284,12 @@ def main() -> None:
                 cases[rank, adapters] = (loras[rank], slots, jnp.full(SLOTS, rank, jnp.int32))
         stored, chunk = engine_layout(model_def, params, batch), engine_config(batch).attention_chunk(config.num_kv_heads)
         host = {}
-        times, cache = time_alternating({case: model_step(*stored, tokens, positions, *args, 16, None, chunk)
-                                         for case, args in cases.items()}, cache, dispatch=host)
+        times, cache, gpu = timed({case: model_step(*stored, tokens, positions, *args, 16, None, chunk)
+                                   for case, args in cases.items()}, cache, dispatch=host)
         secs = {case: statistics.median(t) for case, t in times.items()}
         for (rank, adapters), sec in secs.items():
             record("decode", batch, batch, rank, adapters, sec, secs[0, 0], loras.get(rank),
-                   statistics.median(host[rank, adapters]))
+                   statistics.median(host[rank, adapters]), gpu)
         del loras, cache, stored
 
     def prefill(total: int) -> None:  # requests of 512 tokens
@@ -287,21 +301,24 @@ def main() -> None:
         slots = jnp.repeat(jnp.arange(batch) % SLOTS, seq).astype(jnp.int32)
         cases = {"base": (None, jnp.full(total, -1, jnp.int32), jnp.zeros(SLOTS, jnp.int32)),
                  "lora": (lora, slots, jnp.full(SLOTS, 16, jnp.int32))}
-        times, cache = time_alternating({case: model_step(model_def, params, tokens, positions, *args, 64)
-                                         for case, args in cases.items()}, cache)
+        times, cache, gpu = timed({case: model_step(model_def, params, tokens, positions, *args, 64)
+                                   for case, args in cases.items()}, cache)
         secs = {case: statistics.median(t) for case, t in times.items()}
-        record("prefill", batch, total, 0, 0, secs["base"], secs["base"])
-        record("prefill", batch, total, 16, min(batch, SLOTS), secs["lora"], secs["base"], lora)
+        record("prefill", batch, total, 0, 0, secs["base"], secs["base"], gpu=gpu)
+        record("prefill", batch, total, 16, min(batch, SLOTS), secs["lora"], secs["base"], lora, gpu=gpu)
         del lora, cache
 
     # The target row (batch 32) first, then prefill, then the other batch sizes, so a run cut short by a
     # time limit keeps the most important figures (every row is saved as it is measured).
-    if 32 in batches:
-        decode(32)
-        for total in (2048,) if args.quick else (2048, 8192):
-            prefill(total)
-    for batch in [b for b in batches if b != 32]:
-        decode(batch)
+    try:
+        if 32 in batches:
+            decode(32)
+            for total in (2048,) if args.quick else (2048, 8192):
+                prefill(total)
+        for batch in [b for b in batches if b != 32]:
+            decode(batch)
+    finally:
+        monitor.close()
 
 
 def with_features(config: ModelConfig, lora: LoRAWeights, kind: str) -> LoRAWeights:
