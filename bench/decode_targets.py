@@ -6,7 +6,10 @@ measured ratio, its bound and whether it is met; exit status 1 when one is not (
   - one r=16 adapter at batch 32: at most 1.04x the base step;
   - every LoRA decode row: at most 1.08x its floor (the base step + the adapters' bytes);
   - every LoRA prefill row: at most 1.09x its floor.
-The kernel table's rows (within 3 % of the last run) come from bench/kernels.py, not this file.
+The kernel table's rows (within 3 % of the last run) come from bench/kernels.py, not this file. Where the run
+recorded its GPU (`common.GpuMonitor`), the header names the card, and a line after the table names the batches
+whose SM clock was held below its top while they ran (a power or thermal cap), which a ratio between runs should
+be read with.
 
   python bench/decode_targets.py [bench/results/model.json]
 """
@@ -40,6 +43,27 @@ def checks(rows: list[dict]) -> list[tuple[str, str, float | None, float]]:
     return out
 
 
+def card(result: dict) -> str:
+    """The card a run recorded (UUID, power limit, host kernel), for its header ("" where it recorded none)."""
+    gpu = result.get("gpu") or {}
+    if "uuid" not in gpu:
+        return ""
+    return f"; card {gpu['uuid']} ({gpu.get('power.limit', '?')} W limit), host kernel {gpu.get('kernel', '?')}"
+
+
+def capped(rows: list[dict]) -> list[str]:
+    """Each batch whose recorded span saw the SM clock held down (a clock-event reason other than idle), once:
+    "decode batch 64 (sw_power_cap; SM median 1980 MHz, least 1950)"."""
+    seen = {}
+    for r in rows:
+        gpu = r.get("gpu") or {}
+        events = [e for e in gpu.get("clock_events", []) if e != "idle"]
+        if events:
+            seen.setdefault(f"{r['kind']} batch {r['batch']}",
+                            f"{', '.join(events)}; SM median {gpu['sm_mhz']:.0f} MHz, least {gpu['sm_mhz_min']:.0f}")
+    return [f"{name} ({why})" for name, why in seen.items()]
+
+
 def main() -> int:
     path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/model.json"
     results = read_results(path, ("device", "copy_bandwidth_Bps", "rows"), "bench/model.py")
@@ -48,13 +72,15 @@ def main() -> int:
     met = True
     for i, result in enumerate(results):  # one bench/model.py result, or several gathered under "runs"
         print(f"# {path}{f', run {i + 1}' if len(results) > 1 else ''}: {result['device']}, copy bandwidth "
-              f"{result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s\n")
+              f"{result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s{card(result)}\n")
         print("| target | row | measured | bound | met |\n|---|---|---|---|---|")
         for target, row, ratio, bound in checks(result["rows"]):
             ok = ratio is not None and ratio <= bound
             met &= ok
             shown = "not in this file (rerun bench/model.py)" if ratio is None else f"{ratio:.3f}x"
             print(f"| {target} | {row} | {shown} | {bound:.2f}x | {'yes' if ok else 'no'} |")
+        if capped(result["rows"]):
+            print(f"\nSM clock held below its top while timed: {'; '.join(capped(result['rows']))}")
     return 0 if met else 1
 
 

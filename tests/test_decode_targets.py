@@ -64,3 +64,23 @@ def test_results_gathered_under_runs_are_each_checked(tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert f"# {path}, run 1: GPU" in out and f"# {path}, run 2: GPU" in out
     assert "| decode batch 1 | 1.100x | 1.15x | yes |" in out and "| decode batch 1 | 1.200x | 1.15x | no |" in out
+
+
+def test_the_card_and_the_batches_whose_clock_was_held_down_are_named(tmp_path, monkeypatch, capsys):
+    """A run that recorded its GPU (bench/common.py's GpuMonitor) names the card in the header, and each batch
+    whose span saw a clock event other than idle once, after the table; a run without those reads as before."""
+    top = {"sm_mhz": 1980.0, "sm_mhz_min": 1980.0, "clock_events": ["idle"]}
+    held = {"sm_mhz": 1515.0, "sm_mhz_min": 1170.0, "clock_events": ["idle", "sw_power_cap"]}
+    rows = [_row("decode", 1, 0, base_vs_floor=1.1, gpu=top), _row("prefill", 4, 0, gpu=held),
+            _row("prefill", 4, 4, vs_floor=1.05, gpu=held)]
+    gpu = {"uuid": "GPU-1234", "power.limit": "700.00", "kernel": "6.18"}
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"device": "GPU", "copy_bandwidth_Bps": 4e12, "gpu": gpu, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(path)])
+    decode_targets.main()
+    out = capsys.readouterr().out
+    assert "4.00 TB/s; card GPU-1234 (700.00 W limit), host kernel 6.18" in out
+    assert out.rstrip().endswith(
+        "SM clock held below its top while timed: prefill batch 4 (sw_power_cap; SM median 1515 MHz, least 1170)")
+    _, out = _run(tmp_path, monkeypatch, capsys, [_row("decode", 1, 0, base_vs_floor=1.1)])
+    assert "; card " not in out and "held below" not in out
