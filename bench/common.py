@@ -83,8 +83,9 @@ class GpuMonitor:
     def span(self):
         """Yields a dict that holds, once the block ends, what the samples taken during it read: the SM clock's
         median and least MHz, the memory clock's median MHz, the median and most power drawn (W), the hottest
-        temperature (C), and the clock-event reasons seen (NVML's names; "idle" and nothing else while the GPU
-        worked at its top clock); nothing where no sample was taken."""
+        temperature (C), and the clock-event reasons seen (NVML's names: "idle" between calls, none while the GPU
+        works at its top clock, "sw_power_cap" where the power limit held it down); nothing where no sample was
+        taken."""
         got, start = {}, time.monotonic()
         yield got
         end = time.monotonic()
