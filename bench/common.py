@@ -48,30 +48,41 @@ _CLOCK_EVENTS = {0x1: "idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0
                  0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks"}
 
 
+def _smi_query(fields: tuple[str, ...]) -> list[str]:
+    """nvidia-smi's command line for `fields` of JAX's first GPU, one CSV line per reading."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    return ["nvidia-smi", "-i", gpu, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
+
+
+def gpu_facts() -> dict[str, str]:
+    """The card a run measures on, as nvidia-smi reports it (UUID, name, driver, power limit, top clocks), and the
+    host's kernel release, which differs between the device tool's two runtimes; the kernel alone where nvidia-smi
+    is missing or fails."""
+    facts = {}
+    try:
+        line = subprocess.run(_smi_query(_GPU_FACTS), capture_output=True, text=True, timeout=30,
+                              check=True).stdout.splitlines()[0]
+        facts = dict(zip(_GPU_FACTS, (v.strip() for v in line.split(","))))
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return facts | {"kernel": platform.release()}
+
+
 class GpuMonitor:
-    """The GPU a run measures on, as nvidia-smi reports it, so that tables from different processes and machines can
-    be told apart: `facts` (the card's UUID, power limit, top clocks and driver, and the host's kernel release,
-    which differs between the device tool's two runtimes) and `span()`, the SM and memory clocks, power draw,
-    temperature and clock-event reasons sampled every `period_ms` in the background while a block runs. Where
-    nvidia-smi is missing or fails, `facts` holds the kernel release alone and spans stay empty."""
+    """The GPU a run measures on, so that tables from different processes and machines can be told apart: `facts`
+    (`gpu_facts`) and `span()`, the SM and memory clocks, power draw, temperature and clock-event reasons that
+    nvidia-smi samples every `period_ms` in the background while a block runs. Where nvidia-smi is missing or
+    fails, spans stay empty."""
 
     def __init__(self, period_ms: int = 100):
-        self.facts: dict[str, str] = {}
+        self.facts = gpu_facts()
         self._samples: list[tuple[float, list[str]]] = []
         self._sampler = None
-        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"  # JAX's first GPU
-        query = lambda fields: ["nvidia-smi", "-i", gpu, f"--query-gpu={','.join(fields)}",
-                                "--format=csv,noheader,nounits"]
-        try:
-            line = subprocess.run(query(_GPU_FACTS), capture_output=True, text=True, timeout=30,
-                                  check=True).stdout.splitlines()[0]
-            self.facts = dict(zip(_GPU_FACTS, (v.strip() for v in line.split(","))))
-            self._sampler = subprocess.Popen(query(_GPU_SAMPLED) + [f"--loop-ms={period_ms}"], text=True,
-                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            threading.Thread(target=self._read, daemon=True).start()
-        except (OSError, subprocess.SubprocessError, IndexError):
-            pass
-        self.facts["kernel"] = platform.release()
+        if "uuid" in self.facts:
+            with contextlib.suppress(OSError):
+                self._sampler = subprocess.Popen(_smi_query(_GPU_SAMPLED) + [f"--loop-ms={period_ms}"], text=True,
+                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self._sampler.stdout:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jlora
-from common import copy_bandwidth, pyplot, trace_kernels
+from common import copy_bandwidth, gpu_facts, pyplot, trace_kernels
 from jlora import LoRABatchInfo
 from jlora.runner import row_tile
 
@@ -332,12 +333,15 @@ def main() -> None:
     write_results(rows, device, bandwidths, args.out, mode)
 
 
+_card = functools.cache(gpu_facts)  # the card, read once: save_json runs after every row
+
+
 def save_json(rows: list[Row], device: str, bandwidths: list[float], out_dir: str, tag: str) -> None:
     """kernels_{tag}.json: the rows and the copy bandwidth of each run that measured some of them."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"kernels_{tag}.json"), "w") as f:
         json.dump({"device": device, "copy_bandwidths_Bps": bandwidths, "jax": jax.__version__,
-                   "host": platform.node(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+                   "host": platform.node(), "gpu": _card(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
 
 
 def load_results(out_dir: str, tag: str, device: str) -> tuple[list[Row], list[float]]:

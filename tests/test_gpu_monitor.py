@@ -1,6 +1,6 @@
 """bench/common.py's GpuMonitor reads the card's facts and summarizes the clocks sampled while a block runs, from an
 nvidia-smi stand-in on PATH (a script that answers as the real one does, with the fields in the order asked for);
-without nvidia-smi it records the kernel release alone."""
+without nvidia-smi it records the kernel release alone (so does `gpu_facts`, which bench/kernels.py records)."""
 
 import os
 import platform
@@ -60,4 +60,5 @@ def test_without_nvidia_smi_the_kernel_alone_and_empty_spans(tmp_path, monkeypat
     with monitor.span() as got:
         pass
     monitor.close()
-    assert monitor.facts == {"kernel": platform.release()} and got == {} and common.describe_span(got) == ""
+    assert monitor.facts == common.gpu_facts() == {"kernel": platform.release()}
+    assert got == {} and common.describe_span(got) == ""
