@@ -7,6 +7,8 @@ at batch 32 with one r=16 adapter 57.9 -> 62.2 µs beside a 17.1 µs expand, 5.3
 takes SiLU·mul's place: a program per column block of the intermediate width reads the GEMM's gate and up tiles of
 every token, adds each token's delta (its slot's s @ Bᵀ, one `dot` per slot in use, rounded to bf16 as PEFT rounds
 it) and writes silu(gate) · up. The expand then runs after the GEMM, on its critical path, but no longer beside it.
+The shrink's split-K partials are summed by XLA beside the GEMM; a first form summed them in every program
+(commit 2fdc90c; `silu_expand.json`, `silu_expand_more.json`, `silu_expand_profile.txt`).
 
 What it keeps: each token's delta is the product of its own s row and its slot's B (a row of a `dot` depends on no
 other row), selected by its slot, so a token's bits do not depend on the batch beside it, and a slot's non-finite B
@@ -14,11 +16,11 @@ reaches only its own tokens; the add, the rounding and SiLU·mul are the model's
 
 Model: the 8B-shaped decode step (`bench/model.py`'s random model, each batch as `bench/model.py` runs it, 1024
 positions a request, query at 512; the adapters' slots shuffled over the rows), shipped and fused at each column
-block, timed in alternating rounds. JSON: silu_expand.json.
+block, timed in alternating rounds. JSON: silu_expand.json (`--json` names another).
 
   python bench/studies/silu_expand.py --check               # CPU: the fused MLP against the shipped one
-  python bench/studies/silu_expand.py [--cases 32x16x1,...] [--block-n 64,128] [--out DIR]  # GPU
-  python bench/studies/silu_expand.py --profile --cases 32x16x1 --block-n 64  # GPU: layer 16's kernels
+  python bench/studies/silu_expand.py [--cases 32x16x1,...] [--block-n 32,64] [--out DIR]  # GPU
+  python bench/studies/silu_expand.py --profile --cases 32x16x1 --block-n 32  # GPU: layer 16's kernels
 """
 
 from __future__ import annotations
@@ -49,60 +51,64 @@ from jlora.pallas.shrink import shrink_partials  # noqa: E402
 SHIPPED = llama.MLP.__call__
 
 
-def slots_in_use(info: LoRABatchInfo) -> tuple[jax.Array, jax.Array]:
-    """([S] the distinct slots the batch's segments use, ascending, then padding; [1] their count). A slot's
-    segments are consecutive, so its first segment is the one whose slot differs from the segment before."""
+def slots_in_use(info: LoRABatchInfo) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """([S] the distinct slots the batch's segments use, ascending, then padding; [S] their ranks; [1] their
+    count). A slot's segments are consecutive, so its first segment is the one whose slot differs from the one
+    before."""
     before = jnp.concatenate([jnp.full((1,), -2, jnp.int32), info.seg_slot[:-1]])
     first = (info.seg_len > 0) & (info.seg_slot != before)
-    slots = jnp.sort(jnp.where(first, info.seg_slot, info.num_slots))
-    return jnp.minimum(slots, info.num_slots - 1), jnp.sum(first, dtype=jnp.int32)[None]
+    slots = jnp.minimum(jnp.sort(jnp.where(first, info.seg_slot, info.num_slots)), info.num_slots - 1)
+    return slots, info.ranks[slots], jnp.sum(first, dtype=jnp.int32)[None]
 
 
-def _kernel(slots_ref, count_ref, token_slot_ref, ranks_ref, s_ref, b_ref, base_ref, o_ref, *, inter: int,
+def finished_shrink(partials: jax.Array, info: LoRABatchInfo, dtype) -> jax.Array:
+    """[T, 2R] in `dtype`: the shrink's split-K partials [P, T, 2R] summed in the expand kernel's order, each
+    half's columns past the token's rank zeroed (all of a slot -1 token's row, which no program wrote)."""
+    s = partials[0]
+    for p in range(1, partials.shape[0]):
+        s = s + partials[p]
+    rank = partials.shape[2] // 2
+    own = jnp.where(info.token_slot >= 0, info.ranks[jnp.maximum(info.token_slot, 0)], 0)
+    return jnp.where(jnp.arange(2 * rank)[None, :] % rank < own[:, None], s, 0).astype(dtype)
+
+
+def _kernel(slots_ref, slot_ranks_ref, count_ref, token_slot_ref, s_ref, b_ref, base_ref, o_ref, *, inter: int,
             rank: int, block_n: int, precision):
     """Program j: columns j·block_n ... of silu(gate + δgate) · (up + δup) for every token, where δ of a token is
     its slot's s @ Bᵀ (zero, as -0.0, for slot -1 tokens)."""
     j = pl.program_id(0)
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     up_cols = pl.ds(pl.multiple_of(inter + j * block_n, block_n), block_n)
-    halves = []  # gate's and up's [T, R] f32: the shrink's split-K partials, summed in the expand's order
-    for half in (0, 1):
-        r = pl.ds(half * rank, rank)
-        s = s_ref[0, :, r]
-        for p in range(1, s_ref.shape[0]):
-            s += s_ref[p, :, r]
-        halves.append(s)
+    bases = base_ref[:, cols], base_ref[:, up_cols]  # [T, BN] each
+    halves = s_ref[:, pl.ds(0, rank)], s_ref[:, pl.ds(rank, rank)]  # [T, R] each, zero past each token's rank
     token_slot = token_slot_ref[...]  # [T]
     col = jnp.arange(rank)[None, :]  # [1, R]
 
     def one_slot(i, deltas):
         slot = slots_ref[i]
-        slot_rank = ranks_ref[slot]
-        in_rank = col // 16 * 16 < slot_rank  # B's 16-column chunks up to the rank, as the expand reads them
+        in_rank = col // 16 * 16 < slot_ranks_ref[i]  # B's 16-column chunks up to the rank, as the expand reads them
         mine = (token_slot == slot)[:, None]
-        out = []
-        for d, s, c in zip(deltas, halves, (cols, up_cols)):
-            s_half = jnp.where(col < slot_rank, s, 0).astype(b_ref.dtype)
-            b = pltriton.load(b_ref.at[slot, c, :], mask=in_rank, other=0)  # [BN, R]
-            out.append(jnp.where(mine, pltriton.dot(s_half, b, trans_b=True, precision=precision), d))
-        return tuple(out)
+        return tuple(
+            jnp.where(mine, pltriton.dot(s, pltriton.load(b_ref.at[slot, c, :], mask=in_rank, other=0),
+                                         trans_b=True, precision=precision), d)
+            for d, s, c in zip(deltas, halves, (cols, up_cols)))
 
     none = jnp.full((token_slot.shape[0], block_n), -0.0, jnp.float32)  # slot -1 rows keep the base's bits
-    d_gate, d_up = jax.lax.fori_loop(0, count_ref[0], one_slot, (none, none))
+    deltas = jax.lax.fori_loop(0, count_ref[0], one_slot, (none, none))
     dtype = base_ref.dtype
-    gate = (base_ref[:, cols].astype(jnp.float32) + d_gate.astype(dtype).astype(jnp.float32)).astype(dtype)
-    up = (base_ref[:, up_cols].astype(jnp.float32) + d_up.astype(dtype).astype(jnp.float32)).astype(dtype)
-    o_ref[:, cols] = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(o_ref.dtype)
+    gate, up = ((base.astype(jnp.float32) + d.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+                for base, d in zip(bases, deltas))
+    o_ref[:, cols] = (jax.nn.silu(gate) * up).astype(o_ref.dtype)
 
 
 def silu_expand(partials: jax.Array, b: jax.Array, info: LoRABatchInfo, base: jax.Array, *, block_n: int,
-                num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """[T, I] silu(gate) · up, each of gate and up its base [T, I] half of `base` [T, 2I] plus the expand of
-    the shrink's partials [P, T, 2R] against B [L, 2I, R]; in base.dtype."""
+    the shrink's partials [P, T, 2R] against B [L, 2I, R]; in base.dtype. The partials are summed by XLA (beside
+    the GEMM, as the shrink runs), the slots in use listed once a step (XLA merges the layers' copies)."""
     inter, rank = base.shape[1] // 2, b.shape[2]
     if inter % block_n:
         raise ValueError(f"block_n={block_n} must divide the intermediate width {inter}")
-    slots, count = slots_in_use(info)
     kernel = functools.partial(_kernel, inter=inter, rank=rank, block_n=block_n, precision=dot_precision(b.dtype))
     return pl.pallas_call(
         kernel,
@@ -111,7 +117,7 @@ def silu_expand(partials: jax.Array, b: jax.Array, info: LoRABatchInfo, base: ja
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_silu_expand_{rank}x{inter}",
-    )(slots, count, info.token_slot, info.ranks, partials, b, base)
+    )(*slots_in_use(info), info.token_slot, finished_shrink(partials, info, b.dtype), b, base)
 
 
 def fused_mlp(self, x, ctx, group, *, block_n: int):
@@ -191,7 +197,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="CPU: the fused kernel against the shipped MLP")
     parser.add_argument("--cases", default="32x16x1,32x16x8,32x16x32,64x16x32,32x64x1,32x64x32,64x64x32",
                         help="decode batch x rank x adapters")
-    parser.add_argument("--block-n", default="64,128", help="the fused kernel's column blocks, comma-separated")
+    parser.add_argument("--block-n", default="32,64", help="the fused kernel's column blocks, comma-separated")
     parser.add_argument("--profile", action="store_true", help="print each case's layer timeline, shipped and fused "
                         "at the first --block-n, instead of timing it")
     parser.add_argument("--json", default="silu_expand.json")
