@@ -16,7 +16,7 @@ reaches only its own tokens; the add, the rounding and SiLU·mul are the model's
 
 Model: the 8B-shaped decode step (`bench/model.py`'s random model, each batch as `bench/model.py` runs it, 1024
 positions a request, query at 512; the adapters' slots shuffled over the rows), shipped and fused at each column
-block, timed in alternating rounds. JSON: silu_expand.json (`--json` names another).
+block, timed in alternating rounds. JSON: silu_expand_summed.json (`--json` names another).
 
   python bench/studies/silu_expand.py --check               # CPU: the fused MLP against the shipped one
   python bench/studies/silu_expand.py [--cases 32x16x1,...] [--block-n 32,64] [--out DIR]  # GPU
@@ -146,9 +146,9 @@ def check() -> None:
     """On the CPU (interpret mode): the fused MLP's output against the shipped one, bit for bit, over batches of
     mixed slots (slot -1 rows, several segments of one slot, ranks below the kernel rank)."""
     from jlora.ops import lora_linear
-    key = jax.random.PRNGKey(0)
     tokens, hidden, inter, slots, rank = 64, 64, 256, 5, 16
-    k = jax.random.split(key, 6)
+    ranks = jnp.array([16, 8, 16, 4, 12], jnp.int32)
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
     x = jax.random.normal(k[0], (tokens, hidden), jnp.bfloat16)
     a = (jax.random.normal(k[1], (slots, 2 * rank, hidden)) * 0.1).astype(jnp.bfloat16)
     b = (jax.random.normal(k[2], (slots, 2 * inter, rank)) * 0.1).astype(jnp.bfloat16)
@@ -157,7 +157,6 @@ def check() -> None:
         token_slot = jax.random.randint(jax.random.fold_in(k[4], trial), (tokens,), -1, slots)
         if trial == 1:
             token_slot = token_slot.at[:40].set(2)  # one slot over several segments
-        ranks = jnp.array([16, 8, 16, 4, 12], jnp.int32)
         info = LoRABatchInfo.build(token_slot, ranks, jnp.ones(slots), block_m=16)
         base = x @ w
         gate_up = lora_linear(x, base, a, b, info, slice_sizes=(inter, inter), backend="pallas", defer_add=True)
@@ -200,7 +199,7 @@ def main() -> None:
     parser.add_argument("--block-n", default="32,64", help="the fused kernel's column blocks, comma-separated")
     parser.add_argument("--profile", action="store_true", help="print each case's layer timeline, shipped and fused "
                         "at the first --block-n, instead of timing it")
-    parser.add_argument("--json", default="silu_expand.json")
+    parser.add_argument("--json", default="silu_expand_summed.json")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.check:
