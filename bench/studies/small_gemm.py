@@ -11,13 +11,20 @@ measured in the same run. The Pallas kernels:
 - `mosaic` (Pallas on Mosaic GPU, Hopper only): the same split, each program streaming its [BK, BN] weight tiles
   and the rows' [64, BK] tiles (padded to 64, wgmma's M) through shared memory by TMA, `steps` tiles in flight,
   into a wgmma accumulator in registers (each tiling compiles 32 kernels: 24 tilings of one shape took 9 minutes
-  on an H200).
-XLA then sums the splits (counted in their time). Every tiling's output is checked against a float32 `jnp.dot`
-(‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed. JSON: small_gemm.json (small_gemm_mosaic.json for `--kernels
-mosaic`).
+  on an H200);
+- `streamk` (Pallas on Triton, persistent): a fixed grid of one or two programs per SM, each taking an equal
+  share of the [N / BN column blocks x K / BK steps] iterations in order, so no wave is left part-full; a program
+  writes a [16, BN] f32 partial for each column block its share touches (at most `segments`).
+XLA then sums the splits (counted in their time), the stream-K partials in program order through a static gather.
+`read` times the faster of XLA's two sums of the weight (over either axis), a plain read of its bytes: the floor a
+GEMM of that size could reach, where the copy bandwidth is measured over 512 MiB arrays. Every tiling's output is
+checked against a float32 `jnp.dot` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed. JSON: small_gemm.json
+(small_gemm_mosaic.json for `--kernels mosaic`, small_gemm_streamk.json for `--kernels streamk`).
 
-  python bench/studies/small_gemm.py [--shapes qkv,o,gate_up,down] [--rows 1,8,32] [--kernels triton,mosaic]
+  python bench/studies/small_gemm.py [--shapes qkv,o,gate_up,down] [--rows 1,8,32] [--kernels triton,mosaic,streamk]
                                      [--out bench/results]         # GPU (mosaic: Hopper)
+  python bench/studies/small_gemm.py --shapes kv_b32 --kernels ''  # the attention's bytes, read only
+  python bench/studies/small_gemm.py --kernels streamk --rows 8,32 # the persistent kernel alone
   python bench/studies/small_gemm.py --smoke                       # CPU, interpret mode, small shapes
 """
 
@@ -32,6 +39,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
@@ -40,17 +48,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product
 from common import copy_bandwidth  # noqa: E402
 from kernels import CALLS, device_time_per_call  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+from jlora.pallas.config import num_sms  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+          "kv_b32": (8192, 4096)}
+READ_ONLY = {"kv_b32"}  # the batch-32 step's K and V caches at context 512 (67 MB), the attention's bytes: read only
 ROWS = (1, 8, 32)
 WEIGHTS = CALLS  # distinct weights per shape, one per call: XLA merges dots that share an operand
 TILES = {"triton": [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
                     for bn, bk, s in itertools.product((64, 128), (64, 128), (1, 2, 4, 8))],
          "mosaic": [dict(block_n=bn, block_k=bk, splits=s, steps=st)
-                    for bn, bk, s, st in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8), (4,))]}
+                    for bn, bk, s, st in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8), (4,))],
+         "streamk": [dict(block_n=bn, block_k=bk, waves=w, num_stages=st, num_warps=nw)
+                     for bn, bk, w, st, nw in itertools.product((64, 128), (64, 128), (1, 2), (3, 4, 5), (4, 8))]}
 SMOKE_TILES = {"triton": [dict(block_n=64, block_k=64, splits=2, num_warps=4),
                           dict(block_n=128, block_k=64, splits=1, num_warps=4)],
                "mosaic": [dict(block_n=64, block_k=64, splits=2, steps=2), dict(block_n=128, block_k=64, splits=1,
-                                                                                steps=4)]}
+                                                                                steps=4)],
+               "streamk": [dict(block_n=64, block_k=64, waves=1, num_stages=3, num_warps=4, programs=3),
+                           dict(block_n=128, block_k=64, waves=1, num_stages=3, num_warps=4, programs=5)]}
 MOSAIC_ROWS = 64  # wgmma's M: the rows are padded to it
 
 
@@ -147,7 +163,70 @@ def mosaic_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, spl
     return partials.sum(0)[:m].astype(x.dtype)
 
 
-MATMULS = {"triton": pallas_matmul, "mosaic": mosaic_matmul}
+def stream_shares(tiles: int, steps: int, programs: int) -> np.ndarray:
+    """[programs, segments] the column block of each program's segments (-1: none): program p takes iterations
+    [p·I / P, (p+1)·I / P) of the I = tiles x steps, column block by column block."""
+    total = tiles * steps
+    starts = [p * total // programs for p in range(programs + 1)]
+    blocks = [list(range(lo // steps, -(-hi // steps))) for lo, hi in zip(starts, starts[1:])]
+    segments = max(len(b) for b in blocks)
+    return np.array([b + [-1] * (segments - len(b)) for b in blocks], np.int32)
+
+
+def _stream_kernel(x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps: int, total: int, programs: int,
+                   segments: int):
+    # o_ref: [programs, segments, Mp, BN] partials; program p's share of the iterations, column block by block
+    p = pl.program_id(0)
+    lo, hi = p * total // programs, (p + 1) * total // programs
+    for seg in range(segments):
+        tile = lo // steps + seg
+        cols = pl.ds(pl.multiple_of(tile * block_n, block_n), block_n)
+
+        def step(i, acc, cols=cols, tile=tile):
+            k = pl.ds(pl.multiple_of((i - tile * steps) * block_k, block_k), block_k)
+            return acc + pltriton.dot(x_ref[:, k], w_ref[k, cols])
+
+        first, last = jnp.maximum(lo, tile * steps), jnp.minimum(hi, (tile + 1) * steps)
+        o_ref[p, seg] = jax.lax.fori_loop(first, jnp.maximum(first, last), step,
+                                          jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
+
+
+def stream_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, waves: int, num_stages: int,
+                  num_warps: int, programs: int | None = None):
+    """x [M, K] @ w [K, N] -> [M, N] in x's dtype: `programs` (default `waves` per SM) persistent programs share
+    the column blocks' K steps equally (`stream_shares`); their partials summed per block in program order."""
+    m, k_dim = x.shape
+    n_dim = w.shape[1]
+    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k, splits=1)
+    tiles, steps = n_dim // block_n, k_dim // block_k
+    programs = programs or waves * num_sms()
+    shares = stream_shares(tiles, steps, programs)
+    segments = shares.shape[1]
+    mp = -(-m // 16) * 16
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    kernel = functools.partial(_stream_kernel, block_n=block_n, block_k=block_k, steps=steps, total=tiles * steps,
+                               programs=programs, segments=segments)
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((programs, segments, mp, block_n), jnp.float32),
+        grid=(programs,),
+        in_specs=[pl.BlockSpec((mp, k_dim), lambda p: (0, 0)), pl.BlockSpec((k_dim, n_dim), lambda p: (0, 0))],
+        out_specs=pl.BlockSpec((programs, segments, mp, block_n), lambda p: (0, 0, 0, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=jax.default_backend() != "gpu",
+        name=f"stream_gemm_{k_dim}x{n_dim}",
+    )(xp, w)
+    # Each column block's partials in program order, padded with an all-zero partial: a static gather and a sum.
+    flat = jnp.concatenate([partials.reshape(programs * segments, mp, block_n),
+                            jnp.zeros((1, mp, block_n), jnp.float32)])
+    owners = [np.flatnonzero(shares.reshape(-1) == t) for t in range(tiles)]
+    width = max(len(o) for o in owners)
+    index = np.array([list(o) + [programs * segments] * (width - len(o)) for o in owners], np.int32)
+    blocks = flat[index].sum(1)  # [tiles, Mp, BN]
+    return blocks.transpose(1, 0, 2).reshape(mp, n_dim)[:m].astype(x.dtype)
+
+
+MATMULS = {"triton": pallas_matmul, "mosaic": mosaic_matmul, "streamk": stream_matmul}
 
 
 def relative_error(out, x, w) -> float:
@@ -160,11 +239,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="small shapes and two tilings (interpret mode on CPU)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="projections to time")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of activations, M")
-    parser.add_argument("--kernels", default=",".join(MATMULS), help="Pallas kernels to time: triton, mosaic")
+    parser.add_argument("--kernels", default=",".join(MATMULS), 
+                        help="Pallas kernels to time: triton, mosaic, streamk (none: the reads and XLA alone)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
-    kernels = args.kernels.split(",")
+    kernels = [k for k in args.kernels.split(",") if k]
     rows, tiles, weights = tuple(int(m) for m in args.rows.split(",")), TILES, WEIGHTS
     if args.smoke:
         shapes, rows, weights, tiles = {"o": (256, 128)}, (1, 8), 2, SMOKE_TILES
@@ -187,11 +267,17 @@ def main() -> None:
             return device_time_per_call(fn, xs, ws)[0] if gpu else None
 
         row = {"shape": name, "k": k_dim, "n": n_dim, "m": m, "weight_bytes": nbytes}
-        row["xla_us"] = (t := timed(jnp.dot)) and t * 1e6
-        for kernel in kernels:
+        if m == rows[0]:  # the plain read, once a shape
+            reads = [timed(lambda x, w, axis=axis: jnp.sum(w, axis=axis, dtype=jnp.float32)) for axis in (0, 1)]
+            row["read_us"] = gpu and min(reads) * 1e6
+        elif name in READ_ONLY:
+            continue
+        if name not in READ_ONLY:
+            row["xla_us"] = (t := timed(jnp.dot)) and t * 1e6
+        for kernel in kernels if name not in READ_ONLY else ():
             best = None
             for tile in tiles[kernel]:
-                if n_dim % tile["block_n"] or k_dim % (tile["splits"] * tile["block_k"]):
+                if n_dim % tile["block_n"] or k_dim % (tile.get("splits", 1) * tile["block_k"]):
                     continue
                 matmul = functools.partial(MATMULS[kernel], **tile)
                 try:
@@ -210,7 +296,7 @@ def main() -> None:
                     print(f"  {name} M={m} {kernel} {tile}: relative error {error:.2e}", flush=True)
             if best is not None:
                 row[f"{kernel}_us"], row[f"{kernel}_tile"] = best[0] * 1e6, best[1]
-        for way in ("xla", *kernels):
+        for way in ("read", "xla", *kernels):
             if row.get(f"{way}_us"):
                 row[f"{way}_TBps"] = nbytes / row[f"{way}_us"] / 1e6
                 row[f"{way}_vs_copy"] = row[f"{way}_TBps"] * 1e12 / bandwidth
@@ -218,10 +304,10 @@ def main() -> None:
         if gpu:
             print(f"{name:8s} M={m:2d}: " + " | ".join(
                 f"{way} {row[f'{way}_us']:6.1f} µs {row[f'{way}_TBps']:.2f} TB/s {row.get(f'{way}_tile', '')}"
-                for way in ("xla", *kernels) if row.get(f"{way}_us")), flush=True)
+                for way in ("read", "xla", *kernels) if row.get(f"{way}_us")), flush=True)
         os.makedirs(args.out, exist_ok=True)
         stem = "small_gemm" + ("_smoke" if args.smoke else "") + (
-            "" if set(kernels) == set(MATMULS) else "_" + "_".join(kernels))
+            "" if set(kernels) == set(MATMULS) else "_" + ("_".join(kernels) or "read"))
         with open(os.path.join(args.out, stem + ".json"), "w") as f:
             json.dump(result, f, indent=1)
 
