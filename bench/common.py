@@ -134,10 +134,11 @@ def describe_span(got: dict) -> str:
 
 def row_recorder(out_dir: str, name: str):
     """(device, record): the first GPU's kind, printed as the run's header, and `record(row)`, which appends a row
-    to {"device", "rows"} and writes it to `out_dir`/`name` after every row, so a run cut short keeps its rows."""
+    to {"device", "gpu", "rows"} ("gpu": `gpu_facts`, so runs on different cards can be told apart) and writes it
+    to `out_dir`/`name` after every row, so a run cut short keeps its rows."""
     device = jax.devices()[0].device_kind
     print(f"# {device}", flush=True)
-    result, path = {"device": device, "rows": []}, os.path.join(out_dir, name)
+    result, path = {"device": device, "gpu": gpu_facts(), "rows": []}, os.path.join(out_dir, name)
     os.makedirs(out_dir, exist_ok=True)
 
     def record(row: dict) -> None:

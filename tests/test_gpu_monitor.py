@@ -1,7 +1,9 @@
 """bench/common.py's GpuMonitor reads the card's facts and summarizes the clocks sampled while a block runs, from an
 nvidia-smi stand-in on PATH (a script that answers as the real one does, with the fields in the order asked for);
-without nvidia-smi it records the kernel release alone (so does `gpu_facts`, which bench/kernels.py records)."""
+without nvidia-smi it records the kernel release alone (so does `gpu_facts`, which bench/kernels.py and the studies' JSON
+record)."""
 
+import json
 import os
 import platform
 import sys
@@ -62,3 +64,14 @@ def test_without_nvidia_smi_the_kernel_alone_and_empty_spans(tmp_path, monkeypat
     monitor.close()
     assert monitor.facts == common.gpu_facts() == {"kernel": platform.release()}
     assert got == {} and common.describe_span(got) == ""
+
+
+def test_a_studys_rows_name_the_card(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, monkeypatch)
+    _, record = common.row_recorder(str(tmp_path / "out"), "study.json")
+    record({"case": "a"})
+    record({"case": "b"})
+    with open(tmp_path / "out" / "study.json") as f:
+        written = json.load(f)
+    assert written["gpu"]["uuid"] == "GPU-1234" and written["gpu"]["kernel"] == platform.release()
+    assert [row["case"] for row in written["rows"]] == ["a", "b"]

@@ -45,7 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import copy_bandwidth  # noqa: E402
+from common import copy_bandwidth, gpu_facts  # noqa: E402
 from kernels import CALLS, device_time_per_call  # noqa: E402
 
 from jlora.pallas.config import num_sms  # noqa: E402
@@ -252,7 +252,7 @@ def main() -> None:
     bandwidth = copy_bandwidth() if gpu else None
     device = jax.devices()[0].device_kind
     print(f"# {device}" + (f": copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)
-    result = {"device": device, "copy_bandwidth_Bps": bandwidth, "rows": []}
+    result = {"device": device, "gpu": gpu_facts(), "copy_bandwidth_Bps": bandwidth, "rows": []}
     key = jax.random.key(0)
     for (name, (k_dim, n_dim)), m in itertools.product(shapes.items(), rows):
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k_dim, n_dim), jnp.bfloat16) * 0.02
