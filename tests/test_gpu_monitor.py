@@ -1,7 +1,7 @@
 """bench/common.py's GpuMonitor reads the card's facts and summarizes the clocks sampled while a block runs, from an
 nvidia-smi stand-in on PATH (a script that answers as the real one does, with the fields in the order asked for);
-without nvidia-smi it records the kernel release alone (so does `gpu_facts`, which bench/kernels.py and the studies' JSON
-record)."""
+without nvidia-smi it records the kernel release alone (so does `gpu_facts`, which bench/kernels.py and the studies'
+JSON record)."""
 
 import json
 import os
