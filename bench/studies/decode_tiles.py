@@ -15,7 +15,6 @@ each variant's logits compared with the shipped step's. JSON: decode_tiles.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import functools
 import json
@@ -26,9 +25,8 @@ from unittest import mock
 import jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import row_recorder, time_variants, variants_row  # noqa: E402
-from model import llama3_8b, random_model  # noqa: E402
-from split_attention import lora_decodes  # noqa: E402
+from common import row_recorder  # noqa: E402
+from split_attention import time_lora_decodes  # noqa: E402
 
 from jlora import ops, pallas  # noqa: E402
 from jlora.pallas.config import expand_config, shrink_config  # noqa: E402
@@ -61,21 +59,14 @@ def main() -> None:
         variants[name] = tuple(((kernel, field), value) for kernel, fields in json.loads(spec).items()
                                for field, value in fields.items())
     _, record = row_recorder(args.out, "decode_tiles.json")
-    config = llama3_8b(32)
-    model_def, params = random_model(config)
-    for case in lora_decodes(config, model_def, params, args.cases, backend="pallas"):
-        steps = {"shipped": (case.model_def, case.options, None)}
-        for name, overrides in variants.items():
-            linear = jax.jit(functools.partial(tiled_linear, overrides=overrides),
-                             static_argnames=("slice_sizes", "backend", "defer_add"))
-            steps[name] = (copy.copy(case.model_def), case.options,
-                           functools.partial(mock.patch.object, ops, "_linear", linear))
-        got, _ = time_variants(case.params, case.call, case.cache, case.lora, steps)
-        record(variants_row(f"decode B={case.batch} r={case.rank} adapters={case.adapters}", got, batch=case.batch,
-                            rank=case.rank, adapters=case.adapters,
-                            overrides={n: [[kernel, field, value] for (kernel, field), value in o]
-                                       for n, o in variants.items()}))
-        del case
+    patches = {"shipped": None}
+    for name, overrides in variants.items():
+        linear = jax.jit(functools.partial(tiled_linear, overrides=overrides),
+                         static_argnames=("slice_sizes", "backend", "defer_add"))
+        patches[name] = functools.partial(mock.patch.object, ops, "_linear", linear)
+    time_lora_decodes(args.cases, patches, backend="pallas", record=record,
+                      overrides={n: [[kernel, field, value] for (kernel, field), value in o]
+                                 for n, o in variants.items()})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import sys
 from unittest import mock
@@ -30,9 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 import kernels as kb  # noqa: E402
-import model as mb  # noqa: E402
-from common import time_variants, variants_row  # noqa: E402
-from split_attention import lora_decodes  # noqa: E402
+from split_attention import time_lora_decodes  # noqa: E402
 
 import jlora.models.llama as llama  # noqa: E402
 from jlora import ops, reference  # noqa: E402
@@ -159,13 +156,7 @@ def with_form(expand_fn):
 def model(forms, cases: str) -> None:
     """The 8B decode step of each of `cases` ('BxRxA', each batch as `bench/model.py` runs it) with each of `forms`
     as the gather backend's expand, in alternating rounds; the first form is the reference for the logits."""
-    config = mb.llama3_8b(32)
-    model_def, params = mb.random_model(config)
-    for case in lora_decodes(config, model_def, params, cases):
-        got, _ = time_variants(case.params, case.call, case.cache, case.lora, {
-            form: (copy.copy(case.model_def), case.options, with_form(FORMS[form])) for form in forms})
-        variants_row(f"decode B={case.batch}, {case.adapters} r={case.rank}", got)
-        del case
+    time_lora_decodes(cases, {form: with_form(FORMS[form]) for form in forms})
 
 
 if __name__ == "__main__":

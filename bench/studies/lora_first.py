@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import os
 import sys
@@ -37,9 +36,8 @@ from unittest import mock
 import jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import row_recorder, time_variants, variants_row  # noqa: E402
-from model import llama3_8b, random_model  # noqa: E402
-from split_attention import lora_decodes  # noqa: E402
+from common import row_recorder  # noqa: E402
+from split_attention import time_lora_decodes  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
 from jlora.ops import lora_expand, lora_shrink, resolve_backend  # noqa: E402
@@ -103,15 +101,7 @@ def main() -> None:
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; expected some of {list(VARIANTS)}")
     _, record = row_recorder(args.out, args.json)
-    config = llama3_8b(32)
-    model_def, params = random_model(config)
-    for case in lora_decodes(config, model_def, params, args.cases):
-        got, _ = time_variants(case.params, case.call, case.cache, case.lora, {
-            "shipped": (case.model_def, case.options, None),
-            **{v: (copy.copy(case.model_def), case.options, patched(**VARIANTS[v])) for v in variants}})
-        record(variants_row(f"decode B={case.batch}, {case.adapters} r={case.rank}", got, batch=case.batch,
-                            rank=case.rank, adapters=case.adapters))
-        del case
+    time_lora_decodes(args.cases, {"shipped": None, **{v: patched(**VARIANTS[v]) for v in variants}}, record=record)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import row_recorder, time_variants, trace_events, variants_row  # noqa: E402
+from common import row_recorder, trace_events  # noqa: E402
 
 from jlora.batch_info import LoRABatchInfo  # noqa: E402
 from jlora.models import llama  # noqa: E402
@@ -206,21 +206,18 @@ def main() -> None:
         check()
         return
     from model import llama3_8b, random_model  # noqa: E402
-    from split_attention import lora_decodes  # noqa: E402
-    _, record = row_recorder(args.out, args.json)
-    config = llama3_8b(32)
-    model_def, params = random_model(config)
+    from split_attention import lora_decodes, time_lora_decodes  # noqa: E402
     blocks = [int(n) for n in args.block_n.split(",")]
-    for case in lora_decodes(config, model_def, params, args.cases):
-        if args.profile:
+    if args.profile:
+        config = llama3_8b(32)
+        model_def, params = random_model(config)
+        for case in lora_decodes(config, model_def, params, args.cases):
             profile_case(case, config, blocks[0])
-            continue
-        got, _ = time_variants(case.params, case.call, case.cache, case.lora, {
-            "shipped": (case.model_def, case.options, None),
-            **{f"fused, block_n {n}": (copy.copy(case.model_def), case.options, patched(n)) for n in blocks}})
-        record(variants_row(f"decode B={case.batch}, {case.adapters} r={case.rank}", got, batch=case.batch,
-                            rank=case.rank, adapters=case.adapters))
-        del case
+            del case
+        return
+    _, record = row_recorder(args.out, args.json)
+    time_lora_decodes(args.cases, {"shipped": None, **{f"fused, block_n {n}": patched(n) for n in blocks}},
+                      record=record)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ and the KV bytes the requests can see over that time; contiguous caches and page
 random order). Each split output is checked against the unsplit one (‖out − ref‖ / ‖ref‖ < 1e-2) first.
 Chunks as the engine takes them (`split_chunk` of the cache's positions). Model: the 8B-shaped base decode step
 (`bench/model.py`'s model) at batch 1-16 over a contiguous cache and a paged one, split and unsplit in
-alternating rounds. JSON: split_attention.json, written after each row.
+alternating rounds. JSON: split_attention.json, written after each row. The LoRA decode cases the other decode
+studies time come from here too (`lora_decodes`, and `time_lora_decodes`, which times each against its variants).
 
   python bench/studies/split_attention.py [--batches 1,2,4,8,16,32] [--model-batches 1,4,8,16] [--out DIR]  # GPU
   python bench/studies/split_attention.py --smoke                  # CPU, interpret mode, one small case
@@ -17,6 +18,7 @@ alternating rounds. JSON: split_attention.json, written after each row.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import json
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import trace_kernels  # noqa: E402
+from common import time_variants, trace_kernels, variants_row  # noqa: E402
 from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
                    shuffled_slots, time_alternating)
 
@@ -136,6 +138,24 @@ def lora_decodes(config, model_def, params, cases: str, backend: str = "auto"):
         options = StepOptions(16, backend, attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
         yield LoRADecode(batch, rank, used, stored_def, stored, cache, call, options, lora)
         del stored_def, stored, cache, call  # a batch-1 layout's weight copies go before the next case's
+
+
+def time_lora_decodes(cases: str, patches: dict, *, backend: str = "auto", record=None, **extra) -> None:
+    """The 8B decode step of each of `cases` (`lora_decodes`' 'BxRxA') compiled once per entry of `patches` (a name
+    -> a context manager factory inside which that variant's step traces, or None: as shipped), timed in
+    alternating rounds (`time_variants`), the first the logits' reference; each case's row printed
+    (`variants_row`, with the case's batch, rank and adapters and `extra`) and given to `record` where one is."""
+    config = llama3_8b(LAYERS)
+    model_def, params = random_model(config)
+    for case in lora_decodes(config, model_def, params, cases, backend):
+        got, _ = time_variants(case.params, case.call, case.cache, case.lora, {
+            name: (case.model_def if patch is None else copy.copy(case.model_def), case.options, patch)
+            for name, patch in patches.items()})
+        row = variants_row(f"decode B={case.batch}, {case.adapters} r={case.rank}", got, batch=case.batch,
+                           rank=case.rank, adapters=case.adapters, **extra)
+        if record is not None:
+            record(row)
+        del case
 
 
 def model_rows(model_def, params, batches: list[int], max_seq: int, pos: int, paged: bool) -> list[dict]:
