@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="small shapes and two tilings (interpret mode on CPU)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="projections to time")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of activations, M")
-    parser.add_argument("--kernels", default=",".join(MATMULS), 
+    parser.add_argument("--kernels", default=",".join(MATMULS),
                         help="Pallas kernels to time: triton, mosaic, streamk (none: the reads and XLA alone)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -255,6 +255,9 @@ def main() -> None:
     result = {"device": device, "gpu": gpu_facts(), "copy_bandwidth_Bps": bandwidth, "rows": []}
     key = jax.random.key(0)
     for (name, (k_dim, n_dim)), m in itertools.product(shapes.items(), rows):
+        read_only = name in READ_ONLY
+        if read_only and m != rows[0]:
+            continue
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k_dim, n_dim), jnp.bfloat16) * 0.02
               for i in range(weights)]
         # One activation and one weight per call: XLA merged repeated products, and dots that share an operand.
@@ -269,12 +272,10 @@ def main() -> None:
         row = {"shape": name, "k": k_dim, "n": n_dim, "m": m, "weight_bytes": nbytes}
         if m == rows[0]:  # the plain read, once a shape
             reads = [timed(lambda x, w, axis=axis: jnp.sum(w, axis=axis, dtype=jnp.float32)) for axis in (0, 1)]
-            row["read_us"] = gpu and min(reads) * 1e6
-        elif name in READ_ONLY:
-            continue
-        if name not in READ_ONLY:
+            row["read_us"] = min(reads) * 1e6 if gpu else None
+        if not read_only:
             row["xla_us"] = (t := timed(jnp.dot)) and t * 1e6
-        for kernel in kernels if name not in READ_ONLY else ():
+        for kernel in () if read_only else kernels:
             best = None
             for tile in tiles[kernel]:
                 if n_dim % tile["block_n"] or k_dim % (tile.get("splits", 1) * tile["block_k"]):
