@@ -14,7 +14,8 @@ measured in the same run. The Pallas kernels:
   on an H200);
 - `streamk` (Pallas on Triton, persistent): a fixed grid of one or two programs per SM, each taking an equal
   share of the [N / BN column blocks x K / BK steps] iterations in order, so no wave is left part-full; a program
-  writes a [16, BN] f32 partial for each column block its share touches (at most `segments`).
+  writes an f32 [Mp, BN] partial (Mp: the rows padded to a multiple of 16) for each column block its share
+  touches (at most `segments`).
 XLA then sums the splits (counted in their time), the stream-K partials in program order through a static gather.
 `read` times the faster of XLA's two sums of the weight (over either axis), a plain read of its bytes: the floor a
 GEMM of that size could reach, where the copy bandwidth is measured over 512 MiB arrays. Every tiling's output is
