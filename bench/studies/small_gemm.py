@@ -89,7 +89,7 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int, k_per_split: int):
     o_ref[0], _ = split_k_block(x_ref, w_ref, block_n=o_ref.shape[-1], block_k=block_k, k_per_split=k_per_split)
 
 
-def check_tiling(k_dim: int, n_dim: int, *, block_n: int, block_k: int, splits: int, **_) -> None:
+def check_tiling(k_dim: int, n_dim: int, *, block_n: int, block_k: int, splits: int = 1, **_) -> None:
     """Raises ValueError unless the tiling divides [K, N]."""
     if n_dim % block_n or k_dim % (splits * block_k):
         raise ValueError(f"N {n_dim} and K {k_dim} must divide by block_n {block_n} and splits x block_k "
@@ -198,7 +198,7 @@ def stream_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, wav
     the column blocks' K steps equally (`stream_shares`); their partials summed per block in program order."""
     m, k_dim = x.shape
     n_dim = w.shape[1]
-    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k, splits=1)
+    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k)
     tiles, steps = n_dim // block_n, k_dim // block_k
     programs = programs or waves * num_sms()
     shares = stream_shares(tiles, steps, programs)
@@ -279,7 +279,9 @@ def main() -> None:
         for kernel in () if read_only else kernels:
             best = None
             for tile in tiles[kernel]:
-                if n_dim % tile["block_n"] or k_dim % (tile.get("splits", 1) * tile["block_k"]):
+                try:
+                    check_tiling(k_dim, n_dim, **tile)
+                except ValueError:  # a tiling that does not divide this shape
                     continue
                 matmul = functools.partial(MATMULS[kernel], **tile)
                 try:
