@@ -113,15 +113,17 @@ def forward(model_def: ModelDef, params, call: Call, cache: KVCache, lora: LoRAW
     return _model_call(model_def, params, call, cache, lora, options)
 
 
-@step_jit(static_argnames=("model_def", "options"), donate_argnames=("cache",))
+@step_jit(static_argnames=("model_def", "options"), donate_argnames=("cache", "history"))
 def generate_step(model_def: ModelDef, params, step: Step, cache: KVCache, lora: LoRAWeights | None,
-                  options: StepOptions):
+                  options: StepOptions, history: jax.Array | None = None):
     """One `Step` of the engine over its R cache rows: every row's decode token and the prompt pieces, in one
     model call. Row r samples its next token with its own key (`request_keys` of its seed and token index;
-    `step.filtered`: see `sample_tokens`). Returns (next tokens [R, 1] int32, shaped as the next step's decode
-    tokens, the cache, and with `step.logprobs` a `StepLogprobs`, else None): with prompt pieces the logits of
-    every piece token are computed, scored against `step.prefill_next`. The key folding and that layout live
-    here so the engine's pipelined loop dispatches nothing else per step.
+    `step.filtered`: see `sample_tokens`), after its penalties over `history` [R, H] (with `step.penalties`; see
+    `apply_penalties`). Returns (next tokens [R, 1] int32, shaped as the next step's decode tokens, the cache,
+    with `step.logprobs` a `StepLogprobs`, else None, and with `step.penalties` the history holding the step's
+    decode tokens, else None): with prompt pieces the logits of every piece token are computed, scored against
+    `step.prefill_next`. The key folding and that layout live here so the engine's pipelined loop dispatches
+    nothing else per step.
     """
     r, prefill, width = step.decode.tokens.shape[0], step.prefill, step.logprobs
     at, groups = None, (step.decode,)  # decode alone: every token's logits
@@ -141,15 +143,15 @@ def generate_step(model_def: ModelDef, params, step: Step, cache: KVCache, lora:
     sampling, raw = step.sampling, logits  # log-probabilities: of the logits before the penalties (vLLM's "raw")
     if step.penalties is not None:
         decode = step.decode
-        logits = apply_penalties(logits, step.penalties, decode.tokens[:, 0], decode.positions[:, 0],
-                                 decode.valid[:, 0])
+        logits, history = apply_penalties(logits, step.penalties, history, decode.tokens[:, 0],
+                                          decode.positions[:, 0], decode.valid[:, 0])
     keys = request_keys(sampling.seeds, sampling.token_index)
     next_tokens = sample_tokens(logits, keys, sampling, filtered=step.filtered)
     lp = None
     if width:
         lp = StepLogprobs(top_logprobs(raw, next_tokens, width),
                           None if prefill is None else top_logprobs(pieces, step.prefill_next.reshape(-1), width))
-    return next_tokens[:, None], cache, lp
+    return next_tokens[:, None], cache, lp, history if step.penalties is not None else None
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -157,6 +159,12 @@ def copy_blocks(cache: KVCache, sources, targets) -> KVCache:
     """The cache with blocks `targets` [n] holding blocks `sources`' keys and values (every layer); a target out
     of range is dropped."""
     return jax.tree.map(lambda x: x.at[targets].set(x[sources], mode="drop"), cache)
+
+
+@functools.partial(jax.jit, donate_argnames=("history",))
+def _write_history(history: jax.Array, rows, values) -> jax.Array:
+    """`history` [R, H] with rows `rows` [n] holding `values` [n, H]; a row out of range is dropped."""
+    return history.at[rows].set(values, mode="drop")
 
 
 @jax.jit
@@ -269,13 +277,24 @@ class ModelRunner:
         call = Call(Batch.of(tokens, positions), token_slot, self.pool.ranks.copy())
         return forward(self.model_def, self.params, call, cache, self.lora_for(token_slot), self.options(tokens.size))
 
-    def step(self, step: Step, cache: KVCache):
-        """Dispatches one `generate_step`; returns (next tokens [R, 1] on the device, cache, `StepLogprobs` or
-        None)."""
+    def step(self, step: Step, cache: KVCache, history: jax.Array | None = None):
+        """Dispatches one `generate_step` (`history`: the penalties' token history, with `step.penalties`);
+        returns (next tokens [R, 1] on the device, cache, `StepLogprobs` or None, the history or None)."""
         # Host arrays go to jit as they are: under tensor parallelism jit copies them to every device at once
         # (a jnp.asarray would land on device 0 first).
         return generate_step(self.model_def, self.params, step, cache, self.lora_for(step.token_slot),
-                             self.options(step.token_slot.size))
+                             self.options(step.token_slot.size), history)
+
+    def write_history(self, history: jax.Array | None, shape: tuple[int, int], rows: Sequence[int],
+                      values: np.ndarray) -> jax.Array:
+        """The penalties' token history [R, H] (`shape`; a new one of -1 when `history` is None) with rows `rows`
+        holding `values` [len(rows), H], placed as a step's outputs; the rows padded to a power-of-two count
+        (`_padded`), which keeps the write's compilations few."""
+        if history is None:  # from the host: under tensor parallelism straight to every device
+            history = jax.device_put(np.full(shape, -1, np.int32), None if self.tp is None else self.tp.replicated())
+        padded = _padded(rows, shape[0])  # out of range: dropped
+        values = np.concatenate([values, np.full((len(padded) - len(rows), shape[1]), -1, np.int32)])
+        return _write_history(history, padded, values)
 
     def copy_blocks(self, cache: KVCache, sources: np.ndarray, targets: np.ndarray) -> KVCache:
         """`copy_blocks` dispatched, padded to a power-of-two count (`_padded`)."""

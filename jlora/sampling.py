@@ -43,45 +43,46 @@ class Sampling:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["history", "prompt_len", "repetition", "frequency", "presence"], meta_fields=[])
+                   data_fields=["prompt_len", "repetition", "frequency", "presence"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Penalties:
-    """Each row's tokens so far and its penalties, for a step where some row asks for one.
+    """Each row's penalties, for a step where some row asks for one; the tokens they count come apart, as the
+    rows' history (`apply_penalties`), which stays on the device from step to step.
 
     Attributes:
-      history: [R, H] int32, each row's tokens by position (prompt, then generated), -1 past them; the step's
-        decode token goes in at its position, so the host may not know it yet.
       prompt_len: [R] int32, how many of a row's tokens are its prompt (the rest count as generated).
       repetition: [R] f32 (1: off), frequency and presence: [R] f32 (0: off).
     """
 
-    history: np.ndarray
     prompt_len: np.ndarray
     repetition: np.ndarray
     frequency: np.ndarray
     presence: np.ndarray
 
 
-def apply_penalties(logits: jax.Array, penalties: Penalties, tokens: jax.Array, positions: jax.Array,
-                    decoding: jax.Array) -> jax.Array:
-    """logits [R, W] f32 with each row's penalties applied, as vLLM applies them (before temperature and the
-    filters; log-probabilities are taken before them): a token of the prompt or generated has its logit divided
-    by `repetition` where positive and multiplied by it otherwise (HF's `repetition_penalty` over prompt and
-    output); then a token generated c times loses `frequency · c`, and `presence` once.
+def apply_penalties(logits: jax.Array, penalties: Penalties, history: jax.Array, tokens: jax.Array,
+                    positions: jax.Array, decoding: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(logits [R, W] f32 with each row's penalties applied, the history with the step's decode tokens), as vLLM
+    applies them (before temperature and the filters; log-probabilities are taken before them): a token of the
+    prompt or generated has its logit divided by `repetition` where positive and multiplied by it otherwise
+    (HF's `repetition_penalty` over prompt and output); then a token generated c times loses `frequency · c`,
+    and `presence` once.
 
-    `tokens`, `positions`, `decoding` [R]: each row's decode token, its position and whether the row decodes;
-    it joins the row's history there. A row whose penalties are off keeps its logits bit for bit.
+    `history` [R, H] int32: each row's tokens by position (prompt, then generated), -1 past them. `tokens`,
+    `positions`, `decoding` [R]: each row's decode token, its position and whether the row decodes; it joins
+    the row's history there (the host may not know it yet: the step before sampled it). A row whose penalties
+    are off keeps its logits bit for bit.
     """
     r, w = logits.shape
-    h = penalties.history.shape[1]
-    history = penalties.history.at[jnp.arange(r), jnp.where(decoding, positions, h)].set(tokens, mode="drop")
+    h = history.shape[1]
+    history = history.at[jnp.arange(r), jnp.where(decoding, positions, h)].set(tokens, mode="drop")
     rows, ids = jnp.arange(r)[:, None], jnp.where(history >= 0, history, w)  # w: out of range, dropped
     generated = (jnp.arange(h)[None] >= penalties.prompt_len[:, None]).astype(jnp.float32)
     seen = jnp.zeros((r, w), bool).at[rows, ids].set(True, mode="drop")
     counts = jnp.zeros((r, w), jnp.float32).at[rows, ids].add(generated, mode="drop")
     rep = penalties.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - penalties.frequency[:, None] * counts - penalties.presence[:, None] * (counts > 0)
+    return logits - penalties.frequency[:, None] * counts - penalties.presence[:, None] * (counts > 0), history
 
 
 def sample_seeds(seed: int, n: int) -> list[int]:

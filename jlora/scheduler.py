@@ -32,6 +32,8 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
+
+import jax
 import numpy as np
 
 from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
@@ -145,7 +147,11 @@ class Batcher:
         # Each row's next cache index: while its prompt goes in, the prompt tokens in the cache so far.
         self.position = np.zeros(num_rows, np.int32)
         self.last_token = np.zeros(num_rows, np.int32)
-        self.history = np.full((num_rows, max_seq), -1, np.int32)  # each row's tokens by position (the penalties)
+        # The penalties' token history [num_rows, max_seq] on the device, made by the first step with penalties
+        # and kept up to date by the steps with penalties (each writes its decode tokens); the rows placed since
+        # it was last written from the host (`_penalties`).
+        self.history: jax.Array | None = None
+        self._new_history: set[int] = set()
         self.in_flight: _InFlight | None = None  # the step dispatched last, not yet read
 
     def add(self, request: Request) -> None:
@@ -218,9 +224,7 @@ class Batcher:
         self._held[row] = blocks
         self.tables[row, : len(blocks)] = blocks
         self.running[row] = r
-        tokens = r.prompt + r.out  # a resumed request's generated tokens too
-        self.history[row, : len(tokens)] = tokens
-        self.history[row, len(tokens):] = -1
+        self._new_history.add(row)
         if admitted is None:
             self._admissions += 1
         self._admitted[row] = self._admissions if admitted is None else admitted
@@ -298,7 +302,6 @@ class Batcher:
         if r.logprobs is not None:  # first: a reader on another thread that sees a token finds its entry
             r.out_logprobs.append(TokenLogprob.at(logprobs.sampled, row, token, r.logprobs))
         r.out.append(token)
-        self.history[row, len(r.prompt) + len(r.out) - 1] = token
         if len(r.out) >= r.max_new:
             self._free(row)
             self._end(r, "length")
@@ -406,7 +409,10 @@ class Batcher:
         firsts = [(row, r) for row, r, start, length in pieces if start + length == len(r.prompt) and r.max_new > 0]
         sampling = [(row, self.running[row]) for row in decode] + firsts  # the requests this step samples for
         step = self._build(decode, sampled, pieces, sampling)
-        tokens, self.cache, step_logprobs = self.runner.step(step, self.cache)
+        tokens, self.cache, step_logprobs, history = self.runner.step(
+            step, self.cache, None if step.penalties is None else self.history)
+        if history is not None:
+            self.history = history
         for row, _, start, length in pieces:  # the full blocks of prompt this step writes: reusable (later steps
             full = (start + length) // self.blocks.block_size  # that read them run after it)
             self.blocks.commit(self._held[row][:full], self._keys[row][:full])
@@ -471,18 +477,29 @@ class Batcher:
                     logprobs=width)
 
     def _penalties(self, sampling: list[tuple[int, Request]]) -> Penalties | None:
-        """The step's `Penalties` when one of the requests it samples for asks for a penalty, else None. The
-        history is copied: the step may read it after this buffer has changed."""
+        """The step's `Penalties` when one of the requests it samples for asks for a penalty, else None. Then
+        the device's history first takes the tokens of the rows placed since it was last written (a resumed
+        request's generated ones too): every later token of a request with penalties is the decode token of a
+        step with penalties, which writes it there (`apply_penalties`); the rows of other requests go
+        unread."""
         penalized = [(row, r) for row, r in sampling if r.penalized]
         if not penalized:
             return None
+        placed = sorted(row for row in self._new_history if self.running[row] is not None)
+        if placed or self.history is None:
+            values = np.full((len(placed), self.max_seq), -1, np.int32)
+            for i, row in enumerate(placed):
+                tokens = self.running[row].prompt + self.running[row].out
+                values[i, : len(tokens)] = tokens
+            self.history = self.runner.write_history(self.history, (self.num_rows, self.max_seq), placed, values)
+            self._new_history.clear()
         n = self.num_rows
         prompt_len, rep = np.zeros(n, np.int32), np.ones(n, np.float32)
         freq, pres = np.zeros(n, np.float32), np.zeros(n, np.float32)
         for row, r in penalized:
             prompt_len[row], rep[row] = len(r.prompt), r.repetition_penalty
             freq[row], pres[row] = r.frequency_penalty, r.presence_penalty
-        return Penalties(self.history.copy(), prompt_len, rep, freq, pres)
+        return Penalties(prompt_len, rep, freq, pres)
 
     def _pack(self, pieces: list[tuple[int, Request, int, int]]) -> tuple[Group, np.ndarray, np.ndarray, np.ndarray]:
         """The prompt pieces as a padded group [Bp, Sp] (padding requests: slot -1, no valid token, so no cache

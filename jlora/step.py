@@ -52,8 +52,8 @@ class Step:
       prefill_last: [Bp] the index in its piece of the token whose logits give that row its first token (-1:
         none: the prompt goes on in a later step, or a padding request).
       prefill_next: with `logprobs`, [Bp, Sp] the prompt token each piece token predicts (-1: none).
-      penalties: the rows' histories and penalties (`jlora.sampling.Penalties`) when some row asks for a
-        penalty, else None (a step without them compiles without them).
+      penalties: the rows' penalties (`jlora.sampling.Penalties`) when some row asks for one, else None (a step
+        without them compiles without them, and takes no token history).
       filtered: whether some row samples with a top-k, top-p or min-p filter (`Sampling.filtered`: the sort they
         need runs only then).
       logprobs: the top-k width of the step's log-probabilities (`jlora.logprobs.top_width`); 0: none.

@@ -71,8 +71,9 @@ def test_greedy_generation_with_penalties_takes_the_penalized_argmax(engine, pen
             seq = prompt + list(gen[:t])
             history = np.full((1, 64), -1, np.int32)
             history[0, :len(seq)] = seq
-            p = Penalties(history, np.int32([len(prompt)]), *settings)
-            ref = penalized_reference(logits[len(seq) - 1][None], p, np.int32([0]), np.int32([0]), np.bool_([0]))[0]
+            p = Penalties(np.int32([len(prompt)]), *settings)
+            ref = penalized_reference(logits[len(seq) - 1][None], p, history, np.int32([0]), np.int32([0]),
+                                      np.bool_([0]))[0]
             assert ref[token] >= ref.max() - 1e-4, (prompt, t)  # the argmax, but for a near tie
     plain = engine.generate(PROMPTS, ADAPTERS, max_new_tokens=8, ignore_eos=True)
     assert sum(list(a) != list(b) for a, b in zip(out, plain)) >= 2

@@ -1,5 +1,5 @@
-"""Tensor parallelism on 4 virtual CPU devices: TP logits, generations (greedy and sampled, and through a
-preemption), scores and log-probabilities equal single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
+"""Tensor parallelism on 4 virtual CPU devices: TP logits, generations (greedy, and sampled with penalties,
+and through a preemption), scores and log-probabilities equal single-device ones (f32), with mixed adapters, including KV heads replicated across devices and the lm_head
 split along the vocabulary or replicated; adapter loads do not recompile, steps copy nothing between devices,
 and an adapter evicted from its slot comes back from the device cache. Each case runs in a subprocess, since the device count must be set before JAX starts."""
 
@@ -55,8 +55,9 @@ def compare(kv_heads: int, truth: str, splits: list[tuple[int, str]], vocab: int
         assert forward._cache_size() == compiled, "an adapter load changed the slots' sharding: recompiled"
         compiled = generate_step._cache_size()
         with jax.transfer_guard_device_to_device("disallow"):  # no per-step copies between devices
-            generated = [engine.generate(prompts, adapters, max_new_tokens=6),  # greedy; sampled (nucleus)
-                         engine.generate(prompts, adapters, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=5)]
+            generated = [engine.generate(prompts, adapters, max_new_tokens=6),  # greedy; sampled (nucleus), with
+                         engine.generate(prompts, adapters, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=5,
+                                         repetition_penalty=1.3, presence_penalty=0.4)]  # penalties: the history
         if size > 1:  # a prefill and a decode step per variant (one device also keys host tokens apart, uncompiled)
             assert generate_step._cache_size() - compiled == 4, "a decode step compiled twice"
         scores = engine.score(prompts, [[7, 8, 9]] * len(prompts), adapters)  # log_softmax over split logits

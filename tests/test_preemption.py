@@ -62,6 +62,24 @@ def test_a_request_that_runs_out_of_blocks_preempts_the_last_admitted_and_both_m
     check_no_leak(batcher)
 
 
+def test_steps_with_penalties_keep_the_history_on_the_device(engine, monkeypatch):
+    """The first test's requests with penalties: the token history they count goes from the host to the device
+    once per row a request takes (the resumed request's generated tokens with its prompt), not with every step;
+    each step writes its decode tokens there itself, and both requests still match alone."""
+    slot, penalties = engine.pool.slot("a"), dict(repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=-0.3)
+    requests = [Request(list(range(1, 11)), slot, 30, 0.9, seed=1, **penalties),
+                Request(list(range(5, 15)), -1, 30, seed=2, **penalties)]
+    written, steps = [], []
+    write, step = engine.runner.write_history, engine.runner.step
+    monkeypatch.setattr(engine.runner, "write_history", lambda *args: written.extend(args[2]) or write(*args))
+    monkeypatch.setattr(engine.runner, "step", lambda *args: steps.append(args[0].penalties) or step(*args))
+    batcher = drive(Batcher(engine.runner, 2, 64, block_size=16, num_blocks=4), requests)
+    assert batcher.preemptions >= 1 and len(written) == len(requests) + batcher.preemptions
+    assert all(p is not None for p in steps) and len(steps) > 30
+    check_alone(engine, requests)
+    check_no_leak(batcher)
+
+
 def test_a_request_cancelled_while_preempted_frees_its_host_copy(engine):
     """The preempted request of the first test is cancelled while its blocks are in host memory (a client that
     disconnects then): it never resumes, its host copy is dropped, and the other still matches alone."""

@@ -144,15 +144,15 @@ def penalty_case(seed: int, rows: int = 6, vocab: int = 50, h: int = 24):
     rep = rng.uniform(0.5, 2.0, rows).astype(np.float32)
     freq, pres = rng.uniform(-2, 2, rows).astype(np.float32), rng.uniform(-2, 2, rows).astype(np.float32)
     rep[0], freq[0], pres[0] = 1, 0, 0
-    return logits, Penalties(history, prompt_len, rep, freq, pres), tokens, positions, decoding
+    return logits, Penalties(prompt_len, rep, freq, pres), history, tokens, positions, decoding
 
 
-def penalized_reference(logits, p: Penalties, tokens, positions, decoding):
+def penalized_reference(logits, p: Penalties, history, tokens, positions, decoding):
     """float64: HF's RepetitionPenaltyLogitsProcessor over the row's tokens (prompt and generated), then OpenAI's
     frequency and presence penalties over the generated ones, row by row."""
     out = logits.astype(np.float64).copy()
     for r in range(len(out)):
-        seq = [int(t) for t in p.history[r] if t >= 0]
+        seq = [int(t) for t in history[r] if t >= 0]
         if decoding[r]:
             seq = seq[: positions[r]] + [int(tokens[r])] + seq[positions[r] + 1:]
         ids = np.array(sorted(set(seq)), np.int64)
@@ -165,9 +165,11 @@ def penalized_reference(logits, p: Penalties, tokens, positions, decoding):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_penalties_as_hf_and_openai_define_them(seed):
-    logits, p, tokens, positions, decoding = penalty_case(seed)
-    got = np.asarray(jax.jit(apply_penalties)(logits, p, tokens, positions, decoding))
-    want = penalized_reference(logits, p, tokens, positions, decoding)
+    logits, p, history, tokens, positions, decoding = penalty_case(seed)
+    got, written = jax.jit(apply_penalties)(logits, p, history, tokens, positions, decoding)
+    got, want = np.asarray(got), penalized_reference(logits, p, history, tokens, positions, decoding)
+    history[decoding, positions[decoding]] = tokens[decoding]  # the decode tokens join the history
+    assert np.array_equal(np.asarray(written), history)
     finite = np.isfinite(want)
     assert (np.isfinite(got) == finite).all() and (got[~finite] == want[~finite]).all()
     np.testing.assert_allclose(got[finite], want[finite], rtol=2e-6, atol=2e-6)
@@ -177,11 +179,12 @@ def test_penalties_as_hf_and_openai_define_them(seed):
 def test_repetition_penalty_is_hfs_processor():
     torch = pytest.importorskip("torch")
     processors = pytest.importorskip("transformers.generation.logits_process")
-    logits, p, tokens, positions, _ = penalty_case(11)
-    p = Penalties(p.history, np.zeros_like(p.prompt_len), p.repetition, 0 * p.frequency, 0 * p.presence)
-    got = np.asarray(jax.jit(apply_penalties)(logits, p, tokens, positions, np.zeros(len(tokens), bool)))
+    logits, p, history, tokens, positions, _ = penalty_case(11)
+    p = Penalties(np.zeros_like(p.prompt_len), p.repetition, 0 * p.frequency, 0 * p.presence)
+    got, _ = jax.jit(apply_penalties)(logits, p, history, tokens, positions, np.zeros(len(tokens), bool))
+    got = np.asarray(got)
     for r in range(len(logits)):
-        ids = torch.tensor(p.history[r][p.history[r] >= 0][None].astype(np.int64))
+        ids = torch.tensor(history[r][history[r] >= 0][None].astype(np.int64))
         hf = processors.RepetitionPenaltyLogitsProcessor(float(p.repetition[r]))(ids, torch.tensor(logits[r:r + 1]))
         # the same operations in float32; on the GPU XLA's division by the row's penalty may round 1 ulp apart
         np.testing.assert_allclose(got[r], hf[0].numpy(), rtol=1.2e-7, atol=0)
