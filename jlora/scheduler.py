@@ -148,10 +148,10 @@ class Batcher:
         self.position = np.zeros(num_rows, np.int32)
         self.last_token = np.zeros(num_rows, np.int32)
         # The penalties' token history [num_rows, max_seq] on the device, made by the first step with penalties
-        # and kept up to date by the steps with penalties (each writes its decode tokens); the rows placed since
-        # it was last written from the host (`_penalties`).
+        # and kept up to date by the steps with penalties (each writes its decode tokens); and the rows placed
+        # since, whose tokens the next step with penalties first writes there from the host (`_penalties`).
         self.history: jax.Array | None = None
-        self._new_history: set[int] = set()
+        self._rows_to_write: set[int] = set()
         self.in_flight: _InFlight | None = None  # the step dispatched last, not yet read
 
     def add(self, request: Request) -> None:
@@ -224,7 +224,7 @@ class Batcher:
         self._held[row] = blocks
         self.tables[row, : len(blocks)] = blocks
         self.running[row] = r
-        self._new_history.add(row)
+        self._rows_to_write.add(row)
         if admitted is None:
             self._admissions += 1
         self._admitted[row] = self._admissions if admitted is None else admitted
@@ -485,14 +485,14 @@ class Batcher:
         penalized = [(row, r) for row, r in sampling if r.penalized]
         if not penalized:
             return None
-        placed = sorted(row for row in self._new_history if self.running[row] is not None)
+        placed = sorted(row for row in self._rows_to_write if self.running[row] is not None)
         if placed or self.history is None:
             values = np.full((len(placed), self.max_seq), -1, np.int32)
             for i, row in enumerate(placed):
                 tokens = self.running[row].prompt + self.running[row].out
                 values[i, : len(tokens)] = tokens
             self.history = self.runner.write_history(self.history, (self.num_rows, self.max_seq), placed, values)
-            self._new_history.clear()
+            self._rows_to_write.clear()
         n = self.num_rows
         prompt_len, rep = np.zeros(n, np.int32), np.ones(n, np.float32)
         freq, pres = np.zeros(n, np.float32), np.zeros(n, np.float32)
