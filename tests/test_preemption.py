@@ -80,6 +80,19 @@ def test_steps_with_penalties_keep_the_history_on_the_device(engine, monkeypatch
     check_no_leak(batcher)
 
 
+def test_a_row_taken_in_turn_by_requests_with_and_without_penalties_counts_only_its_own_tokens(engine):
+    """One row of one batcher, taken in turn by a request without penalties (the device history is not made
+    yet), then by requests with them, a long one before a short one: each counts only its own tokens, as
+    alone."""
+    penalties = dict(repetition_penalty=1.8, frequency_penalty=1.0, presence_penalty=0.7)
+    batcher = Batcher(engine.runner, 1, 64, block_size=16)
+    for r in [Request(list(range(1, 30)), -1, 20), Request([5, 6, 7], -1, 10, **penalties),
+              Request(list(range(40, 70)), -1, 30, **penalties), Request([9, 9], -1, 12, **penalties)]:
+        drive(batcher, [r])
+        check_alone(engine, [r])
+    check_no_leak(batcher)
+
+
 def test_a_request_cancelled_while_preempted_frees_its_host_copy(engine):
     """The preempted request of the first test is cancelled while its blocks are in host memory (a client that
     disconnects then): it never resumes, its host copy is dropped, and the other still matches alone."""
