@@ -548,13 +548,17 @@ class Engine:
                 raise ValueError(f"kv_cache_memory {c.kv_cache_memory} GiB holds no block of {size} positions "
                                  f"({block_bytes / 2**20:.1f} MiB on each device)")
             blocks = min(blocks, every_row)
-        need, free = blocks * block_bytes * len(self.devices), _free_bytes(self.devices)
+        # The penalties' token history ([num_rows, max_seq] int32 on each device, `Batcher.history`) is made by
+        # the first request with penalties: counted here, so that it cannot run the device out of memory then.
+        history_bytes = num_rows * max_seq * 4
+        need, free = (blocks * block_bytes + history_bytes) * len(self.devices), _free_bytes(self.devices)
         if free is not None and need > free:
             gc.collect()  # a finished batcher's cache may still be held in a reference cycle: counted as in use
             free = _free_bytes(self.devices)
         if free is not None and need > free:
             raise ValueError(f"a KV cache of {blocks} blocks of {size} positions takes "
-                             f"{blocks * block_bytes / 2**30:.1f} GiB on each device, more than the "
+                             f"{blocks * block_bytes / 2**30:.1f} GiB on each device (and the penalties' token "
+                             f"history {history_bytes / 2**30:.1f} GiB), more than the "
                              f"{free / len(self.devices) / 2**30:.1f} GiB free there: lower kv_blocks, "
                              "kv_cache_memory, max_batch or max_seq_len")
         return Batcher(self.runner, num_rows, max_seq, progress, c.prefill_chunk, c.block_size or None, blocks,

@@ -428,10 +428,15 @@ def test_a_kv_cache_larger_than_the_free_device_memory_is_refused_before_it_is_m
     monkeypatch.setattr(engine, "config", config)
     block = 2 * CFG["num_hidden_layers"] * 2 * 16 * 16 * 4  # k and v, layers, 2 KV heads, head_dim 16, f32
     monkeypatch.setattr(jlora.engine, "_free_bytes", lambda devices: 8 * block - 1)
-    with pytest.raises(ValueError, match=r"a KV cache of 8 blocks of 16 positions takes 0.0 GiB on each device, more "
-                                         r"than the 0.0 GiB free there: lower kv_blocks"):
+    with pytest.raises(ValueError, match=r"a KV cache of 8 blocks of 16 positions takes 0.0 GiB on each device \(and "
+                                         r"the penalties' token history 0.0 GiB\), more than the 0.0 GiB free there: "
+                                         r"lower kv_blocks"):
         engine.new_batcher(2, 64)  # the default: every row at max_seq
     assert engine.new_batcher(2, 48).blocks.num_blocks == 6
+    monkeypatch.setattr(jlora.engine, "_free_bytes", lambda devices: 6 * block + 2 * 48 * 4 - 1)
+    with pytest.raises(ValueError, match="a KV cache of 6 blocks"):  # the blocks fit, the history beside them not
+        engine.new_batcher(2, 48)
+    monkeypatch.setattr(jlora.engine, "_free_bytes", lambda devices: 8 * block - 1)
     monkeypatch.setattr(engine, "config", dataclasses.replace(config, kv_blocks=9))
     with pytest.raises(ValueError, match="a KV cache of 9 blocks"):
         engine.new_batcher(1, 16)
