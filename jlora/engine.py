@@ -127,7 +127,8 @@ class Engine:
         `eos_token_ids`: where generation stops unless asked not to (`generate`'s `ignore_eos`);
         `chat_template`: what `chat` renders conversations with (None: no template); `generation_defaults`: the
         sampling settings the model recommends, which the server gives requests that set none (`generate`
-        takes its own defaults)."""
+        takes its own defaults). A model whose weights are not in the layout the engine stores
+        (`EngineConfig.weights_out_in`) is copied transposed: drop other references to it to free its memory."""
         config = _config(config, options)
         model = with_weight_layout(model, config.weights_out_in)
         self.model_config: ModelConfig = model.config
