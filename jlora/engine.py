@@ -32,7 +32,7 @@ from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer, with_weight_layout
 from jlora.models.loading import GenerationDefaults, eos_token_ids, generation_defaults, load_model
 from jlora.parallel import TensorParallel
-from jlora.runner import ModelRunner, bucket, pack_prompts
+from jlora.runner import HISTORY_DTYPE, ModelRunner, bucket, pack_prompts
 from jlora.sampling import sample_seeds
 from jlora.scheduler import Batcher, Request
 from jlora.values import is_integer, is_real
@@ -549,9 +549,9 @@ class Engine:
                 raise ValueError(f"kv_cache_memory {c.kv_cache_memory} GiB holds no block of {size} positions "
                                  f"({block_bytes / 2**20:.1f} MiB on each device)")
             blocks = min(blocks, every_row)
-        # The penalties' token history ([num_rows, max_seq] int32 on each device, `Batcher.history`) is made by
-        # the first request with penalties: counted here, so that it cannot run the device out of memory then.
-        history_bytes = num_rows * max_seq * 4
+        # The penalties' token history ([num_rows, max_seq] on each device, `Batcher.history`) is made by the
+        # first request with penalties: counted here, so that it cannot run the device out of memory then.
+        history_bytes = num_rows * max_seq * np.dtype(HISTORY_DTYPE).itemsize
         need, free = (blocks * block_bytes + history_bytes) * len(self.devices), _free_bytes(self.devices)
         if free is not None and need > free:
             gc.collect()  # a finished batcher's cache may still be held in a reference cycle: counted as in use

@@ -34,7 +34,11 @@ from jlora.parallel import TensorParallel
 from jlora.sampling import apply_penalties, request_keys, sample_tokens
 from jlora.step import Call, Step, StepOptions
 
-__all__ = ["ModelDef", "ModelRunner", "bucket", "forward", "generate_step", "pack_prompts", "row_tile"]
+__all__ = ["HISTORY_DTYPE", "ModelDef", "ModelRunner", "bucket", "forward", "generate_step", "pack_prompts",
+           "row_tile"]
+
+# The penalties' token history's element type: its writes here, the batcher's rows and the engine's memory check.
+HISTORY_DTYPE = np.int32
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -291,9 +295,10 @@ class ModelRunner:
         holding `values` [len(rows), H], placed as a step's outputs; the rows padded to a power-of-two count
         (`_padded`), which keeps the write's compilations few."""
         if history is None:  # from the host: under tensor parallelism straight to every device
-            history = jax.device_put(np.full(shape, -1, np.int32), None if self.tp is None else self.tp.replicated())
+            placement = None if self.tp is None else self.tp.replicated()
+            history = jax.device_put(np.full(shape, -1, HISTORY_DTYPE), placement)
         padded = _padded(rows, shape[0])  # out of range: dropped
-        values = np.concatenate([values, np.full((len(padded) - len(rows), shape[1]), -1, np.int32)])
+        values = np.concatenate([values, np.full((len(padded) - len(rows), shape[1]), -1, HISTORY_DTYPE)])
         return _write_history(history, padded, values)
 
     def copy_blocks(self, cache: KVCache, sources: np.ndarray, targets: np.ndarray) -> KVCache:

@@ -39,7 +39,7 @@ import numpy as np
 from jlora.logprobs import StepLogprobs, TokenLogprob, to_host, top_width
 from jlora.models.llama import Group
 from jlora.paging import BlockPool, block_keys
-from jlora.runner import ModelRunner, bucket, pack_prompts
+from jlora.runner import HISTORY_DTYPE, ModelRunner, bucket, pack_prompts
 from jlora.sampling import Penalties, Sampling
 from jlora.step import Step
 
@@ -487,7 +487,7 @@ class Batcher:
             return None
         placed = sorted(row for row in self._rows_to_write if self.running[row] is not None)
         if placed or self.history is None:
-            values = np.full((len(placed), self.max_seq), -1, np.int32)
+            values = np.full((len(placed), self.max_seq), -1, HISTORY_DTYPE)
             for i, row in enumerate(placed):
                 tokens = self.running[row].prompt + self.running[row].out
                 values[i, : len(tokens)] = tokens
