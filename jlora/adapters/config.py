@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from jlora.values import is_integer, is_real
 
-__all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "check_adapter_name", "check_start_adapters", "read_config"]
+__all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "adapter_file", "check_adapter_name", "check_start_adapters",
+           "read_config"]
 
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KB; a megabyte holds any real target list
 MAX_ALPHA = 2.0**16  # |lora_alpha| (and alpha_pattern's values) beyond this is refused: no real adapter uses it
@@ -37,6 +38,15 @@ _UNSUPPORTED = {  # config key: (value that is fine, what to say)
 
 class AdapterError(ValueError):
     """A PEFT adapter that cannot be loaded; the message names the adapter path and the problem."""
+
+
+def adapter_file(adapter_dir: str, name: str) -> str:
+    """The path of file `name` in `adapter_dir`, which must be a regular file (after links): a directory, device
+    or pipe in its place is refused before anything opens it."""
+    path = os.path.join(adapter_dir, name)
+    if not os.path.isfile(path):
+        raise AdapterError(f"{adapter_dir}: {name} {'is not a regular file' if os.path.exists(path) else 'not found'}")
+    return path
 
 
 def check_adapter_name(name) -> None:
@@ -122,9 +132,7 @@ def read_config(adapter_dir: str) -> dict:
       AdapterError: the file is missing, larger than MAX_CONFIG_BYTES, not UTF-8 JSON, nested too deeply, not
         an object, a field has the wrong type or range, or it asks for a feature jlora does not support.
     """
-    path = os.path.join(adapter_dir, "adapter_config.json")
-    if not os.path.isfile(path):
-        raise AdapterError(f"{adapter_dir}: adapter_config.json not found")
+    path = adapter_file(adapter_dir, "adapter_config.json")
     if os.path.getsize(path) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a PEFT adapter config")
     try:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jlora.adapters.config import AdapterError, read_config
+from jlora.adapters.config import AdapterError, adapter_file, read_config
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import module_shapes
 
@@ -192,21 +192,27 @@ def _size_limits(config: ModelConfig, max_rank: int, max_extra_vocab: int) -> tu
     return 2 * one, 2 * (config.num_layers * per_layer + 2 * embedding)
 
 
+_FLOAT_TYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the types a LoRA weight may be saved in
+
+
 def _read_tensors(adapter_dir: str, limits: tuple[int, int]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors in the floating types saved, those types' names) of adapter_model.safetensors, whose header is
     checked against `limits` (`_size_limits`) before any data is read: a hostile header never makes a reader
     allocate."""
-    path = os.path.join(adapter_dir, "adapter_model.safetensors")
-    if not os.path.isfile(path):
-        if os.path.isfile(os.path.join(adapter_dir, "adapter_model.bin")):
-            raise AdapterError(f"{adapter_dir}: only adapter_model.bin (a torch pickle); save with safetensors")
-        raise AdapterError(f"{adapter_dir}: adapter_model.safetensors not found")
+    if not os.path.exists(os.path.join(adapter_dir, "adapter_model.safetensors")) and os.path.isfile(
+            os.path.join(adapter_dir, "adapter_model.bin")):
+        raise AdapterError(f"{adapter_dir}: only adapter_model.bin (a torch pickle); save with safetensors")
+    path = adapter_file(adapter_dir, "adapter_model.safetensors")
     tensors, dtypes = {}, {}
     try:
         with safe_open(path, framework="numpy") as f:  # NumPy: no JAX dispatch on a loader thread
             total = 0
             for key in f.keys():
-                values = math.prod(f.get_slice(key).get_shape())
+                header = f.get_slice(key)
+                if header.get_dtype() not in _FLOAT_TYPES:  # bool, integers, float8 (which NumPy cannot hold)
+                    raise AdapterError(f"{path}: tensor {_shown(key)} has dtype {header.get_dtype()}; LoRA weights "
+                                       f"must be floating: {', '.join(_FLOAT_TYPES)}")
+                values = math.prod(header.get_shape())
                 total += values
                 if values > limits[0]:
                     raise AdapterError(f"{path}: tensor {_shown(key)} holds {values} values, more than any LoRA "
@@ -216,9 +222,6 @@ def _read_tensors(adapter_dir: str, limits: tuple[int, int]) -> tuple[dict[str, 
                                    f"max_lora_rank holds ({limits[1]} at most)")
             for key in f.keys():
                 t = f.get_tensor(key)
-                if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
-                    raise AdapterError(f"{path}: tensor {_shown(key)} has dtype {t.dtype}; LoRA weights must be "
-                                       "floating")
                 tensors[key], dtypes[key] = t, t.dtype.name
                 if not _finite(t):  # one inf would make every token of the adapter inf
                     bad = int((~np.isfinite(_float32(t))).sum())

@@ -13,7 +13,7 @@ import itertools
 import os
 import threading
 
-from jlora.adapters.config import AdapterError, check_adapter_name
+from jlora.adapters.config import adapter_file, check_adapter_name
 
 __all__ = ["AdapterRegistry", "Registration", "Scan"]
 
@@ -53,8 +53,7 @@ class AdapterRegistry:
           AdapterError: `adapter_dir` has no adapter_config.json (the rest is checked when it loads).
         """
         check_adapter_name(name)
-        if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
-            raise AdapterError(f"{adapter_dir}: adapter_config.json not found")
+        adapter_file(adapter_dir, "adapter_config.json")
         entry = Registration(name, adapter_dir, next(_generations))
         with self._lock:
             if name in self._entries:

@@ -77,14 +77,20 @@ def _add(path, drop=False, **new):
     save_file(({} if drop else load_file(file)) | new, file)
 
 
-def _claimed(path, shape):
-    """adapter_model.safetensors holding one bf16 tensor of `shape` whose data is a hole: a sparse file of any
-    size, as a hostile header would point at."""
-    header = json.dumps({f"{_Q}.lora_A.weight": {"dtype": "BF16", "shape": list(shape),
-                                                 "data_offsets": [0, 2 * int(np.prod(shape))]}}).encode()
+def _claimed(path, shape, dtype="BF16"):
+    """adapter_model.safetensors holding one tensor of `shape` (2 bytes a value, or 1 for a float8 `dtype`) whose
+    data is a hole: a sparse file of any size, as a hostile header would point at."""
+    size = int(np.prod(shape)) * (1 if dtype.startswith("F8") else 2)
+    header = json.dumps({f"{_Q}.lora_A.weight": {"dtype": dtype, "shape": list(shape), "data_offsets": [0, size]}})
     with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
-        f.write(len(header).to_bytes(8, "little") + header)
-        f.truncate(8 + len(header) + 2 * int(np.prod(shape)))
+        f.write(len(header).to_bytes(8, "little") + header.encode())
+        f.truncate(8 + len(header) + size)
+
+
+def _replace_file(path, name, make):
+    """File `name` of the adapter replaced by what `make(path)` makes there (a directory, a link, a pipe)."""
+    os.remove(os.path.join(path, name))
+    make(os.path.join(path, name))
 
 
 BAD = {
@@ -107,7 +113,15 @@ BAD = {
         k.replace("layers.0", "layers.7"): t[k], k.replace("layers.0", "layers.7").replace("lora_A", "lora_B"): t[k.replace("lora_A", "lora_B")]}),
                            "unknown module 'model.layers.7"),
     "int dtype": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: t[k].astype(np.int32)}),
-                  "must be floating"),
+                  "has dtype I32; LoRA weights must be floating"),
+    "a float8 weight, which NumPy cannot hold": (lambda p: _claimed(p, (4, 64), "F8_E4M3"),
+                                                 "has dtype F8_E4M3; LoRA weights must be floating"),
+    "a directory in the weights' place": (lambda p: _replace_file(p, "adapter_model.safetensors", os.mkdir),
+                                          "adapter_model.safetensors is not a regular file"),
+    "a device in the weights' place": (lambda p: _replace_file(
+        p, "adapter_model.safetensors", lambda f: os.symlink("/dev/zero", f)), "adapter_model.safetensors is not a regular file"),
+    "a pipe in the config's place": (lambda p: _replace_file(p, "adapter_config.json", os.mkfifo),
+                                     "adapter_config.json is not a regular file"),
     "an inf weight": (lambda p: _break_tensor(p, "v_proj.lora_B", lambda t, k: t | {k: _set(t[k], (3, 1), np.inf)}),
                       r"v_proj.lora_B.weight' holds 1 non-finite values \(NaN or inf\)"),
     "NaN weights": (lambda p: _break_tensor(p, "q_proj.lora_A", lambda t, k: t | {k: _set(t[k], (slice(None), 0), np.nan)}),
