@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import runpy
@@ -134,24 +135,40 @@ def _render(args, requests: list[dict], outputs) -> str:
 
 @contextlib.contextmanager
 def _output(path: str | None):
-    """Where the output goes: standard output, or `path` written whole or not at all (a temporary file beside it,
-    made before the model loads, so a directory that does not exist or cannot be written stops the command at
-    once; renamed over `path` at the end, removed on any failure)."""
+    """Where the output goes: standard output, or `path` (through links). A regular file, or a new one, is written
+    whole or not at all: a temporary file beside it, made before the model loads, so a directory that does not
+    exist or cannot be written stops the command at once; renamed over it at the end, removed on any failure.
+    Anything else there (a device such as /dev/null, a pipe, a terminal) is opened before the model loads and
+    written in place, never replaced. The body writes to a buffer, which goes out at the end."""
     if path is None:
         yield sys.stdout
         return
-    if os.path.isdir(path):
+    target = os.path.realpath(path)
+    if os.path.isdir(target):
         raise ValueError(f"--output {path!r} is a directory")
+    in_place = os.path.exists(target) and not os.path.isfile(target)
+    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".jlora-", suffix=".tmp")
+        if in_place:
+            f = open(target, "w")
+        else:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".jlora-", suffix=".tmp")
+            f = os.fdopen(fd, "w")
     except OSError as err:
         raise OSError(f"cannot write --output {path!r}: {err.strerror}") from None
     try:
-        with os.fdopen(fd, "w") as f:
-            yield f
-        os.replace(tmp, path)
+        text = io.StringIO()
+        yield text
+        try:
+            with f:
+                f.write(text.getvalue())
+        except OSError as err:  # a full disk or device
+            raise OSError(f"cannot write --output {path!r}: {err.strerror}") from None
+        if tmp is not None:
+            os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
+        f.close()
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
@@ -247,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                                skip=("max_loras", "max_cpu_loras", "max_cpu_lora_memory", "device_cache_memory",
                                      "evict"))
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
-    gen.add_argument("--output", help="write results to this file (atomically) instead of stdout")
+    gen.add_argument("--output", help="write results to this file instead of stdout (a regular file whole or not at all, "
+                     "through links; a device or pipe in place)")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible server: the model and adapters by name")

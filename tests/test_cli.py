@@ -5,8 +5,10 @@ import os
 import runpy
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -36,6 +38,37 @@ def test_generate_json_output_file(dirs, tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["adapter"] for r in records] == ["a", None]
     assert all(len(r["tokens"]) == 5 and isinstance(r["text"], str) for r in records)
+
+
+def test_output_through_a_link_or_into_a_pipe_writes_there_and_replaces_nothing(dirs, tmp_path, capsys):
+    """--output names a link: the file it names is written, the link kept; a pipe (or a device such as /dev/null):
+    written in place, never replaced by a regular file; a pipe whose reader left: a clear error."""
+    def generate(out):
+        return cli.main(["generate", "--model", str(dirs / "m"), "--prompt", "the", "--max-new-tokens", "3",
+                         "--quiet", "--output", str(out)])
+
+    (tmp_path / "real.txt").write_text("old")
+    os.symlink(tmp_path / "real.txt", tmp_path / "link.txt")
+    assert generate(tmp_path / "link.txt") == 0
+    assert (tmp_path / "link.txt").is_symlink() and (tmp_path / "real.txt").read_text().startswith("[base] ")
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for reads in (True, False):  # a reader that reads the output, then one that closes the pipe at once
+        received = []
+
+        def read():
+            with open(pipe, "rb") as f:
+                received.append(f.read() if reads else b"")
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        assert generate(pipe) == (0 if reads else 1)
+        thread.join(30)
+        assert not thread.is_alive(), "the output never opened the pipe"
+        assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+        assert received[0].startswith(b"[base] ") if reads else received == [b""]
+    assert f"cannot write --output '{pipe}': Broken pipe" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["link.txt", "pipe", "real.txt"]  # no temporary file left
 
 
 def test_generate_stops_at_the_models_eos_unless_told_not_to(dirs, tmp_path, capsys):
