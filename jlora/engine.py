@@ -290,7 +290,7 @@ class Engine:
                 if self.tokenizer is None:
                     raise ValueError(f"{kind} {i} is text but the model directory has no tokenizer.json; "
                                      "give token ids instead")
-                p = self.tokenizer.encode(p, add_special_tokens=add_special_tokens).ids
+                p = self._tokenize(p, add_special_tokens, f"{kind} {i}")
             bad = [t for t in p if not is_integer(t)]
             if bad:
                 raise ValueError(f"{kind} {i} holds token ids that are not integers: {bad[:5]}")
@@ -489,8 +489,18 @@ class Engine:
                 text = self.chat_template.render(list(messages), options)
             except ChatTemplateError as err:
                 raise ValueError(f"conversation {i}: {err}") from None
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False).ids)  # the template has them
+            prompts.append(self._tokenize(text, False, f"conversation {i}"))  # the template has the special tokens
         return self.generate(prompts, adapters, max_new_tokens, **sampling)
+
+    def _tokenize(self, text: str, add_special_tokens: bool, what: str) -> list[int]:
+        """`text`'s token ids; text that is no valid Unicode (a lone surrogate: what Python makes of bytes that
+        are not UTF-8 on a command line) is a ValueError naming `what`, where the tokenizer raised a TypeError."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"{what} is not valid Unicode text: a lone surrogate at character {err.start} (from "
+                             "bytes that are not UTF-8?)") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def score(self, prompts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]],
               adapters: Sequence[str | None], progress=None) -> list[Score]:

@@ -97,6 +97,9 @@ def test_generate_stops_at_the_models_eos_unless_told_not_to(dirs, tmp_path, cap
         (["--prompt", "the fox", "--adapter", "nope"], "adapter(s) ['nope'] asked for but not given with --lora"),
         (["--prompt", "the " * 40, "--max-seq-len", "32"], "exceeds max_seq_len=32"),
         (["--prompt", "x", "--prefill-chunk", "100"], "prefill_chunk must be a power of two >= 16, got 100"),
+        # what Python makes of an argument whose bytes are not UTF-8 (b"caf\xe9"): the tokenizer raised a TypeError
+        (["--prompt", "caf\udce9"], "prompt 0 is not valid Unicode text: a lone surrogate at character 3"),
+        (["--prompt", "caf\udce9", "--chat"], "conversation 0 is not valid Unicode text: a lone surrogate"),
     ],
 )
 def test_generate_errors_are_clear_and_write_nothing(dirs, tmp_path, capsys, args, message):
