@@ -56,6 +56,10 @@ def _read_requests(args) -> list[dict]:
                     from None
             except json.JSONDecodeError as err:
                 raise ValueError(f"{where}: not JSON ({err})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply") from None
+            except ValueError:  # Python's limit on an integer's digits
+                raise ValueError(f"{where}: a number of more than {sys.get_int_max_str_digits()} digits") from None
             if not isinstance(req, dict):
                 raise ValueError(f"{where}: not a JSON object")
             if unknown := sorted(set(req) - REQUEST_KEYS):

@@ -141,6 +141,10 @@ def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(di
     ('{"prompt_ids": [true]}', "'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": [[1]]}', "'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": [1}', "p.jsonl:2: not JSON"),
+    pytest.param('{"prompt_ids": ' + "[" * 100_000 + "]" * 100_000 + "}", "p.jsonl:2: JSON nested too deeply",
+                 id="nested 100k deep"),
+    pytest.param('{"prompt_ids": [' + "9" * 5000 + "]}", "p.jsonl:2: a number of more than 4300 digits",
+                 id="a 5000-digit id"),
     ('{"prompt_ids": [1], "max_new_tokens": 3, "Adapter": "a"}',
      "p.jsonl:2: unknown key(s) 'Adapter', 'max_new_tokens': a request takes 'adapter', 'messages', 'prompt', "
      "'prompt_ids'"),
