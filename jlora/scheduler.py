@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -107,6 +108,52 @@ class Request:
         self._notify()
 
 
+class _Waiting:
+    """The waiting requests in order (arrival; preempted ones back at the head). What each step asks of them,
+    whether a request waits and which forks of a request wait (in queue order), is answered in O(1), so that a
+    step's host work does not grow with the queue's length."""
+
+    def __init__(self):
+        self._order: collections.deque[Request] = collections.deque()
+        self._members: set[Request] = set()
+        self._forks: dict[Request, list[Request]] = {}  # a source's waiting forks
+
+    def append(self, r: Request, at_head: bool = False) -> None:
+        self._members.add(r)
+        if at_head:
+            self._order.appendleft(r)
+        else:
+            self._order.append(r)
+        if r.fork_of is not None:
+            forks = self._forks.setdefault(r.fork_of, [])
+            forks.insert(0 if at_head else len(forks), r)
+
+    def remove(self, r: Request) -> None:
+        self._order.remove(r)  # at or near the head, where requests leave
+        self._members.remove(r)
+        if r.fork_of is not None:
+            forks = self._forks[r.fork_of]
+            forks.remove(r)
+            if not forks:
+                del self._forks[r.fork_of]
+
+    def forks_of(self, source: Request) -> list[Request]:
+        return list(self._forks.get(source, ()))
+
+    @property
+    def head(self) -> Request:
+        return self._order[0]
+
+    def __contains__(self, r: Request) -> bool:
+        return r in self._members
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
 class Batcher:
     """Runs requests on `runner` in `num_rows` rows of up to `max_seq` positions each (a request's prompt plus
     max_new must fit), prefilling at most `prefill_chunk` prompt tokens per step (a power of two >= 16). Not
@@ -137,7 +184,7 @@ class Batcher:
         self._held: list[list[int]] = [[] for _ in range(num_rows)]
         self._keys: list[list[bytes]] = [[] for _ in range(num_rows)]  # the prefix keys of each row's prompt
         self.cache = runner.new_cache(self.blocks.num_blocks, size)
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting = _Waiting()
         self.running: list[Request | None] = [None] * num_rows  # a row's request, from its first prompt piece
         self._admitted = np.zeros(num_rows, np.int64)  # when each row's request took it (preemption's order)
         self._admissions = 0
@@ -255,15 +302,15 @@ class Batcher:
         else:
             r.prompt_out_logprobs.clear()
         self._free(row)
-        self.waiting.appendleft(r)
+        self.waiting.append(r, at_head=True)
         self.preemptions += 1
 
     def _resume(self) -> None:
         """Preempted requests at the head of the queue take free rows and blocks and their keys and values back,
         while both last (leaving, as admission does, a block for each running request)."""
         free = [row for row, r in enumerate(self.running) if r is None]
-        while self.waiting and self.waiting[0] in self._swapped and free:
-            r = self.waiting[0]
+        while self.waiting and self.waiting.head in self._swapped and free:
+            r = self.waiting.head
             saved = self._swapped[r]
             need = self.blocks.blocks_for(saved.position + 1)
             if not self._room_for(need):
@@ -275,7 +322,7 @@ class Batcher:
             self.position[row], self.last_token[row] = saved.position, r.out[-1]
             self._resumed.append(row)
             del self._swapped[r]
-            self.waiting.popleft()
+            self.waiting.remove(r)
 
     def _free(self, row: int) -> None:
         """Ends row's hold on its request and blocks (a step in flight may still write them: a later step that
@@ -343,18 +390,21 @@ class Batcher:
         (past those they share from the prefix cache) copies of the source's, with their last prompt token left
         to prefill (the step after the source's last piece went out, at the earliest)."""
         free = [row for row, r in enumerate(self.running) if r is None]
-        for r in list(self.waiting):
-            source = self._source_row(r)
-            if r in self._swapped:  # a fork preempted past its prompt: resumes as it is
-                continue
-            if not free or source is None or self.position[source] < len(r.prompt) or not self._take(free[0], r):
-                continue
-            row = free.pop(0)
-            shared = int(self.position[row]) // self.blocks.block_size  # from the prefix cache: never written
-            n = self.blocks.blocks_for(len(r.prompt))
-            self.cache = self.runner.copy_blocks(self.cache, self.tables[source, shared:n], self.tables[row, shared:n])
-            self.waiting.remove(r)
-            self.position[row] = len(r.prompt) - 1
+        sources = [(row, r) for row, r in enumerate(self.running)
+                   if r is not None and self.position[row] >= len(r.prompt)]
+        for source, s in sources:
+            for r in self.waiting.forks_of(s):
+                if not free:
+                    return
+                if r in self._swapped or not self._take(free[0], r):  # swapped: resumes as it is
+                    continue
+                row = free.pop(0)
+                shared = int(self.position[row]) // self.blocks.block_size  # from the prefix cache: never written
+                n = self.blocks.blocks_for(len(r.prompt))
+                self.cache = self.runner.copy_blocks(self.cache, self.tables[source, shared:n],
+                                                     self.tables[row, shared:n])
+                self.waiting.remove(r)
+                self.position[row] = len(r.prompt) - 1
 
     def _waits(self, r: Request) -> bool:
         """Whether a waiting fork waits for its source's prompt (the source waits, or its prompt is going in)."""
@@ -373,7 +423,8 @@ class Batcher:
         under_way = [(row, r) for row, r in enumerate(self.running)
                      if r is not None and self.position[row] < len(r.prompt)]
         pieces, longest = [], 0
-        admissible = [] if self._swapped else [r for r in self.waiting if not self._waits(r)]
+        admissible = [] if self._swapped else list(itertools.islice((r for r in self.waiting if not self._waits(r)),
+                                                                   len(free)))  # no more can take a row
         for row, r in under_way + list(zip(free, admissible)):
             width = self.prefill_chunk // bucket(len(pieces) + 1)  # the longest piece n + 1 pieces may have
             if width < 16 or longest > width:

@@ -416,3 +416,23 @@ def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_own_requests_on
     admission.submit(again, "a01")
     admission.poll(admitted.append)
     assert again.finish == "failed" and again.error == bad.error and not admission._loads  # not loaded again
+
+
+def test_generate_and_score_raise_a_refusal_and_keep_their_progress(root):
+    """`Engine.generate` and `score` over a long queue raise the error of a request that intake failed (a corrupt
+    adapter, registered: found at load) as `AdapterError`, and the engine serves after it; `score`'s progress
+    still counts each request it ends."""
+    from jlora.adapters import AdapterError
+
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8, max_batch=4,
+                                    progress=False)
+    for name in ("a00", "a55"):
+        engine.register_adapter(name, str(root / "lib" / name))
+    prompts, adapters = [[1, 2, 3]] * 40, ["a00", None] * 19 + ["a55", "a00"]
+    with pytest.raises(AdapterError, match="lora_alpha"):
+        engine.generate(prompts, adapters, max_new_tokens=2, n=2)
+    with pytest.raises(AdapterError, match="lora_alpha"):
+        engine.score(prompts, [[4]] * 40, adapters)
+    done = []
+    engine.score(prompts[:6], [[4]] * 6, adapters[:6], progress=done.append)
+    assert done == [1] * 6 and engine.generate(prompts[:2], adapters[:2], max_new_tokens=2)[0]
