@@ -161,8 +161,8 @@ class Admission:
                 self._passes += passing
                 self._admit(request, entry, add)
             else:
-                if self._loaded(entry):
-                    blocked = blocked or request
+                if blocked is None and self._loaded(entry):
+                    blocked = request
                 keep.append((request, entry))
         if blocked is None:
             self._blocked = None
@@ -237,7 +237,8 @@ class Admission:
         start = time.monotonic()
         try:
             self.pool.install(entry.name, future.result(), entry.generation)
-        except PoolFullError:
+        except PoolFullError:  # every slot holds an adapter in use: so for the rest of this poll (nothing is let go)
+            self._may_write = False
             return False
         except Exception as err:  # the device out of memory for a part no adapter targeted before, say
             if self.tiers.relieve(err):  # the device cache let go of its adapters: the next poll tries again
