@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                                skip=("max_loras", "max_cpu_loras", "max_cpu_lora_memory", "device_cache_memory",
                                      "evict"))
     gen.add_argument("--json", action="store_true", help="one JSON record per request")
-    gen.add_argument("--output", help="write results to this file instead of stdout (a regular file whole or not at all, "
-                     "through links; a device or pipe in place)")
+    gen.add_argument("--output", help="write results to this file instead of stdout (a regular file whole or not "
+                     "at all, through links; a device or pipe in place)")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible server: the model and adapters by name")

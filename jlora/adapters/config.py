@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from jlora.values import is_integer, is_real
 
-__all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "adapter_file", "check_adapter_name", "check_start_adapters",
-           "read_config"]
+__all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "adapter_file", "check_adapter_name",
+           "check_start_adapters", "read_config"]
 
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KB; a megabyte holds any real target list
 MAX_ALPHA = 2.0**16  # |lora_alpha| (and alpha_pattern's values) beyond this is refused: no real adapter uses it

@@ -118,8 +118,9 @@ BAD = {
                                                  "has dtype F8_E4M3; LoRA weights must be floating"),
     "a directory in the weights' place": (lambda p: _replace_file(p, "adapter_model.safetensors", os.mkdir),
                                           "adapter_model.safetensors is not a regular file"),
-    "a device in the weights' place": (lambda p: _replace_file(
-        p, "adapter_model.safetensors", lambda f: os.symlink("/dev/zero", f)), "adapter_model.safetensors is not a regular file"),
+    "a device in the weights' place": (lambda p: _replace_file(p, "adapter_model.safetensors",
+                                                              lambda f: os.symlink("/dev/zero", f)),
+                                       "adapter_model.safetensors is not a regular file"),
     "a pipe in the config's place": (lambda p: _replace_file(p, "adapter_config.json", os.mkfifo),
                                      "adapter_config.json is not a regular file"),
     "an inf weight": (lambda p: _break_tensor(p, "v_proj.lora_B", lambda t, k: t | {k: _set(t[k], (3, 1), np.inf)}),
