@@ -224,8 +224,10 @@ class Admission:
 
     def _install(self, entry: Registration) -> bool:
         """Writes entry's staged adapter into a slot if its load is done and a slot is free or idle."""
+        if not self._may_write:
+            return False
         future = self._loads.get(entry.generation)
-        if future is None or not future.done() or not self._may_write:
+        if future is None or not future.done():
             return False
         if future.exception() is not None:  # the registry holds the failure: the next poll ends its requests
             del self._loads[entry.generation]
