@@ -25,7 +25,8 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   slot, it is passed at most `max_passes` times: past that, requests for adapters wait behind it, the slots'
   holders drain, and its adapter gets a slot. So no request starves, and neither a burst for a resident
   adapter nor the rows that decode wait for a cold adapter's files. The base model's requests hold no slot
-  and always pass.
+  and always pass. `poll` visits the waiting requests by adapter, as requests for one adapter are admitted or kept
+  alike: its host work follows the adapters waited for, not the queue's length.
 
 A request is admitted by holding its adapter (`AdapterPool.hold`, released when it ends), taking its slot and
 entering the batcher. `poll` runs on the thread that owns the pool and the batcher; `wake` is called from a
@@ -37,7 +38,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import heapq
+import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import ClassVar
@@ -77,6 +81,75 @@ class AdapterStats:
     STAGES: ClassVar[tuple[str, ...]] = ("queued", "disk_to_host", "host_to_device", "slot_wait", "slot_write")
 
 
+class _Pending:
+    """The requests waiting in `Admission`, grouped by adapter name (None: the base model), each group in arrival
+    order. Requests for one adapter are admitted or kept alike, so a poll visits each group once, not each
+    request: its host work follows the adapters waited for, not the queue's length."""
+
+    def __init__(self):
+        self._groups: dict[str | None, collections.deque[tuple[int, Request]]] = {}  # (arrival number, request)
+        self._adapter: dict[Request, str | None] = {}
+        self._arrivals = itertools.count()
+
+    def append(self, request: Request, adapter: str | None) -> None:
+        self._groups.setdefault(adapter, collections.deque()).append((next(self._arrivals), request))
+        self._adapter[request] = adapter
+
+    def remove(self, request: Request) -> bool:
+        """Takes out `request`; False when it is not here."""
+        if request not in self._adapter:
+            return False
+        adapter = self._adapter.pop(request)
+        group = self._groups[adapter]
+        group.remove(next(item for item in group if item[1] is request))
+        if not group:
+            del self._groups[adapter]
+        return True
+
+    def popleft(self, adapter: str | None) -> Request:
+        """Takes out the first request waiting for `adapter`."""
+        group = self._groups[adapter]
+        _, request = group.popleft()
+        del self._adapter[request]
+        if not group:
+            del self._groups[adapter]
+        return request
+
+    def drop(self, adapter: str | None) -> list[Request]:
+        """Takes out every request waiting for `adapter`, in arrival order."""
+        requests = [r for _, r in self._groups.pop(adapter)]
+        for r in requests:
+            del self._adapter[r]
+        return requests
+
+    def in_order(self) -> list[tuple[str | None, collections.deque[tuple[int, Request]]]]:
+        """The groups, by their first request's arrival."""
+        return sorted(self._groups.items(), key=lambda item: item[1][0][0])
+
+    def first(self, adapter: str | None) -> int:
+        """The arrival number of the first request waiting for `adapter`."""
+        return self._groups[adapter][0][0]
+
+    def waits_for(self, adapter: str) -> bool:
+        return adapter in self._groups
+
+    def adapters(self) -> list[str]:
+        """The adapters waited for, by name."""
+        return sorted(a for a in self._groups if a is not None)
+
+    def requests(self) -> list[Request]:
+        """Every request here, in arrival order."""
+        return [r for _, r in sorted((item for group in self._groups.values() for item in group),
+                                     key=lambda item: item[0])]
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._adapter.clear()
+
+    def __len__(self) -> int:
+        return len(self._adapter)
+
+
 class Admission:
     """Admits requests into a batcher (`add`) once their adapters are in device slots; see the module docstring.
 
@@ -98,7 +171,7 @@ class Admission:
         self.pool, self.registry, self.tiers, self.loader, self.wake = pool, registry, tiers, loader, wake
         self.max_passes, self.max_loads = max_passes, max_loads
         self.stats = AdapterStats()
-        self.pending: collections.deque[tuple[Request, Registration | None]] = collections.deque()
+        self.pending = _Pending()
         self._loads: dict[int, concurrent.futures.Future] = {}  # generation -> its load (the staged adapter)
         self._staged_at: dict[int, float] = {}  # generation -> when its load ended (time.monotonic())
         self._blocked: Request | None = None  # the first request here whose adapter is loaded and waits for a slot
@@ -109,8 +182,7 @@ class Admission:
         """Queues `request` for `adapter` (None: the base model). An adapter not registered ends it at once with
         finish "error" and `status` 404; one whose load failed, with "failed"."""
         if adapter is None:
-            self.pending.append((request, None))
-            return
+            return self.pending.append(request, None)
         entry = self.registry.get(adapter)
         if entry is None:
             return request.end("error", f"adapter {adapter!r} is not registered", 404)
@@ -121,16 +193,14 @@ class Admission:
             self.stats.device_hits += 1
         else:
             self.stats.device_misses += 1
-        self.pending.append((request, entry))
+        self.pending.append(request, adapter)
 
     def cancel(self, request: Request) -> bool:
         """Ends a request still waiting here ("cancelled"); False when it is not here."""
-        for item in self.pending:
-            if item[0] is request:
-                self.pending.remove(item)
-                request.end("cancelled")
-                return True
-        return False
+        if not self.pending.remove(request):
+            return False
+        request.end("cancelled")
+        return True
 
     @property
     def waiting_for_loads(self) -> bool:
@@ -139,43 +209,85 @@ class Admission:
 
     def poll(self, add: Callable[[Request], None], write: bool = True) -> None:
         """Installs a finished load into a slot (if `write`), admits every request it may, in order, into `add`,
-        and starts the loads that the requests left waiting need."""
-        keep: collections.deque = collections.deque()
-        blocked = None  # the first request here whose adapter is loaded and waits for a slot
+        and starts the loads that the requests left waiting need.
+
+        The groups of `pending` are visited by their first request's arrival. A group whose adapter is in a slot
+        (or written into one here) may be admitted; its requests are taken in arrival order, merged with the other
+        such groups' (`ready`), up to the next group's first request: so every request is judged where it arrived,
+        and once a request waits for a slot for a loaded adapter (`blocked`), each one taken after it passes it."""
         self._may_write = write
-        for request, entry in self.pending:
-            if entry is not None:
-                current = self.registry.get(entry.name)
-                if current is None:
-                    request.end("error", f"adapter {entry.name!r} was unregistered", 404)
-                    continue
-                entry = current  # a name registered again serves its new adapter
-                if self.registry.failure(entry) is not None:
-                    request.end("failed", self.registry.failure(entry))
-                    continue
-            passing = blocked is not None and entry is not None  # it would hold a slot ahead of `blocked`
-            if passing and blocked is not self._blocked:
-                self._blocked, self._passes = blocked, 0
-            may = not passing or self._passes < self.max_passes
-            if may and (entry is None or self._resident(entry) or self._install(entry)):
-                self._passes += passing
-                self._admit(request, entry, add)
-            else:
-                if blocked is None and self._loaded(entry):
-                    blocked = request
-                keep.append((request, entry))
+        taken: list[tuple[int, Request]] = []  # admitted: into `add` in arrival order at the end
+        ready: list[tuple[int, str, Registration]] = []  # heap: each admissible group's first request's arrival
+        blocked: Request | None = None  # the first request here whose adapter is loaded and waits for a slot
+        waiting: list[Registration] = []  # the groups' current registrations, in order
+        for adapter, group in self.pending.in_order():
+            if adapter is None:  # the base model's requests hold no slot and always pass
+                taken += [(arrival, request) for arrival, request in group if self._take(request, None)]
+                self.pending.drop(None)
+                continue
+            entry = self._current(adapter)
+            if entry is None:
+                continue
+            waiting.append(entry)
+            arrival = group[0][0]
+            self._take_ready(ready, arrival, blocked is not None, taken)
+            if ((blocked is None or self._passes < self.max_passes)
+                    and (self._resident(entry) or self._install(entry))):
+                heapq.heappush(ready, (arrival, adapter, entry))
+            elif self.registry.failure(entry) is not None:  # its slot write failed just now: its requests end
+                self._current(adapter)
+            elif blocked is None and self._loaded(entry):
+                blocked = group[0][1]
+                if blocked is not self._blocked:
+                    self._blocked, self._passes = blocked, 0
+        self._take_ready(ready, math.inf, blocked is not None, taken)
         if blocked is None:
             self._blocked = None
-        self.pending = keep
-        wanted = {entry.generation for _, entry in keep if entry is not None}
+        for _, request in sorted(taken, key=lambda item: item[0]):
+            try:
+                add(request)
+            except ValueError as err:  # the batcher refuses it: it ends alone (and gives back its adapter)
+                request.end("error", str(err), 400)
+        waiting = [entry for entry in waiting if self.pending.waits_for(entry.name)]
+        wanted = {entry.generation for entry in waiting}
         for generation in [g for g, f in self._loads.items() if f.done() and g not in wanted]:
             del self._loads[generation]  # its requests were cancelled meanwhile: the host tier may keep it
             self._staged_at.pop(generation, None)
-        for _, entry in keep:
+        for entry in waiting:
             if len(self._loads) >= self.max_loads:
                 break
-            if entry is not None and entry.generation not in self._loads and not self._resident(entry):
+            if entry.generation not in self._loads and not self._resident(entry):
                 self._load(entry)
+
+    def _current(self, adapter: str) -> Registration | None:
+        """The registration that `adapter`'s requests are served by now (a name registered again serves its new
+        adapter); None when there is none, or its load failed: then its requests end here."""
+        entry = self.registry.get(adapter)
+        failure = None if entry is None else self.registry.failure(entry)
+        if entry is not None and failure is None:
+            return entry
+        for request in self.pending.drop(adapter):
+            if entry is None:
+                request.end("error", f"adapter {adapter!r} was unregistered", 404)
+            else:
+                request.end("failed", failure)
+        return None
+
+    def _take_ready(self, ready: list[tuple[int, str, Registration]], before: float, passing: bool,
+                    taken: list[tuple[int, Request]]) -> None:
+        """Admits the admissible groups' requests that arrived before `before`, in arrival order; when they pass
+        the blocked request (`passing`), only while passes are left."""
+        while ready and ready[0][0] < before:
+            if passing:
+                if self._passes >= self.max_passes:
+                    return
+                self._passes += 1
+            arrival, adapter, entry = heapq.heappop(ready)
+            request = self.pending.popleft(adapter)
+            if self._take(request, entry):
+                taken.append((arrival, request))
+            if self.pending.waits_for(adapter):
+                heapq.heappush(ready, (self.pending.first(adapter), adapter, entry))
 
     def _resident(self, entry: Registration) -> bool:
         return self.pool.generation(entry.name) == entry.generation
@@ -257,26 +369,26 @@ class Admission:
         self._may_write = False
         return True
 
-    def _admit(self, request: Request, entry: Registration | None, add: Callable[[Request], None]) -> None:
+    def _take(self, request: Request, entry: Registration | None) -> bool:
+        """Admits `request` for the batcher: holds its adapter and takes its slot. False when it ended instead."""
         # What its cached prefix depends on: the adapter's registration (a reload is a new one), or the base.
         request.prefix_id = "base" if entry is None else f"adapter-{entry.generation}"
-        if entry is not None:
-            vocab = self.pool.vocab_size(self.pool.slot(entry.name))
-            if any(not 0 <= t < vocab for t in request.prompt):
-                return request.end("error", f"the prompt has token ids outside [0, {vocab}) (adapter "
-                                              f"{entry.name!r}'s vocabulary)", 400)
-            self.pool.hold([entry.name])
-            request.slot = self.pool.slot(entry.name)
-            user_update = request.on_update
+        if entry is None:
+            return True
+        vocab = self.pool.vocab_size(self.pool.slot(entry.name))
+        if any(not 0 <= t < vocab for t in request.prompt):
+            request.end("error", f"the prompt has token ids outside [0, {vocab}) (adapter {entry.name!r}'s "
+                                 f"vocabulary)", 400)
+            return False
+        self.pool.hold([entry.name])
+        request.slot = self.pool.slot(entry.name)
+        user_update = request.on_update
 
-            def on_update(r: Request) -> None:
-                if r.finish is not None:
-                    self.pool.release([entry.name])
-                if user_update is not None:
-                    user_update(r)
+        def on_update(r: Request) -> None:
+            if r.finish is not None:
+                self.pool.release([entry.name])
+            if user_update is not None:
+                user_update(r)
 
-            request.on_update = on_update
-        try:
-            add(request)
-        except ValueError as err:  # the batcher refuses it: it ends alone (and gives back its adapter)
-            request.end("error", str(err), 400)
+        request.on_update = on_update
+        return True

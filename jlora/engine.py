@@ -615,7 +615,7 @@ class Engine:
                         continue
                     idle_polls += 1  # a load may have ended after the poll looked: one more poll installs it
                     if idle_polls == 2:
-                        raise PoolFullError(f"no slot for adapter(s) {sorted({e.name for _, e in admission.pending})}:"
+                        raise PoolFullError(f"no slot for adapter(s) {admission.pending.adapters()}:"
                                             f" every slot holds an adapter in use or eviction is off")
         except RuntimeError as err:
             self.tiers.relieve(err)  # out of device memory: the device cache lets go, for the calls after

@@ -3,7 +3,7 @@ so that the device's step is short and the host's scheduling shows (the fastest 
 - with n samples each (the n - 1 other samples are forks, which wait in the batcher's queue for their prompt's
   first sample): each step asks that queue whether a fork's source waits and which forks a running request has;
 - over `--adapters` adapters in runs of 50 requests each, with 2 slots: the requests wait in `Admission` for a
-  slot, and each step's poll visits every one of them.
+  slot, and each step's poll visits them by adapter.
 Wall time per request should not grow with P. Runs on the CPU (or any device). JSON: queue_length.json.
 
   python bench/studies/queue_length.py [--prompts 250,1000,4000] [--samples 1,4] [--adapters 8] [--max-batch 16]

@@ -115,7 +115,7 @@ class OnlineEngine:
         """Unloads an adapter on the loop thread (`Engine.unload_adapter`); the future raises KeyError when it is
         not registered and RuntimeError while requests taken in hold it or wait for it."""
         def unload() -> None:
-            if any(entry is not None and entry.name == name for _, entry in self.admission.pending):
+            if self.admission.pending.waits_for(name):
                 raise RuntimeError(f"adapter {name!r} is used by running requests (waiting for it)")
             self.engine.unload_adapter(name)
 
@@ -183,7 +183,7 @@ class OnlineEngine:
 
     def _taken_in(self, batcher) -> list[Request]:
         """The requests taken in: waiting in admission, then waiting and running in `batcher`."""
-        return [*(r for r, _ in self.admission.pending), *batcher.waiting,
+        return [*self.admission.pending.requests(), *batcher.waiting,
                 *(r for r in batcher.running if r is not None)]
 
     def _loop(self) -> None:
