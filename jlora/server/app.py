@@ -15,7 +15,8 @@ prompt by its characters before it is tokenized; parsing, chat rendering and tok
 threads, so the event loop (and /health) stays responsive. A client that disconnects cancels its request,
 streamed or not, and its row frees before the engine's next step.
 Beyond OpenAI's fields, every choice (and streamed chunk) carries `token_ids`, the generated token ids (as
-vLLM's `return_token_ids`), and requests may give `stop_token_ids` and `ignore_eos`.
+vLLM's `return_token_ids`; after a stop string, through the token that completed it), and requests may give
+`stop_token_ids` and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -303,15 +304,15 @@ class _Api:
         chosen = _most_likely(samples, len(prepared.seeds), prepared.n)
         choices = []
         for index, sample in enumerate(chosen):
-            choice = {"index": index, "finish_reason": sample.finish_reason(), "token_ids": list(sample.request.out)}
+            tokens, logprobs = sample.shown(sample.request.out), sample.shown(sample.request.out_logprobs)
+            choice = {"index": index, "finish_reason": sample.finish_reason(), "token_ids": list(tokens)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": sample.text.final()}
-                choice["logprobs"] = (None if prepared.logprobs is None
-                                      else chat_logprobs(sample.request.out_logprobs, self.token_texts))
+                choice["logprobs"] = None if prepared.logprobs is None else chat_logprobs(logprobs, self.token_texts)
             else:
                 echo = "" if prepared.echo is None else prepared.echo[sample.prompt]
                 choice["text"] = echo + sample.text.final()
-                choice["logprobs"] = self._legacy_logprobs(sample, prepared, sample.request.out_logprobs, True, 0)
+                choice["logprobs"] = self._legacy_logprobs(sample, prepared, logprobs, True, 0)
             choices.append(choice)
         return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                              "usage": _usage(prepared, samples)})
@@ -397,7 +398,7 @@ class _Api:
                     sample = samples[index]
                     r, sent = sample.request, sample.sent
                     echo_due = prepared.echo is not None and not sent.echo and (r.out or sample.done)
-                    piece, ids = sample.text.take(), r.out[sent.tokens:]
+                    piece, ids = sample.text.take(), r.out[sent.tokens:sample.text.shown]
                     if piece or ids or echo_due:
                         choice = chunk(sample, index, piece, None, ids)
                         yield event(choice)
@@ -477,7 +478,7 @@ def _request_error(request: Request) -> ApiError:
 
 def _usage(prepared: _Prepared, samples: list[_Sample]) -> dict:
     n = sum(map(len, prepared.prompts))
-    m = sum(len(s.request.out) for s in samples)
+    m = sum(len(s.shown(s.request.out)) for s in samples)
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 
@@ -489,7 +490,7 @@ def _most_likely(samples: list[_Sample], best_of: int, n: int) -> list[_Sample]:
     chosen = []
     for i in range(0, len(samples), best_of):
         group = samples[i:i + best_of]
-        chosen += sorted(group, key=lambda s: -sum(lp.logprob for lp in s.request.out_logprobs))[:n]
+        chosen += sorted(group, key=lambda s: -sum(lp.logprob for lp in s.shown(s.request.out_logprobs)))[:n]
     return chosen
 
 
@@ -529,6 +530,11 @@ class _Sample:
     text: StreamText
     sent: _Sent = dataclasses.field(default_factory=_Sent)
     done: bool = False  # ended, or met a stop string, when the HTTP handler last looked (`_next_update`)
+
+    def shown(self, values: list) -> list:
+        """Of `values`, the request's tokens or their log-probabilities, those its answer shows: all of them, or
+        once a stop string ended its text, those through the token that completed it (`StreamText.shown`)."""
+        return values if self.text.finish is None else values[:self.text.shown]
 
     def finish_reason(self) -> str:
         return self.text.finish or ("length" if self.request.finish == "length" else "stop")

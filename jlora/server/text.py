@@ -13,7 +13,9 @@ class StreamText:
     The cost per token stays constant, where a whole decode per update grew with the output.
 
     Stop strings: `take()` gives the new text that can no longer become a stop string's start; once a stop
-    string appears, the text ends before it (`finish` = "stop"). Without a tokenizer the text stays empty.
+    string appears, the text ends before it (`finish` = "stop"), and `shown` counts the request's tokens through
+    the one that completed it: an answer shows those, whatever the engine generated before the request was
+    cancelled. Without a tokenizer the text stays empty.
     """
 
     def __init__(self, tokenizer, stop_strings: list[str]):
@@ -23,6 +25,7 @@ class StreamText:
         self.text, self.sent, self.finish, self.done = "", 0, None, False
         self.ids: list[int] = []  # the tokens with text, so far
         self.seen = 0  # the request's tokens looked at
+        self.shown = 0  # the request's tokens an answer shows: those looked at, or through a stop string's end
         self.prefix = self.read = 0  # ids[prefix:read]: the piece decoded last; ids[read:]: not in the text yet
         self.searched = 0  # text[:searched] was searched for stop strings
 
@@ -30,10 +33,13 @@ class StreamText:
         """Updates from the request's tokens so far (its growing `out` list, read, not kept); True when a stop
         string ended the text."""
         self.done = done
-        if self.tokenizer is None or self.finish == "stop":
-            return self.finish == "stop"
+        if self.finish == "stop":
+            return True
         new = tokens[self.seen:]  # the engine's thread may append meanwhile: count what was read
-        self.seen += len(new)
+        first, self.seen = self.seen, self.seen + len(new)
+        self.shown = self.seen
+        if self.tokenizer is None:
+            return False
         self.ids += [t for t in new if t < self.known]
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         end = len(self.ids)
@@ -55,7 +61,13 @@ class StreamText:
         self.searched = len(self.text)
         if hits:
             self.text, self.finish, self.done = self.text[:min(hits)], "stop", True
+            self.shown = next((k for k in range(first + 1, self.seen) if self._holds_stop(tokens[:k])), self.seen)
         return self.finish == "stop"
+
+    def _holds_stop(self, tokens: list[int]) -> bool:
+        """Whether the whole decode of `tokens` holds a stop string (once per request: when one ended its text)."""
+        text = self.tokenizer.decode([t for t in tokens if t < self.known])
+        return any(s in text for s in self.stops)
 
     def take(self) -> str:
         hold = 0 if self.done else max((len(s) - 1 for s in self.stops), default=0)

@@ -121,6 +121,40 @@ def test_requests_stop_at_the_engines_eos_unless_they_ignore_it(served, monkeypa
     assert past["token_ids"] == full and past["finish_reason"] == "length"
 
 
+def test_a_stop_string_shows_the_tokens_through_the_one_that_completed_it(served, monkeypatch):
+    """The engine generates past a stop string until its request is cancelled; the answer, streamed or not, shows
+    the tokens through the one whose text completed the stop string (their log-probabilities, and usage counts
+    them), however many more the engine made. Here the text is read only once all 10 tokens are out."""
+    engine, app, online = served
+    body = {"model": "m", "prompt": [9, 10], "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    full = run(app, lambda c: c.post("/v1/completions", json=body)).json()["choices"][0]
+    decode = engine.tokenizer.decode
+    stop = decode(full["token_ids"][2:4])[:-1]  # two tokens' text, the second's cut short: "w75 w5"
+    k = next(k for k in range(1, 11) if stop in decode(full["token_ids"][:k]))
+    assert k == 4 and full["text"].index(stop) > 0
+    update = StreamText.update
+
+    def late_update(self, tokens, done):  # as a busy event loop would read them
+        for _ in range(500):
+            if len(tokens) == 10 or done:
+                break
+            time.sleep(0.01)
+        return update(self, tokens, done)
+
+    monkeypatch.setattr(StreamText, "update", late_update)
+    cut = {**body, "stop": [stop]}
+    plain = run(app, lambda c: c.post("/v1/completions", json=cut)).json()
+    choice = plain["choices"][0]
+    assert choice["text"] == full["text"][:full["text"].index(stop)] and choice["finish_reason"] == "stop"
+    assert choice["token_ids"] == full["token_ids"][:k] and plain["usage"]["completion_tokens"] == k
+    assert choice["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][:k]
+    stream = {**cut, "stream": True, "stream_options": {"include_usage": True}}
+    events = [json.loads(line[6:]) for line in run(app, lambda c: c.post("/v1/completions", json=stream)).text
+              .splitlines() if line.startswith("data: {")]
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == full["token_ids"][:k]
+    assert events[-1]["usage"]["completion_tokens"] == k
+
+
 def test_top_k_and_min_p_per_request(served):
     """top_k 1 (or min_p 1) samples the argmax; a sampled request beside a filtered one draws what it draws alone
     (the filtered step runs for both)."""

@@ -1,7 +1,8 @@
 """`StreamText` against whole decodes: fed a request's tokens in random increments, its streamed pieces join
 to what the tokenizer decodes from all of them, for a word-level tokenizer (WordPiece's spacing) and a
 byte-level one (characters split over tokens, outputs cut inside a character); no piece holds a half
-character; stop strings cut the text where the whole decode first holds one."""
+character; stop strings cut the text where the whole decode first holds one, and the tokens shown end with the
+one that completed it."""
 
 import numpy as np
 import pytest
@@ -74,6 +75,10 @@ def test_stop_strings_cut_where_the_whole_decode_first_holds_one(kind, tmp_path)
         stop = whole[at: at + int(rng.integers(1, 5))]
         text, streamed = stream(tok, ids, ["<never>", stop], rng)
         assert text.finish == "stop" and streamed == text.final() == whole[: whole.index(stop)], (ids, stop)
+        # the tokens an answer shows: through the one whose text completed the stop string, though the updates
+        # read up to 2 more
+        decode = lambda k: tok.decode([t for t in ids[:k] if t < tok.get_vocab_size()])  # noqa: E731
+        assert text.shown == next(k for k in range(1, len(ids) + 1) if stop in decode(k)), (ids, stop)
         checked += 1
 
 
