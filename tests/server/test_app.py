@@ -268,3 +268,39 @@ def test_an_engine_that_cannot_start_over_says_so_on_every_route_and_health(serv
         assert online.down == why and not online._thread.is_alive()
     finally:
         online.stop()
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids_and_names_what_needs_one(tmp_path):
+    """No tokenizer.json: prompts of token ids are served, streamed or not, with empty text and the ids (log-
+    probabilities as `token_id:N`); what needs text answers 400 naming the tokenizer."""
+    testing.write_model(str(tmp_path / "m"), CFG, seed=5)
+    engine = Engine.from_pretrained(str(tmp_path / "m"), dtype="float32", max_loras=1, max_lora_rank=8, max_batch=2,
+                                    max_seq_len=64, progress=False)
+    want = list(engine.generate([[9, 10]], [None], max_new_tokens=6)[0])
+    online = OnlineEngine(engine)
+    app = build_app(online, ServerConfig(served_model_name="m"))
+    online.start()
+    body = {"model": "m", "prompt": [9, 10], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+
+    async def scenario(c):
+        never = next(t for t in range(CFG["vocab_size"]) if t not in want)
+        plain = (await c.post("/v1/completions", json={**body, "stop": [never]})).json()["choices"][0]
+        streamed = await c.post("/v1/completions", json={**body, "stream": True})
+        refused = [await c.post(path, json=b) for path, b in [
+            ("/v1/completions", {**body, "prompt": "the dog"}), ("/v1/completions", {**body, "stop": ["x"]}),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+            ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]]
+        return plain, streamed, refused
+
+    try:
+        plain, streamed, refused = run(app, scenario)
+    finally:
+        online.stop()
+    assert plain["token_ids"] == want and plain["text"] == "" and plain["finish_reason"] == "length"
+    assert plain["logprobs"]["tokens"] == [f"token_id:{t}" for t in want]
+    chunks = [c for line in streamed.text.splitlines() if line.startswith("data: {")
+              for c in json.loads(line[6:])["choices"]]
+    assert [t for c in chunks for t in c["token_ids"]] == want and not any(c["text"] for c in chunks)
+    for response, field in zip(refused, ["prompt", "stop", "messages", "prompt", "tokens"]):
+        error = response.json()["error"]
+        assert response.status_code == 400 and "no tokenizer.json" in error["message"] and error["param"] == field
