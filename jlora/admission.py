@@ -10,7 +10,8 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   requests' order: a staged copy holds device memory until a slot takes it. A load that fails fails its
   requests ("failed", the loader's message) and every later one for the same registration, without retrying;
   so does a slot write that fails (the device's memory for a part no adapter targeted before), which evicts
-  nothing.
+  nothing. With eviction off (`evict="refuse"`) and every slot holding another adapter, no slot frees until an
+  adapter is unloaded: the requests waiting for one end at once (status 503), and later ones try again.
 - **Slot writes while a step runs.** `poll` writes a staged adapter into a free slot or the slot of the least
   recently used idle adapter (`AdapterPool.install`: one jitted write of device memory), one per poll: a
   write costs the loop a few milliseconds of host time, and a burst of finished loads must not stall one step
@@ -248,6 +249,11 @@ class Admission:
                 add(request)
             except ValueError as err:  # the batcher refuses it: it ends alone (and gives back its adapter)
                 request.end("error", str(err), 400)
+        for entry in waiting:
+            if self.pending.waits_for(entry.name) and self._no_slot(entry):
+                self._end(entry.name, "error", f"no slot for adapter {entry.name!r}: all {self.pool.num_slots} slots "
+                                               f"hold other adapters and eviction is off (evict='refuse'); unload one",
+                          503)
         waiting = [entry for entry in waiting if self.pending.waits_for(entry.name)]
         wanted = {entry.generation for entry in waiting}
         for generation in [g for g, f in self._loads.items() if f.done() and g not in wanted]:
@@ -266,12 +272,22 @@ class Admission:
         failure = None if entry is None else self.registry.failure(entry)
         if entry is not None and failure is None:
             return entry
-        for request in self.pending.drop(adapter):
-            if entry is None:
-                request.end("error", f"adapter {adapter!r} was unregistered", 404)
-            else:
-                request.end("failed", failure)
+        if entry is None:
+            self._end(adapter, "error", f"adapter {adapter!r} was unregistered", 404)
+        else:
+            self._end(adapter, "failed", failure)
         return None
+
+    def _no_slot(self, entry: Registration) -> bool:
+        """Whether entry can get no slot until an adapter is unloaded: eviction is off and every slot holds another
+        adapter (in "lru" a slot's holder becomes evictable once its requests end)."""
+        return (self.pool.evict == "refuse" and self.pool.generation(entry.name) is None
+                and len(self.pool.names) >= self.pool.num_slots)
+
+    def _end(self, adapter: str, finish: str, error: str, status: int | None = None) -> None:
+        """Ends every request waiting for `adapter` (`Request.end`)."""
+        for request in self.pending.drop(adapter):
+            request.end(finish, error, status)
 
     def _take_ready(self, ready: list[tuple[int, str, Registration]], before: float, passing: bool,
                     taken: list[tuple[int, Request]]) -> None:

@@ -603,7 +603,10 @@ class Engine:
             while admission.pending or batcher.busy:
                 admission.poll(batcher.add, write=not batcher.busy)  # writes go while a step runs
                 if refused:
-                    raise (AdapterError if refused[0].finish == "failed" else ValueError)(refused[0].error)
+                    refusal = refused[0]  # a load that failed, no slot with eviction off (503), or bad input
+                    kind = (AdapterError if refusal.finish == "failed"
+                            else PoolFullError if refusal.status == 503 else ValueError)
+                    raise kind(refusal.error)
                 if batcher.busy:
                     batcher.step(lambda: admission.poll(batcher.add))
                     idle_polls = 0

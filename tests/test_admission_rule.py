@@ -2,7 +2,7 @@
 arrivals, polls, load completions, ends, cancels and re-registrations, it admits exactly what a plain list
 visited request by request admits: the rule (first come, first served; a request whose adapter is in a slot
 passes one that waits for its adapter, at most `max_passes` times once that one's load is done; one slot write a
-poll) stated as its own loop below."""
+poll; with eviction off, a request for an adapter no slot can take ends) stated as its own loop below."""
 
 import collections
 import concurrent.futures
@@ -21,8 +21,8 @@ NAMES = ["a", "b", "c", "d", "e", "bad", "unwritable"]  # "bad" fails its load, 
 class FakePool:
     """The slots as `AdapterPool` keeps them (free first, else the least recently used idle one), without weights."""
 
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, evict: str):
+        self.num_slots, self.evict = num_slots, evict
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._generation: dict[str, int] = {}
         self._in_use: collections.Counter = collections.Counter()
@@ -43,13 +43,17 @@ class FakePool:
         if free:
             slot = free[0]
         else:
-            victim = next((v for v in self._slots if not self._in_use[v]), None)
+            victim = next((v for v in self._slots if not self._in_use[v] and self.evict == "lru"), None)
             if victim is None:
                 raise PoolFullError("full")
             slot = self._slots[victim]
             self.unload(victim)
         self._slots[name], self._generation[name] = slot, generation
         return slot
+
+    @property
+    def names(self):
+        return list(self._slots)
 
     def slot(self, name):
         self._slots.move_to_end(name)
@@ -157,6 +161,11 @@ class ListAdmission(Admission):
                 keep.append((request, entry))
         if blocked is None:
             self._blocked = None
+        for request, entry in keep:
+            if entry is not None and self._no_slot(entry):
+                request.end("error", f"no slot for adapter {entry.name!r}: all {self.pool.num_slots} slots hold other "
+                                     f"adapters and eviction is off (evict='refuse'); unload one", 503)
+        keep = [(request, entry) for request, entry in keep if request.finish is None]
         self.queue = keep
         wanted = {entry.generation for _, entry in keep if entry is not None}
         for generation in [g for g, f in self._loads.items() if f.done() and g not in wanted]:
@@ -170,11 +179,11 @@ class ListAdmission(Admission):
 
 
 class World:
-    def __init__(self, kind, root, slots, max_passes, max_loads):
+    def __init__(self, kind, root, slots, evict, max_passes, max_loads):
         self.registry = AdapterRegistry()
         for name in NAMES:
             self.registry.register(name, str(root))
-        self.pool, self.loader = FakePool(slots), HeldLoader()
+        self.pool, self.loader = FakePool(slots, evict), HeldLoader()
         self.admission = kind(self.pool, self.registry, FakeTiers(self.registry), self.loader,
                               max_passes=max_passes, max_loads=max_loads)
         self.requests, self.admitted = {}, []
@@ -197,7 +206,7 @@ def root(tmp_path_factory):
 @pytest.mark.parametrize("seed", range(40))
 def test_the_grouped_poll_admits_what_the_list_admits(root, seed):
     rng = random.Random(seed)
-    args = (root, rng.randint(1, 3), rng.randint(0, 3), rng.randint(1, 3))
+    args = (root, rng.randint(1, 3), rng.choice(["lru", "lru", "refuse"]), rng.randint(0, 3), rng.randint(1, 3))
     worlds = [World(ListAdmission, *args), World(Admission, *args)]
     for _ in range(300):
         event = rng.random()

@@ -15,6 +15,7 @@ for _module in ("uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic
 httpx = pytest.importorskip("httpx")
 
 from jlora import testing  # noqa: E402
+from jlora.adapters import PoolFullError  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.models.loading import GenerationDefaults, generation_defaults  # noqa: E402
 from jlora.server.app import build_app  # noqa: E402
@@ -304,3 +305,38 @@ def test_a_model_without_a_tokenizer_serves_token_ids_and_names_what_needs_one(t
     for response, field in zip(refused, ["prompt", "stop", "messages", "prompt", "tokens"]):
         error = response.json()["error"]
         assert response.status_code == 400 and "no tokenizer.json" in error["message"] and error["param"] == field
+
+
+def test_with_eviction_off_a_request_no_slot_can_take_ends_at_once(tmp_path):
+    """--evict refuse, one slot held by an idle adapter: a request for another adapter answers 503 at once (it
+    used to wait for good), naming the setting; once the holder is unloaded it is served. Engine.generate raises
+    PoolFullError there."""
+    testing.write_model(str(tmp_path / "m"), CFG, seed=5)
+    for name in ("a", "b"):
+        testing.write_adapter(str(tmp_path / name), CFG, r=4, alpha=8, seed=len(name))
+    engine = Engine.from_pretrained(str(tmp_path / "m"), dtype="float32", max_loras=1, max_lora_rank=8, max_batch=2,
+                                    max_seq_len=64, evict="refuse", progress=False)
+    engine.load_adapter("a", str(tmp_path / "a"))
+    engine.register_adapter("b", str(tmp_path / "b"))
+    with pytest.raises(PoolFullError, match="eviction is off"):
+        engine.generate([[1, 2]], ["b"], max_new_tokens=2)
+    online = OnlineEngine(engine)
+    app = build_app(online, ServerConfig(served_model_name="m"))
+    online.start()
+    body = {"prompt": [1, 2], "max_tokens": 2}
+
+    async def scenario(c):
+        first = await c.post("/v1/completions", json={**body, "model": "a"})
+        refused = await asyncio.wait_for(c.post("/v1/completions", json={**body, "model": "b"}), 30)
+        online.unload_adapter("a").result(timeout=30)
+        return first, refused, await c.post("/v1/completions", json={**body, "model": "b"})
+
+    try:
+        first, refused, served = run(app, scenario)
+    finally:
+        online.stop()
+    assert first.status_code == 200 and served.status_code == 200 and engine.resident_adapters == ["b"]
+    error = refused.json()["error"]
+    assert refused.status_code == 503 and error["param"] == "model"
+    assert error["message"] == ("no slot for adapter 'b': all 1 slots hold other adapters and eviction is off "
+                                "(evict='refuse'); unload one")
