@@ -21,6 +21,7 @@ import mmap
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -127,20 +128,22 @@ class ProcessReader:
         raise result
 
     def close(self) -> None:
-        """Ends the children (idle ones at once; a busy one when its stdin closes after its read)."""
+        """Ends the idle children; a busy one is ended by its read once it has taken the answer (`_release`), so
+        that no answer's file is removed before it is mapped. A later read starts new children."""
         with self._lock:
-            children, self._children, self._started = self._children, [], 0
-            while not self._idle.empty():  # a later read starts a new child
-                self._idle.get_nowait()
-        for child in children:
-            child.close()
+            self._children, self._started = [], 0
+            idle = []
+            while not self._idle.empty():
+                idle.append(self._idle.get_nowait())
+        for child in idle:
+            if child is not None:
+                child.close()
 
     def _release(self, child: _Child) -> None:
         """A child back to the idle ones after its read, unless `close` ended it meanwhile."""
         with self._lock:
             ended = child not in self._children
-            if not ended:
-                self._idle.put(child)
+            self._idle.put(None if ended else child)  # None: a read that waits for a child starts one
         if ended:
             child.close()
 
@@ -151,17 +154,20 @@ class ProcessReader:
             timer.join()
         child.close()
         with self._lock:
-            if child in self._children:  # else `close` took it
+            if child in self._children:  # else `close` took it (and counted it)
                 self._children.remove(child)
-                self._idle.put(None)
+                self._started -= 1
+            self._idle.put(None)
 
     def _take(self) -> _Child:
-        """An idle child, a new one while fewer than `processes` run, else the next to become idle."""
-        with self._lock:
-            start = self._idle.empty() and self._started < self.processes
-            if start:
-                self._started += 1
-        if not start:
+        """An idle child, a new one while fewer than `processes` run, else the next to become idle (or the
+        place of one that ended: None)."""
+        while True:
+            with self._lock:
+                start = self._idle.empty() and self._started < self.processes
+                if start:
+                    self._started += 1
+                    break
             child = self._idle.get()
             if child is not None:
                 return child
@@ -170,6 +176,7 @@ class ProcessReader:
         except BaseException:
             with self._lock:
                 self._started -= 1
+                self._idle.put(None)
             raise
         with self._lock:
             self._children.append(child)
@@ -201,13 +208,7 @@ class _Child:
             self.process.kill()
             self.process.wait()
         self.process.stdout.close()
-        for directory in dict.fromkeys(d for d in (_SHM, tempfile.gettempdir()) if d):
-            for name in os.listdir(directory):
-                if name.startswith(_prefix(self.process.pid)):
-                    try:
-                        os.unlink(os.path.join(directory, name))
-                    except OSError:  # removed meanwhile
-                        pass
+        _remove_files(self.process.pid)
 
 
 def _send(pipe, data: bytes) -> None:
@@ -231,6 +232,17 @@ def _exactly(pipe, size: int) -> bytes:
 def _prefix(pid: int) -> str:
     """The names of the files a child of process id `pid` hands adapters over in begin with this."""
     return f"jlora-adapter-{pid}-"
+
+
+def _remove_files(pid: int) -> None:
+    """Removes the hand-over files of the child with process id `pid`."""
+    for directory in dict.fromkeys(d for d in (_SHM, tempfile.gettempdir()) if d):
+        for name in os.listdir(directory):
+            if name.startswith(_prefix(pid)):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except OSError:  # removed meanwhile
+                    pass
 
 
 def _mapped(pickled: bytes, path: str, spans: list[tuple[int, int]]) -> HostAdapter:
@@ -302,13 +314,23 @@ def _written(buffers: list[pickle.PickleBuffer], directory: str | None) -> tuple
 
 
 def serve() -> None:
-    """A child's loop: answers requests from stdin until it closes."""
+    """A child's loop: answers requests from stdin until it closes. Ctrl-C in a terminal reaches the whole process
+    group: the child leaves it to the parent, which closes its stdin. When the parent died instead (killed: it
+    ran no `close`), the child removes the file of an answer the parent never took."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
     stdin = sys.stdin.buffer
-    while True:
-        try:
-            request = pickle.loads(_receive(stdin))
-        except EOFError:
-            return
-        _send(out, pickle.dumps(_answer(request), protocol=5))
+    try:
+        while True:
+            try:
+                request = pickle.loads(_receive(stdin))
+            except EOFError:
+                return
+            _send(out, pickle.dumps(_answer(request), protocol=5))
+    except BrokenPipeError:  # the parent has gone
+        pass
+    finally:
+        if os.getppid() != parent:  # reparented: the parent has gone
+            _remove_files(os.getpid())

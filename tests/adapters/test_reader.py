@@ -5,7 +5,10 @@ import concurrent.futures
 import dataclasses
 import glob
 import os
+import pickle
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -26,15 +29,22 @@ CFG = testing.tiny_config("llama")
 SHARED = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # where answers are handed over
 
 
-def _leftover_files() -> list[str]:
-    """Hand-over files but those of live readers that are not this process's (another test worker's)."""
+@pytest.fixture
+def leftover_files():
+    """A function: the hand-over files made since the test began, but those of live readers that are not this
+    process's (another test worker's). Files an earlier run left are not this test's."""
     def foreign(path: str) -> bool:
         try:
             with open(f"/proc/{os.path.basename(path).split('-')[2]}/stat") as f:
                 return int(f.read().rsplit(")", 1)[1].split()[1]) != os.getpid()  # its parent
         except (OSError, ValueError, IndexError):
             return False  # its reader has ended
-    return [p for p in glob.glob(os.path.join(SHARED, "jlora-adapter-*")) if not foreign(p)]
+
+    def files() -> set[str]:
+        return set(glob.glob(os.path.join(SHARED, "jlora-adapter-*")))
+
+    before = files()
+    return lambda: sorted(p for p in files() - before if not foreign(p))
 
 
 def _same(a, b) -> None:
@@ -59,7 +69,7 @@ def _same(a, b) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_peft_feature_reads_the_same_in_a_child_process(dtype):
+def test_every_peft_feature_reads_the_same_in_a_child_process(dtype, leftover_files):
     """PEFT's own files of every feature (DoRA, LoRA bias, saved and added embedding rows, trainable tokens,
     LongLoRA; those with embedding rows read back here with the base's) give the same slots either way, in
     float32 and in bf16 (A and B cast by the child). Those a bf16 engine refuses (lm_head rows that
@@ -87,7 +97,7 @@ def test_every_peft_feature_reads_the_same_in_a_child_process(dtype):
     assert thread.names == process.names
     np.testing.assert_array_equal(thread.ranks, process.ranks)
     _same(thread.weights, process.weights)
-    assert not _leftover_files()
+    assert not leftover_files()
 
 
 def _request_and_truth(tmp_path) -> tuple[ReadRequest, object]:
@@ -98,7 +108,7 @@ def _request_and_truth(tmp_path) -> tuple[ReadRequest, object]:
     return request, request.read()
 
 
-def test_many_threads_share_few_children(tmp_path):
+def test_many_threads_share_few_children(tmp_path, leftover_files):
     config = ModelConfig.from_hf_config(CFG)
     requests = []
     for i in range(6):
@@ -115,10 +125,10 @@ def test_many_threads_share_few_children(tmp_path):
             _same(adapter, request.read())
     finally:
         reader.close()
-    assert not _leftover_files()
+    assert not leftover_files()
 
 
-def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path):
+def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path, leftover_files):
     config = ModelConfig.from_hf_config(CFG)
     good = str(tmp_path / "good")
     testing.write_adapter(good, CFG, r=4, alpha=8, seed=0)
@@ -144,10 +154,10 @@ def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path):
         assert len(reader._children) == 1 and not os.path.exists(half_written)
     finally:
         reader.close()
-    assert not _leftover_files()
+    assert not leftover_files()
 
 
-def test_a_read_that_hangs_is_stopped_at_the_timeout(tmp_path):
+def test_a_read_that_hangs_is_stopped_at_the_timeout(tmp_path, leftover_files):
     """A child that never answers (storage that hangs: here a stopped process) is killed at the timeout; the
     read fails with a message that names the limit, and the next read gets a new child. A read that answers
     in time is unaffected by its timer."""
@@ -165,12 +175,13 @@ def test_a_read_that_hangs_is_stopped_at_the_timeout(tmp_path):
         assert len(reader._children) == 1 and reader._children[0].process is not stuck
     finally:
         reader.close()
-    assert not _leftover_files()
+    assert not leftover_files()
 
 
-def test_a_read_in_flight_when_the_reader_closes_ends_its_child(tmp_path):
-    """`close` while a read is in flight: that read still gets its answer, its child is not handed to a later
-    read (its input is closed), and the later read starts a new child."""
+def test_a_read_in_flight_when_the_reader_closes_ends_its_child(tmp_path, leftover_files):
+    """`close` while a read is in flight and another waits for a child: `close` returns at once; the read in
+    flight still gets its answer and then ends its child (not handed to a later read: its reader was closed);
+    the waiting read starts a new child."""
     request, want = _request_and_truth(tmp_path)
     reader = ProcessReader(1)
     try:
@@ -181,18 +192,73 @@ def test_a_read_in_flight_when_the_reader_closes_ends_its_child(tmp_path):
             in_flight = threads.submit(reader.read, request)
             while not reader._idle.empty():  # the read has taken the child
                 time.sleep(0.01)
-            closing = threads.submit(reader.close)
-            while reader._children:  # close has taken the children and now waits for this one to end
-                time.sleep(0.01)
+            waiting = threads.submit(reader.read, request)
+            time.sleep(0.2)
+            reader.close()
+            assert not waiting.done() and child.poll() is None
             os.kill(child.pid, signal.SIGCONT)
             _same(in_flight.result(timeout=60), want)
-            closing.result(timeout=60)
-        assert reader._idle.empty() and child.poll() is not None
-        _same(reader.read(request), want)
+            _same(waiting.result(timeout=60), want)
+        assert child.poll() is not None
         assert len(reader._children) == 1 and reader._children[0].process is not child
     finally:
         reader.close()
-    assert not _leftover_files()
+    assert not leftover_files()
+
+
+def _parent_killed_after_its_child_answered(tmp_path) -> tuple[int, str]:
+    """Runs a process that asks a reader child for an adapter and is killed (SIGKILL: no `close` runs) once the
+    child has written its answer's file, before reading the answer. Returns (the child's pid, that file)."""
+    request, _ = _request_and_truth(tmp_path)
+    with open(tmp_path / "request.pkl", "wb") as f:
+        pickle.dump(request, f)
+    code = (f"import pickle, sys, time; from jlora.adapters import reader\n"
+            f"child = reader._Child(); reader._send(child.process.stdin, open({str(tmp_path / 'request.pkl')!r}, 'rb').read())\n"
+            f"print(child.process.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    for _ in range(600):
+        written = glob.glob(os.path.join(SHARED, f"jlora-adapter-{pid}-*")) + \
+            glob.glob(os.path.join(tempfile.gettempdir(), f"jlora-adapter-{pid}-*"))
+        if written:
+            break
+        time.sleep(0.05)
+    assert written, "the child wrote no answer"
+    time.sleep(0.2)  # the answer's bytes are in the pipe: the child waits for the next request
+    parent.kill()
+    parent.wait()
+    return pid, written[0]
+
+
+def test_a_child_whose_parent_was_killed_removes_its_answers_file(tmp_path):
+    """A server killed with SIGKILL (the OOM killer, `kill -9`) runs no `close`: its reader child, left with an
+    answer its parent never took, removes that file (shared memory lives until a reboot) and ends."""
+    pid, written = _parent_killed_after_its_child_answered(tmp_path)
+    for _ in range(600):
+        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the child did not end when its parent died")
+    assert not os.path.exists(written)
+
+
+def test_ctrl_c_reaches_the_server_not_its_reader_children(tmp_path, leftover_files):
+    """Ctrl-C in a terminal signals the whole process group: a reader child ignores it (no traceback of its own,
+    no read failed); the server ends the children when it shuts down."""
+    request, want = _request_and_truth(tmp_path)
+    reader = ProcessReader(1)
+    try:
+        _same(reader.read(request), want)
+        child = reader._children[0].process
+        os.kill(child.pid, signal.SIGINT)
+        time.sleep(0.2)
+        assert child.poll() is None
+        _same(reader.read(request), want)
+        assert reader._children[0].process is child
+    finally:
+        reader.close()
+    assert child.poll() is not None and not leftover_files()
 
 
 def test_a_full_shared_memory_hands_over_through_the_temporary_directory(tmp_path, monkeypatch):
