@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"jlora {args.command}: error: {message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, no traceback
+        print(f"\njlora {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

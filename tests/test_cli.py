@@ -40,6 +40,23 @@ def test_generate_json_output_file(dirs, tmp_path):
     assert all(len(r["tokens"]) == 5 and isinstance(r["text"], str) for r in records)
 
 
+def test_ctrl_c_ends_a_command_with_the_code_of_sigint_and_no_traceback(dirs, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while generating (here: KeyboardInterrupt raised from the engine's loop) prints one line and exits
+    with 130, as shells report SIGINT; the --output file is left as it was and no temporary file stays."""
+    from jlora.engine import Engine
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier results\n")
+    rc = cli.main(["generate", "--model", str(dirs / "m"), "--prompt", "the fox", "--quiet", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 130 and err.strip() == "jlora generate: interrupted" and "Traceback" not in err
+    assert out.read_text() == "earlier results\n" and os.listdir(tmp_path) == ["out.jsonl"]
+
+
 def test_output_through_a_link_or_into_a_pipe_writes_there_and_replaces_nothing(dirs, tmp_path, capsys, monkeypatch):
     """--output names a link: the file it names is written, the link kept; a pipe (or a device such as /dev/null):
     written in place, never replaced by a regular file; a pipe whose reader left: a clear error."""
