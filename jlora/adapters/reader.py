@@ -21,7 +21,6 @@ import mmap
 import os
 import pickle
 import queue
-import signal
 import struct
 import subprocess
 import sys
@@ -188,8 +187,10 @@ class _Child:
 
     def __init__(self):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the child never computes with JAX: no GPU for it
+        # A process group of its own: Ctrl-C in a terminal (SIGINT to the foreground group) stops the server, which
+        # ends its children; reaching them too, it would fail the reads in flight and print their tracebacks.
         self.process = subprocess.Popen([sys.executable, "-c", "from jlora.adapters.reader import serve; serve()"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, process_group=0)
 
     def ask(self, request: ReadRequest) -> tuple:
         _send(self.process.stdin, pickle.dumps(request))
@@ -314,10 +315,8 @@ def _written(buffers: list[pickle.PickleBuffer], directory: str | None) -> tuple
 
 
 def serve() -> None:
-    """A child's loop: answers requests from stdin until it closes. Ctrl-C in a terminal reaches the whole process
-    group: the child leaves it to the parent, which closes its stdin. When the parent died instead (killed: it
-    ran no `close`), the child removes the file of an answer the parent never took."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A child's loop: answers requests from stdin until it closes. When the parent died instead (killed: it ran
+    no `close`), the child removes the file of an answer the parent never took."""
     parent = os.getppid()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the answers

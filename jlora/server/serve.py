@@ -88,9 +88,10 @@ def serve(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
     with listening_socket(config.host, config.port) as sock:  # closed too when the start fails
         app, online, config = build(model_dir, config, engine_config, loras=loras, lora_dirs=lora_dirs)
         adapters = online.engine.adapters
-        shown = adapters if len(adapters) <= 16 else f"{len(adapters)} adapters"
+        shown = (f"{len(adapters)} adapters" if len(adapters) > 16 else
+                 f"adapters {adapters}" if adapters else "no adapters")
         host = f"[{config.host}]" if ":" in config.host else config.host
-        print(f"jlora: serving {config.served_model_name!r} and adapters {shown} on "
+        print(f"jlora: serving {config.served_model_name!r} and {shown} on "
               f"http://{host}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
         if config.allow_runtime_lora:
             print(f"jlora: runtime adapter loads allowed from {list(config.lora_roots)}"

@@ -1,6 +1,7 @@
 """Starts `jlora serve` as a user runs it: a subprocess on 127.0.0.1 (float32, JAX on the CPU)."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,3 +34,28 @@ def start_server(model_dir: str, *args: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError("the server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, as a process manager stops a server: it exits with the signal's code, and its reader processes
+    (which lead process groups of their own, so no group signal reaches them) end with it."""
+    children = [pid for pid in _pids() if _stat(pid)[1] == str(proc.pid)]
+    proc.terminate()
+    assert proc.wait(timeout=30) == -signal.SIGTERM, proc.stdout.read().decode()[-3000:]
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in children if _stat(pid)[0] not in ("", "Z")]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"reader processes {alive} outlived their server"
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _stat(pid: int) -> tuple[str, str]:
+    """(state, parent pid) of a process; ("", "") when it has gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return tuple(f.read().rsplit(")", 1)[1].split()[:2])
+    except OSError:
+        return "", ""

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 
 from jlora import testing  # noqa: E402
 from jlora.sampling import sample_seeds  # noqa: E402
-from tests.server.launch import start_server  # noqa: E402
+from tests.server.launch import start_server, stop_server  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("evaluation")
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "peft", "llama")
@@ -51,8 +51,7 @@ def server(tmp_path_factory):
     proc, url = start_server(str(model), "--max-seq-len", "64", *loras, "--max-loras", "4", "--max-lora-rank", "16",
                              "--max-batch", "8", "--max-extra-vocab", "8", "--served-model-name", "base")
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_server(proc)
 
 
 def post(url: str, path: str, body: dict) -> dict:

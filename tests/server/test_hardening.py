@@ -19,7 +19,7 @@ for _module in ("uvicorn", "starlette", "prometheus_client", "jinja2", "pydantic
 httpx = pytest.importorskip("httpx")
 
 from jlora import testing  # noqa: E402
-from tests.server.launch import start_server  # noqa: E402
+from tests.server.launch import start_server, stop_server  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("hardening")  # one server for the module (make test runs --dist loadgroup)
 
@@ -49,8 +49,7 @@ def server(root):
                        "--max-body-bytes", str(MAX_BODY), "--body-timeout", "1", "--header-timeout", "1",
                        "--max-connections", "24", "--lora", f"a={root / 'adapters' / 'good'}")
     yield url, proc
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_server(proc)
 
 
 # The module's one client, which keeps no connection open between requests, as httpx.post does: building a client

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 from jlora import testing
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
-from tests.server.launch import start_server
+from tests.server.launch import start_server, stop_server
 
 pytestmark = pytest.mark.xdist_group("server")  # one server for the module (make test runs --dist loadgroup)
 CFG = testing.tiny_config("llama", vocab_size=120)
@@ -49,8 +49,7 @@ def server(root):
                              "--api-key", KEY, "--allow-runtime-lora", "--lora-root", str(root),
                              "--served-model-name", "tiny")
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -310,5 +309,4 @@ def test_a_full_queue_answers_503_with_retry_after(root):
         assert busy.headers["retry-after"] == "1" and "busy" in busy.json()["error"]["message"]
         assert httpx.get(url + "/v1/models").status_code == 200  # no key needed without --api-key
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_server(proc)

@@ -13,7 +13,7 @@ httpx = pytest.importorskip("httpx")
 
 from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
-from tests.server.launch import start_server  # noqa: E402
+from tests.server.launch import start_server, stop_server  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("tenancy")
 CFG = testing.tiny_config("llama", vocab_size=120)
@@ -38,8 +38,7 @@ def server(root):
                              "--max-cpu-loras", "3", "--device-cache-memory", "1", "--max-lora-rank", "8",
                              "--max-batch", "4", "--max-seq-len", "64")
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_server(proc)
 
 
 def metric(url: str, name: str) -> float:
