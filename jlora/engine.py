@@ -127,7 +127,10 @@ class Engine:
     options are `EngineConfig`'s (`engine.config`; the model's own is `engine.model_config`). `max_batch` and
     `prefill_chunk` may change between calls (`engine.config = dataclasses.replace(engine.config, ...)`), but
     for max_batch past 1 in an engine built with max_batch 1, which stores its weights for one-row steps
-    (`EngineConfig.weights_out_in`).
+    (`EngineConfig.weights_out_in`). `generate`, `chat`, `score` and `prefill_logits` called from several
+    threads run one after another: each call batches its own requests over the shared slots (the server's
+    `OnlineEngine` batches requests from many callers together). `load_adapter` and `unload_adapter` from
+    another thread wait for the call running (a load reads its files meanwhile).
     """
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None,
@@ -169,6 +172,10 @@ class Engine:
         threads = max(4, config.adapter_readers)
         self.loader = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jlora-adapter-load")
         self.max_loads = 2 * threads
+        # One call's batch at a time: concurrent calls would each hold a KV cache and take slots from each other
+        # (a call found every slot held by another's adapters and failed with PoolFullError). Re-entrant: a
+        # `progress` callback may call again.
+        self._calls = threading.RLock()
 
     @classmethod
     def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None, *, progress: bool = True,
@@ -230,9 +237,11 @@ class Engine:
             raise ValueError(f"adapter {name!r} is already registered; unload it first")
         check_adapter_name(name)
         prepared = self.pool.prepare(adapter_dir)
-        entry = self.registry.register(name, adapter_dir)
-        self.tiers.keep(self.tiers.host, entry, prepared)
-        self.tiers.retried(self.pool.install, name, self.tiers.staged(self.pool, entry, prepared), entry.generation)
+        with self._calls:  # the slot write waits for a call running on another thread
+            entry = self.registry.register(name, adapter_dir)
+            self.tiers.keep(self.tiers.host, entry, prepared)
+            self.tiers.retried(self.pool.install, name, self.tiers.staged(self.pool, entry, prepared),
+                               entry.generation)
 
     def unload_adapter(self, name: str) -> None:
         """Unregisters an adapter and frees its slot and its copies in the host tier and the device cache.
@@ -241,13 +250,14 @@ class Engine:
           KeyError: it is not registered.
           RuntimeError: running requests use it.
         """
-        entry = self.registry.get(name)
-        if entry is None:
-            raise KeyError(f"adapter {name!r} is not registered")
-        if self.pool.generation(name) is not None:
-            self.pool.unload(name)  # raises while requests hold it
-        self.registry.unregister(name)
-        self.tiers.drop(entry.generation)
+        with self._calls:  # waits for a call running on another thread
+            entry = self.registry.get(name)
+            if entry is None:
+                raise KeyError(f"adapter {name!r} is not registered")
+            if self.pool.generation(name) is not None:
+                self.pool.unload(name)  # raises while requests hold it
+            self.registry.unregister(name)
+            self.tiers.drop(entry.generation)
 
     @property
     def adapters(self) -> list[str]:
@@ -367,12 +377,13 @@ class Engine:
         """
         prompts = self.encode(prompts)
         self._check_prompts(prompts, adapters)
-        slots = self._make_resident(adapters)
-        self._check_prompts(prompts, adapters)  # now against each adapter's own vocabulary
-        tokens, positions, token_slot, _ = pack_prompts(prompts, slots)
-        cache = self.runner.new_cache(*tokens.shape)
-        logits, _ = self.runner.run(tokens, positions, token_slot.reshape(-1), cache)
-        logits = np.asarray(logits)
+        with self._calls:  # no other call's slot writes between these and the step
+            slots = self._make_resident(adapters)
+            self._check_prompts(prompts, adapters)  # now against each adapter's own vocabulary
+            tokens, positions, token_slot, _ = pack_prompts(prompts, slots)
+            cache = self.runner.new_cache(*tokens.shape)
+            logits, _ = self.runner.run(tokens, positions, token_slot.reshape(-1), cache)
+            logits = np.asarray(logits)
         return [logits[i, : len(p), : self.vocab_size(a)] for i, (p, a) in enumerate(zip(prompts, adapters))]
 
     def generate(
@@ -587,43 +598,45 @@ class Engine:
 
     def _run(self, requests: list[Request], adapters: Sequence[str | None], progress=None) -> None:
         """Runs requests to their end, each with its adapter: through `Admission` (adapters written into slots
-        as rows free) and a `Batcher` of up to max_batch rows, `progress(n)` told of generated tokens."""
-        longest = max(len(r.prompt) + r.max_new for r in requests)
-        rows = bucket(min(len(requests), self.config.max_batch))
-        batcher = self.new_batcher(rows, bucket(longest, 16), progress)
-        loaded = threading.Event()
-        admission = Admission(self.pool, self.registry, self.tiers, self.loader, wake=loaded.set,
-                              max_loads=self.max_loads)
-        refused: list[Request] = []  # by their on_update: no scan of every request at every step
-        for r, a in zip(requests, adapters):
-            r.on_update = functools.partial(_note_refusal, refused, r.on_update)
-            admission.submit(r, a)
-        idle_polls = 0  # polls in a row that admitted nothing with no load running
-        try:
-            while admission.pending or batcher.busy:
-                admission.poll(batcher.add, write=not batcher.busy)  # writes go while a step runs
-                if refused:
-                    refusal = refused[0]  # a load that failed, no slot with eviction off (503), or bad input
-                    kind = (AdapterError if refusal.finish == "failed"
-                            else PoolFullError if refusal.status == 503 else ValueError)
-                    raise kind(refusal.error)
-                if batcher.busy:
-                    batcher.step(lambda: admission.poll(batcher.add))
-                    idle_polls = 0
-                elif admission.pending:
-                    if admission.waiting_for_loads:
-                        loaded.wait()
-                        loaded.clear()
+        as rows free) and a `Batcher` of up to max_batch rows, `progress(n)` told of generated tokens; one call
+        at a time (`_calls`)."""
+        with self._calls:
+            longest = max(len(r.prompt) + r.max_new for r in requests)
+            rows = bucket(min(len(requests), self.config.max_batch))
+            batcher = self.new_batcher(rows, bucket(longest, 16), progress)
+            loaded = threading.Event()
+            admission = Admission(self.pool, self.registry, self.tiers, self.loader, wake=loaded.set,
+                                  max_loads=self.max_loads)
+            refused: list[Request] = []  # by their on_update: no scan of every request at every step
+            for r, a in zip(requests, adapters):
+                r.on_update = functools.partial(_note_refusal, refused, r.on_update)
+                admission.submit(r, a)
+            idle_polls = 0  # polls in a row that admitted nothing with no load running
+            try:
+                while admission.pending or batcher.busy:
+                    admission.poll(batcher.add, write=not batcher.busy)  # writes go while a step runs
+                    if refused:
+                        refusal = refused[0]  # a load that failed, no slot with eviction off (503), or bad input
+                        kind = (AdapterError if refusal.finish == "failed"
+                                else PoolFullError if refusal.status == 503 else ValueError)
+                        raise kind(refusal.error)
+                    if batcher.busy:
+                        batcher.step(lambda: admission.poll(batcher.add))
                         idle_polls = 0
-                        continue
-                    idle_polls += 1  # a load may have ended after the poll looked: one more poll installs it
-                    if idle_polls == 2:
-                        raise PoolFullError(f"no slot for adapter(s) {admission.pending.adapters()}:"
-                                            f" every slot holds an adapter in use or eviction is off")
-        except RuntimeError as err:
-            self.tiers.relieve(err)  # out of device memory: the device cache lets go, for the calls after
-            raise
-        finally:
-            for r in requests:  # after an error: the requests still here give back their adapters
-                if r.finish is None and not admission.cancel(r):
-                    batcher.cancel(r)
+                    elif admission.pending:
+                        if admission.waiting_for_loads:
+                            loaded.wait()
+                            loaded.clear()
+                            idle_polls = 0
+                            continue
+                        idle_polls += 1  # a load may have ended after the poll looked: one more poll installs it
+                        if idle_polls == 2:
+                            raise PoolFullError(f"no slot for adapter(s) {admission.pending.adapters()}:"
+                                                f" every slot holds an adapter in use or eviction is off")
+            except RuntimeError as err:
+                self.tiers.relieve(err)  # out of device memory: the device cache lets go, for the calls after
+                raise
+            finally:
+                for r in requests:  # after an error: the requests still here give back their adapters
+                    if r.finish is None and not admission.cancel(r):
+                        batcher.cancel(r)

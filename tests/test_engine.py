@@ -1,5 +1,6 @@
 """Generation: greedy agreement with the logits, continuous batching, stops, sampling, compilations."""
 
+import concurrent.futures
 import dataclasses
 import json
 
@@ -315,6 +316,31 @@ def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):
     engine.prefill_logits([[1, 2], [3]], [None, "a1"])
     engine.generate([[1, 2], [3]], [None, "a1"], max_new_tokens=3)
     assert seen and all(w is not None and w is engine.pool.step_weights for w in seen)
+
+
+def test_calls_from_several_threads_run_one_after_another(tmp_path):
+    """Threads calling generate, score and prefill_logits at once, each with its own adapter, over one slot, and
+    one loading and unloading another adapter: each gets what it gets alone (a call once failed with
+    PoolFullError, every slot held by another call's adapter; a slot write from another thread deleted the
+    weights a step in flight read; prefill_logits' adapter could be evicted between its slot write and its
+    step)."""
+    testing.write_model(str(tmp_path / "m"), CFG, seed=7)
+    eng = Engine.from_pretrained(str(tmp_path / "m"), max_loras=1, max_lora_rank=8, dtype="float32", max_batch=2,
+                                 max_seq_len=64, progress=False, adapter_readers=0)
+    for i in range(4):
+        testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=4, alpha=8, seed=i)
+        eng.register_adapter(f"a{i}", str(tmp_path / f"a{i}"))
+    calls = [lambda i=i: [list(g) for g in eng.generate([[1, 2, 3 + i]] * 3, [f"a{i}"] * 3, max_new_tokens=12)]
+             for i in range(2)]
+    calls.append(lambda: eng.score([[1, 2]] * 2, [[3, 4, 5]] * 2, ["a2", "a2"]))
+    calls.append(lambda: eng.prefill_logits([[5, 6, 7]], ["a3"]))
+    calls.append(lambda: (eng.load_adapter("b", str(tmp_path / "a0")), eng.unload_adapter("b")))
+    alone = [call() for call in calls]
+    for _ in range(6):
+        with concurrent.futures.ThreadPoolExecutor(len(calls)) as threads:
+            together = [f.result() for f in [threads.submit(call) for call in calls]]
+        for got, want in zip(together, alone):
+            jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 def test_generation_errors(engine):
