@@ -172,9 +172,9 @@ class Engine:
         threads = max(4, config.adapter_readers)
         self.loader = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jlora-adapter-load")
         self.max_loads = 2 * threads
-        # One call's batch at a time: concurrent calls would each hold a KV cache and take slots from each other
-        # (a call found every slot held by another's adapters and failed with PoolFullError). Re-entrant: a
-        # `progress` callback may call again.
+        # One call at a time: concurrent calls would each hold a KV cache and take slots from each other (one
+        # found every slot held by another's adapters: PoolFullError), and a slot write from one would delete the
+        # weights a step of another reads. Re-entrant: a `progress` callback may call again.
         self._calls = threading.RLock()
 
     @classmethod
