@@ -315,9 +315,9 @@ def _written(buffers: list[pickle.PickleBuffer], directory: str | None) -> tuple
 
 
 def serve() -> None:
-    """A child's loop: answers requests from stdin until it closes. When the parent died instead (killed: it ran
-    no `close`), the child removes the file of an answer the parent never took."""
-    parent = os.getppid()
+    """A child's loop: answers requests from stdin until it closes, then removes any file of its own left: the
+    parent closes its stdin only after taking its last answer (which removes that answer's file), so one left
+    is an answer a parent killed before taking it (SIGKILL: it ran no `close`)."""
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
     stdin = sys.stdin.buffer
@@ -331,5 +331,4 @@ def serve() -> None:
     except BrokenPipeError:  # the parent has gone
         pass
     finally:
-        if os.getppid() != parent:  # reparented: the parent has gone
-            _remove_files(os.getpid())
+        _remove_files(os.getpid())
