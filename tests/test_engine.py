@@ -3,6 +3,7 @@
 import concurrent.futures
 import dataclasses
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -341,6 +342,31 @@ def test_calls_from_several_threads_run_one_after_another(tmp_path):
             together = [f.result() for f in [threads.submit(call) for call in calls]]
         for got, want in zip(together, alone):
             jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_progress_callback_may_call_the_engine_again(tmp_path):
+    """The calls' lock is re-entrant: a `progress` callback that generates and reads logits on the base model while
+    the outer call runs its adapter in the engine's one slot gets what those calls get alone, and so does the
+    outer call."""
+    testing.write_model(str(tmp_path / "m"), CFG, seed=7)
+    eng = Engine.from_pretrained(str(tmp_path / "m"), max_loras=1, max_lora_rank=8, dtype="float32", max_batch=2,
+                                 max_seq_len=64, progress=False, adapter_readers=0)
+    testing.write_adapter(str(tmp_path / "a"), CFG, r=4, alpha=8, seed=1)
+    eng.register_adapter("a", str(tmp_path / "a"))
+    outer = lambda progress=None: [list(g) for g in eng.generate([[1, 2, 3], [4]], ["a", "a"], max_new_tokens=6,
+                                                                 progress=progress)]
+    inner = lambda: ([list(g) for g in eng.generate([[5, 6]], [None], max_new_tokens=4)],
+                     eng.prefill_logits([[7, 8]], [None]))
+    outer_alone, inner_alone = outer(), inner()
+    nested, got = [], []
+    # in a daemon thread, so that a lock that is not re-entrant fails the test instead of hanging the suite
+    thread = threading.Thread(target=lambda: got.append(outer(lambda n: len(nested) < 2 and nested.append(inner()))),
+                              daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert got == [outer_alone] and len(nested) == 2, "the nested calls deadlocked or failed"
+    for result in nested:
+        jax.tree.map(np.testing.assert_array_equal, result, inner_alone)
 
 
 def test_generation_errors(engine):
