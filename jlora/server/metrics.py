@@ -25,7 +25,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter("jlora_requests", "Finished requests", ["adapter", "outcome"], registry=r)
         self.prompt_tokens = Counter("jlora_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
-        self.generation_tokens = Counter("jlora_generation_tokens", "Generated tokens", ["adapter"], registry=r)
+        self.generation_tokens = Counter("jlora_generation_tokens", "Tokens the engine generated (a response "
+                                         "leaves out those from a stop string on)", ["adapter"], registry=r)
         self.running = Gauge("jlora_requests_running", "Requests holding a cache row", registry=r)
         self.waiting = Gauge("jlora_requests_waiting", "Requests waiting for a row", registry=r)
         self.kv_blocks = Gauge("jlora_kv_cache_blocks", "Blocks of the KV cache", registry=r)
