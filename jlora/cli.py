@@ -13,6 +13,7 @@ import tempfile
 
 import jax
 
+from jlora import __version__
 from jlora.adapters.config import check_start_adapters
 from jlora.engine_config import EngineConfig
 from jlora.server.config import GENERATION_CONFIGS
@@ -229,6 +230,7 @@ def _serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jlora", description="Multi-LoRA inference for JAX.")
+    parser.add_argument("--version", action="version", version=f"jlora {__version__} (JAX {jax.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="random model + PEFT adapters: generate a mixed batch, check against merged weights")
     demo.add_argument("--out", help="keep the model (OUT/model) and adapters (OUT/<name>) in this directory")

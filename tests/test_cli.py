@@ -10,8 +10,10 @@ import subprocess
 import sys
 import threading
 
+import jax
 import pytest
 
+import jlora
 from jlora import cli, testing
 from tests.cpu_devices import ROOT, cpu_devices_env
 
@@ -386,6 +388,13 @@ def test_console_entry_point_help():
     result = subprocess.run([sys.executable, "-m", "jlora", "--help"], capture_output=True, text=True, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0 and "generate" in result.stdout and "demo" in result.stdout
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"jlora {jlora.__version__} (JAX {jax.__version__})\n"
 
 
 @pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="the CPU refusal")
