@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -363,8 +364,9 @@ def _listed(value, key: str) -> list[str]:
 
 def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None) -> None:
     """`jlora serve --replicas N`: deploys on the Ray cluster at RAY_ADDRESS (a local one when unset), with
-    Ray Serve's HTTP proxy on the config's host and port, until interrupted. On a local cluster the proxy
-    listens here, so an address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
+    Ray Serve's HTTP proxy on the config's host and port, until Ctrl-C (KeyboardInterrupt, after the clean-up) or
+    SIGTERM (the process ends by it, after the clean-up). On a local cluster the proxy listens here, so an
+    address it cannot take stops the start before Ray does, and port 0 becomes a free one."""
     check_start(spec.model_dir, spec.config, spec.loras)  # here, not after each replica has loaded the model
     try:  # Ray Serve's own check of the options as the deployment will give them, before Ray starts
         Replica.options(**_replica_options(replica_options, replicas=replicas, gpus=0,
@@ -376,8 +378,17 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
             port = sock.getsockname()[1]
         spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, port=port))
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
-    serve.start(http_options={"host": spec.config.host, "port": spec.config.port})
+    terminated = []
+    # SIGTERM over Ray's own handler, whose SystemExit ended the process by SIGABRT after the clean-up
+    if threading.current_thread() is threading.main_thread():
+
+        def terminate(signum, frame):  # SIGTERM: the clean-up of Ctrl-C, then the process ends by the signal
+            terminated.append(signum)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, terminate)
     try:
+        serve.start(http_options={"host": spec.config.host, "port": spec.config.port})
         _deploy(deployment(spec, replicas=replicas, replica_options=replica_options))
         scaling = (replica_options or {}).get("autoscaling_config")
         count = "autoscaled replicas" if scaling else f"{replicas} replica(s)"
@@ -386,6 +397,7 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
             time.sleep(3600)
     except KeyboardInterrupt:
         print("jlora: shutting down", flush=True)
+        raise  # as one server ends on Ctrl-C: `jlora serve: interrupted`, code 130
     finally:
         with contextlib.suppress(KeyboardInterrupt):  # a second interrupt leaves the rest to Ray's exit hooks
             if os.environ.get("RAY_ADDRESS"):  # a cluster others may use: only what this command deployed
@@ -393,6 +405,9 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
             else:
                 serve.shutdown()
             ray.shutdown()
+        if terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
 
 
 def remove_app() -> None:

@@ -16,12 +16,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, *args: str) -> tuple[subprocess.Popen, str]:
-    """(the process, its base URL) once /health answers; `args` are `jlora serve`'s options."""
+def start_server(model_dir: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """(the process, its base URL) once /health answers; `args` are `jlora serve`'s options, `env` its environment
+    (default: this process's)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "jlora", "serve", "--model", model_dir, "--port", str(port), "--dtype", "float32",
            *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=(os.environ if env is None else env) | {"JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:

@@ -6,7 +6,9 @@ hang, and Ray Serve replaces it."""
 
 import asyncio
 import dataclasses
+import os
 import re
+import signal
 import socket
 import time
 
@@ -20,6 +22,7 @@ from jlora import testing  # noqa: E402
 from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.engine_config import EngineConfig  # noqa: E402
+from tests.server.launch import start_server  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
 CFG = testing.tiny_config("llama", vocab_size=120)
@@ -87,6 +90,45 @@ def engine(root):
     eng = Engine.from_pretrained(str(root / "m"), OPTIONS, progress=False)
     eng.registry.scan(str(root / "adapters"))
     return eng
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_serve_with_replicas_stops_on_ctrl_c_and_sigterm_as_one_server_does(root, signum):
+    """`jlora serve --replicas 1` on a local cluster of its own, stopped by Ctrl-C (130 and one line) or SIGTERM (by
+    the signal, where Ray's handler made it exit with code 15), with no traceback; Ray's processes go with it.
+    (First in the module: the module's own cluster has not started yet.)"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc, url = start_server(str(root / "m"), "--replicas", "1", "--lora-dir", str(root / "adapters"), "--max-batch",
+                             "2", "--max-seq-len", "64", env=env)
+    try:
+        answer = httpx.post(url + "/v1/completions", json=body(NAMES[0], 0), timeout=120)
+        assert answer.status_code == 200, answer.text
+        before = set(_ray_processes())
+        proc.send_signal(signum)
+        out = proc.communicate(timeout=180)[0].decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == (130 if signum == signal.SIGINT else -signal.SIGTERM), out[-3000:]
+    assert "jlora: shutting down" in out and "Traceback" not in out, out[-3000:]
+    assert ("jlora serve: interrupted" in out) == (signum == signal.SIGINT)
+    deadline = time.monotonic() + 120  # Ray's agents notice their node has gone within a minute or so
+    while (left := before & set(_ray_processes())) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"Ray processes {left} outlived `jlora serve`"
+
+
+def _ray_processes() -> list[int]:
+    """The pids of this machine's Ray processes (`ray::...`, raylet, gcs_server)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().split(b"\0")[0]
+        except OSError:
+            continue
+        if command.startswith(b"ray::") or os.path.basename(command) in (b"raylet", b"gcs_server"):
+            found.append(int(pid))
+    return found
 
 
 def body(model: str, i: int) -> dict:
