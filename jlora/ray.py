@@ -379,14 +379,14 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
         spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, port=port))
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     terminated = []
-    # SIGTERM over Ray's own handler, whose SystemExit ended the process by SIGABRT after the clean-up
-    if threading.current_thread() is threading.main_thread():
 
-        def terminate(signum, frame):  # SIGTERM: the clean-up of Ctrl-C, then the process ends by the signal
-            terminated.append(signum)
-            raise KeyboardInterrupt
+    def terminate(signum, frame):  # SIGTERM: the clean-up of Ctrl-C, then the process ends by the signal
+        terminated.append(signum)
+        raise KeyboardInterrupt
 
-        signal.signal(signal.SIGTERM, terminate)
+    # over Ray's own handler, whose SystemExit ended the process by SIGABRT after the clean-up
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate) if main else None
     try:
         serve.start(http_options={"host": spec.config.host, "port": spec.config.port})
         _deploy(deployment(spec, replicas=replicas, replica_options=replica_options))
@@ -405,8 +405,9 @@ def run(spec: ReplicaSpec, *, replicas: int, replica_options: dict | None = None
             else:
                 serve.shutdown()
             ray.shutdown()
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if terminated or previous is None else previous)
         if terminated:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.raise_signal(signal.SIGTERM)
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import runpy
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -298,7 +299,10 @@ def test_serve_on_a_local_ray_cluster_checks_its_address_before_starting_ray(dir
     the proxy (which would print 0)."""
     jlora_ray = pytest.importorskip("jlora.ray")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(jlora_ray.ray, "init", lambda **kw: None)
+    for name in ("init", "shutdown"):
+        monkeypatch.setattr(jlora_ray.ray, name, lambda **kw: None)
+    monkeypatch.setattr(jlora_ray.serve, "shutdown", lambda: None)
+    before = signal.getsignal(signal.SIGTERM)
     started = []
 
     def start(http_options):
@@ -314,6 +318,7 @@ def test_serve_on_a_local_ray_cluster_checks_its_address_before_starting_ray(dir
     assert cli.main(["serve", "--model", str(dirs / "m"), "--port", "0", "--replicas", "1"]) == 1
     (options,) = started
     assert options["host"] == "127.0.0.1" and options["port"] > 0
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's SIGTERM handler goes with it
     socket.create_server(("127.0.0.1", options["port"])).close()  # free again for the proxy to take
 
 
