@@ -7,6 +7,7 @@ runtime loads and unloads; bad input answers 4xx and the server keeps serving.""
 import asyncio
 import contextlib
 import json
+import signal
 import time
 
 import numpy as np
@@ -310,3 +311,34 @@ def test_a_full_queue_answers_503_with_retry_after(root):
         assert httpx.get(url + "/v1/models").status_code == 200  # no key needed without --api-key
     finally:
         stop_server(proc)
+
+
+def test_ctrl_c_lets_an_open_stream_finish_then_exits_with_130(root):
+    """SIGINT, as Ctrl-C sends it: the server takes no new connection, a stream under way runs to its end, and the
+    server exits with 130 and one line, no traceback."""
+    proc, url = start_server(str(root / "m"), "--max-seq-len", str(MAX_SEQ))
+    body = {"model": "m", "prompt": "the quick brown fox", "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]
+            proc.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the listening socket closes
+                try:
+                    httpx.get(url + "/health", timeout=1)
+                except httpx.ConnectError:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the server still took connections 10 s after SIGINT")
+            events += list(lines)
+        out = proc.communicate(timeout=60)[0].decode()
+    finally:
+        proc.kill()
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event[6:]) for event in events[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 150
+    assert proc.returncode == 130 and "jlora serve: interrupted" in out and "Traceback" not in out, out[-3000:]
