@@ -41,7 +41,7 @@ def start_server(model_dir: str, *args: str, env: dict | None = None) -> tuple[s
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, as a process manager stops a server: it exits with the signal's code, and its reader processes
     (which lead process groups of their own, so no group signal reaches them) end with it."""
-    children = [pid for pid in _pids() if _stat(pid)[1] == str(proc.pid)]
+    children = [pid for pid in process_ids() if _stat(pid)[1] == str(proc.pid)]
     proc.terminate()
     assert proc.wait(timeout=30) == -signal.SIGTERM, proc.stdout.read().decode()[-3000:]
     deadline = time.monotonic() + 30
@@ -50,7 +50,8 @@ def stop_server(proc: subprocess.Popen) -> None:
     assert not alive, f"reader processes {alive} outlived their server"
 
 
-def _pids() -> list[int]:
+def process_ids() -> list[int]:
+    """The ids of this machine's processes."""
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 

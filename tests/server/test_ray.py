@@ -22,7 +22,7 @@ from jlora import testing  # noqa: E402
 from jlora.adapters.peft import LINEAR_MODULES  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.engine_config import EngineConfig  # noqa: E402
-from tests.server.launch import start_server  # noqa: E402
+from tests.server.launch import process_ids, start_server  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
 CFG = testing.tiny_config("llama", vocab_size=120)
@@ -120,14 +120,14 @@ def test_serve_with_replicas_stops_on_ctrl_c_and_sigterm_as_one_server_does(root
 def _ray_processes() -> list[int]:
     """The pids of this machine's Ray processes (`ray::...`, raylet, gcs_server)."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in process_ids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().split(b"\0")[0]
         except OSError:
             continue
         if command.startswith(b"ray::") or os.path.basename(command) in (b"raylet", b"gcs_server"):
-            found.append(int(pid))
+            found.append(pid)
     return found
 
 
