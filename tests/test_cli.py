@@ -402,7 +402,7 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"jlora {jlora.__version__} (JAX {jax.__version__})\n"
 
 
-@pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="the CPU refusal")
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU refusal")
 def test_bench_without_a_gpu_says_so(capsys):
     assert cli.main(["bench", "kernels", "--quick"]) == 1
     assert "need an NVIDIA GPU" in capsys.readouterr().err

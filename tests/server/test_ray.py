@@ -95,7 +95,7 @@ def engine(root):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_serve_with_replicas_stops_on_ctrl_c_and_sigterm_as_one_server_does(root, signum):
     """`jlora serve --replicas 1` on a local cluster of its own, stopped by Ctrl-C (130 and one line) or SIGTERM (by
-    the signal, where Ray's handler made it exit with code 15), with no traceback; Ray's processes go with it.
+    the signal, where under Ray's handler it ended by SIGABRT), with no traceback; Ray's processes go with it.
     (First in the module: the module's own cluster has not started yet.)"""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc, url = start_server(str(root / "m"), "--replicas", "1", "--lora-dir", str(root / "adapters"), "--max-batch",
