@@ -9,6 +9,11 @@ import time
 
 import httpx
 
+# `jlora serve`, on which Ctrl-C's SIGINT raises KeyboardInterrupt as in a terminal, also where this process was
+# started ignoring SIGINT (a background job of a non-interactive shell: its children inherit the ignoring)
+_RUN_WITH_SIGINT = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                    "from jlora.cli import main; sys.exit(main(sys.argv[1:]))")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -20,8 +25,8 @@ def start_server(model_dir: str, *args: str, env: dict | None = None) -> tuple[s
     """(the process, its base URL) once /health answers; `args` are `jlora serve`'s options, `env` its environment
     (default: this process's)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "jlora", "serve", "--model", model_dir, "--port", str(port), "--dtype", "float32",
-           *args]
+    cmd = [sys.executable, "-c", _RUN_WITH_SIGINT, "serve", "--model", model_dir, "--port", str(port), "--dtype",
+           "float32", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=(os.environ if env is None else env) | {"JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
