@@ -319,15 +319,20 @@ def test_base_only_calls_run_without_the_lora_ops(engine, monkeypatch):
     assert seen and all(w is not None and w is engine.pool.step_weights for w in seen)
 
 
+def _one_slot_engine(tmp_path) -> Engine:
+    """A float32 engine of one adapter slot and two rows, adapters read on the calling thread."""
+    testing.write_model(str(tmp_path / "m"), CFG, seed=7)
+    return Engine.from_pretrained(str(tmp_path / "m"), max_loras=1, max_lora_rank=8, dtype="float32", max_batch=2,
+                                  max_seq_len=64, progress=False, adapter_readers=0)
+
+
 def test_calls_from_several_threads_run_one_after_another(tmp_path):
     """Threads calling generate, score and prefill_logits at once, each with its own adapter, over one slot, and
     one loading and unloading another adapter: each gets what it gets alone (a call once failed with
     PoolFullError, every slot held by another call's adapter; a slot write from another thread deleted the
     weights a step in flight read; prefill_logits' adapter could be evicted between its slot write and its
     step)."""
-    testing.write_model(str(tmp_path / "m"), CFG, seed=7)
-    eng = Engine.from_pretrained(str(tmp_path / "m"), max_loras=1, max_lora_rank=8, dtype="float32", max_batch=2,
-                                 max_seq_len=64, progress=False, adapter_readers=0)
+    eng = _one_slot_engine(tmp_path)
     for i in range(4):
         testing.write_adapter(str(tmp_path / f"a{i}"), CFG, r=4, alpha=8, seed=i)
         eng.register_adapter(f"a{i}", str(tmp_path / f"a{i}"))
@@ -348,9 +353,7 @@ def test_a_progress_callback_may_call_the_engine_again(tmp_path):
     """The calls' lock is re-entrant: a `progress` callback that generates and reads logits on the base model while
     the outer call runs its adapter in the engine's one slot gets what those calls get alone, and so does the
     outer call."""
-    testing.write_model(str(tmp_path / "m"), CFG, seed=7)
-    eng = Engine.from_pretrained(str(tmp_path / "m"), max_loras=1, max_lora_rank=8, dtype="float32", max_batch=2,
-                                 max_seq_len=64, progress=False, adapter_readers=0)
+    eng = _one_slot_engine(tmp_path)
     testing.write_adapter(str(tmp_path / "a"), CFG, r=4, alpha=8, seed=1)
     eng.register_adapter("a", str(tmp_path / "a"))
     outer = lambda progress=None: [list(g) for g in eng.generate([[1, 2, 3], [4]], ["a", "a"], max_new_tokens=6,
