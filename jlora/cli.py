@@ -8,6 +8,7 @@ import io
 import json
 import os
 import runpy
+import signal
 import sys
 import tempfile
 
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jlora {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, no traceback
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # another Ctrl-C while the process exits ends it, silently
         print(f"\njlora {args.command}: interrupted", file=sys.stderr)
         return 130
 

@@ -45,7 +45,9 @@ def test_generate_json_output_file(dirs, tmp_path):
 
 def test_ctrl_c_ends_a_command_with_the_code_of_sigint_and_no_traceback(dirs, tmp_path, capsys, monkeypatch):
     """Ctrl-C while generating (here: KeyboardInterrupt raised from the engine's loop) prints one line and exits
-    with 130, as shells report SIGINT; the --output file is left as it was and no temporary file stays."""
+    with 130, as shells report SIGINT; the --output file is left as it was and no temporary file stays. Another
+    Ctrl-C on the way out ends the process by SIGINT at once (its default), where Python would raise KeyboardInterrupt
+    into the interpreter's exit and print a traceback."""
     from jlora.engine import Engine
 
     def interrupted(self, *args, **kwargs):
@@ -54,7 +56,12 @@ def test_ctrl_c_ends_a_command_with_the_code_of_sigint_and_no_traceback(dirs, tm
     monkeypatch.setattr(Engine, "generate", interrupted)
     out = tmp_path / "out.jsonl"
     out.write_text("earlier results\n")
-    rc = cli.main(["generate", "--model", str(dirs / "m"), "--prompt", "the fox", "--quiet", "--output", str(out)])
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        rc = cli.main(["generate", "--model", str(dirs / "m"), "--prompt", "the fox", "--quiet", "--output", str(out)])
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, handler)
     err = capsys.readouterr().err
     assert rc == 130 and err.strip() == "jlora generate: interrupted" and "Traceback" not in err
     assert out.read_text() == "earlier results\n" and os.listdir(tmp_path) == ["out.jsonl"]

@@ -468,12 +468,13 @@ def _internal_error(err: Exception) -> ApiError:
 
 def _request_error(request: Request) -> ApiError:
     """The error of a request refused at intake (404: its adapter is not registered; 503: no slot can take it until
-    an adapter is unloaded; 400: bad input) or failed in the engine or while its adapter loaded (500)."""
+    an adapter is unloaded; 400: bad input) or failed in the engine or while its adapter loaded (500), or ended by
+    the server's shutdown (503)."""
     if request.finish == "error":
         status = request.status or 400
         kind = {404: "NotFoundError", 503: "server_error"}.get(status, "invalid_request_error")
         return ApiError(status, request.error, "model" if status in (404, 503) else "prompt", kind)
-    return ApiError(500, request.error, kind="server_error")
+    return ApiError(request.status or 500, request.error, kind="server_error")
 
 
 def _usage(prepared: _Prepared, samples: list[_Sample]) -> dict:

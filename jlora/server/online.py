@@ -33,7 +33,8 @@ class QueueFull(RuntimeError):
 
 
 class EngineStopped(Exception):
-    """The engine loop stopped for good: it failed, and starting over on a fresh cache failed too."""
+    """The engine loop stopped for good: it failed, and starting over on a fresh cache failed too, or the server
+    ended its requests to shut down (`OnlineEngine.end_all`)."""
 
 
 class OnlineEngine:
@@ -110,6 +111,14 @@ class OnlineEngine:
                 raise EngineStopped(self.stopped_by)
             self._inbox.put(("call", fn, future))
         return future
+
+    def end_all(self, message: str) -> None:
+        """Ends every request queued, waiting or running (finish "failed", `message`, HTTP 503) between two steps,
+        and takes no more (`EngineStopped`): a server that shuts down now rather than after its requests."""
+        try:
+            self.call(lambda: self._stop_for_good(message, status=503))
+        except EngineStopped:  # stopped already: nothing runs
+            pass
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future:
         """Unloads an adapter on the loop thread (`Engine.unload_adapter`); the future raises KeyError when it is
@@ -196,9 +205,9 @@ class OnlineEngine:
                 self._fail_all("the engine loop failed", err)
                 last_start = None
 
-    def _stop_for_good(self, message: str) -> None:
-        """Ends every request taken in or queued ("failed", `message`) and every queued call (`EngineStopped`);
-        later submits and calls raise EngineStopped, and `down` says why."""
+    def _stop_for_good(self, message: str, status: int | None = None) -> None:
+        """Ends every request taken in or queued ("failed", `message`, HTTP `status`; None: 500) and every queued
+        call (`EngineStopped`); later submits and calls raise EngineStopped, and `down` says why."""
         with self._lock:
             self.stopped_by = message
             items = []
@@ -207,7 +216,7 @@ class OnlineEngine:
             self._queued = 0
         for r in [*self._taken_in(self.batcher), *(item[1] for item in items if item[0] == "submit")]:
             if r.finish is None:
-                r.end("failed", message)
+                r.end("failed", message, status)
         for item in items:
             if item[0] == "call":
                 item[2].set_exception(EngineStopped(message))
@@ -227,6 +236,8 @@ class OnlineEngine:
                 self._take(self._inbox.get_nowait())
         except queue.Empty:
             pass
+        if self.stopped_by is not None:  # a call ended every request (`end_all`): no step for them
+            return None
         self.admission.poll(self.batcher.add, write=not self.batcher.busy)  # what just arrived
         if self.batcher.busy:
             start = time.monotonic()

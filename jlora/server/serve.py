@@ -84,6 +84,7 @@ def serve(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
     import uvicorn
 
     from jlora.server.protocol import header_deadline_protocol
+    from jlora.server.shutdown import ShutdownServer
 
     with listening_socket(config.host, config.port) as sock:  # closed too when the start fails
         app, online, config = build(model_dir, config, engine_config, loras=loras, lora_dirs=lora_dirs)
@@ -96,9 +97,9 @@ def serve(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
         if config.allow_runtime_lora:
             print(f"jlora: runtime adapter loads allowed from {list(config.lora_roots)}"
                   + ("" if config.api_key else " by any caller (no --api-key)"), file=sys.stderr, flush=True)
-        server = uvicorn.Server(uvicorn.Config(
+        server = ShutdownServer(uvicorn.Config(
             app, log_level="warning", http=header_deadline_protocol(config.header_timeout),
-            limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive))
+            limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive), online)
         server.run(sockets=[sock])
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("starlette")
 from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.scheduler import Request  # noqa: E402
-from jlora.server.online import OnlineEngine  # noqa: E402
+from jlora.server.online import EngineStopped, OnlineEngine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -150,5 +150,40 @@ def test_a_failure_outside_the_step_fails_its_requests_and_the_loop_goes_on(engi
             assert running.finish == "failed" and "the engine loop failed" in running.error
         assert not armed.is_set()  # the failure did happen
         assert online._thread.is_alive() and run(online, [4, 5], None, 5).out == want
+    finally:
+        online.stop()
+
+
+def test_end_all_ends_every_request_at_the_next_turn_and_takes_no_more(engine):
+    """`end_all` (a server's second Ctrl-C), asked while two requests run and one waits for a row: each ends with
+    finish "failed", the message and HTTP 503, at the loop's next turn; no step runs after, so none gets a token
+    past its end; later submits and calls raise EngineStopped, a second `end_all` is a no-op, and `stop` returns."""
+    online = OnlineEngine(engine)
+    updates = []
+
+    def on_update(r: Request) -> None:  # on the loop thread: the first token asks for the end
+        updates.append((r, r.finish, len(r.out)))
+        if r is requests[0] and len(r.out) == 1:
+            online.end_all("the server is shutting down")
+
+    requests = [Request([1, 2, 3], -1, 25, on_update=on_update) for _ in range(3)]  # 2 rows: one waits
+    online.start()
+    try:
+        online.submit(requests, "a")
+        deadline = threading.Event()
+        while online.down is None and not deadline.wait(0.01):
+            pass
+        online._thread.join(timeout=60)
+        assert not online._thread.is_alive() and online.down == "the server is shutting down"
+        assert [(r.finish, r.error, r.status) for r in requests] == [("failed", "the server is shutting down", 503)] * 3
+        # each request's updates: its tokens, then its end, and nothing after it
+        assert [(requests.index(r), finish, n) for r, finish, n in updates] == [
+            (0, None, 1), (1, None, 1), (2, "failed", 0), (0, "failed", 1), (1, "failed", 1)]
+        with pytest.raises(EngineStopped, match="shutting down"):
+            online.submit(Request([1], -1, 2), None)
+        with pytest.raises(EngineStopped):
+            online.call(lambda: None)
+        online.end_all("again")  # no-op
+        assert online.down == "the server is shutting down"
     finally:
         online.stop()

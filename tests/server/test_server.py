@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import threading
 import time
 
 import numpy as np
@@ -342,3 +343,49 @@ def test_ctrl_c_lets_an_open_stream_finish_then_exits_with_130(root):
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 150
     assert proc.returncode == 130 and "jlora serve: interrupted" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("presses", [2, 3])
+def test_a_second_ctrl_c_ends_the_running_requests_and_a_third_exits_at_once(root, presses):
+    """Ctrl-C pressed again while requests run: the second ends them between two steps, so a stream's last events
+    are a 503 error naming the shutdown and [DONE], and a request waiting for its whole answer gets that 503; a
+    third forces the exit (uvicorn's), which drops what still runs, or, where the server is on its way out already,
+    ends it by SIGINT. Either way the server exits as Ctrl-C's (130, or killed by SIGINT), with no traceback."""
+    proc, url = start_server(str(root / "m"), "--max-seq-len", "4096")
+    long = {"model": "m", "prompt": "the quick brown fox", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    replies = []
+
+    def whole():  # a non-streamed request, running when the signals come
+        try:
+            replies.append(httpx.post(url + "/v1/completions", json=long, timeout=120))
+        except httpx.TransportError as err:
+            replies.append(err)
+
+    try:
+        waiting = threading.Thread(target=whole)
+        waiting.start()
+        with httpx.stream("POST", url + "/v1/completions", json=long | {"stream": True}, timeout=120) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]  # a token: the requests run
+            start = time.monotonic()
+            for _ in range(presses):
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.3)  # apart: Python runs one handler for signals that arrive together
+            with contextlib.suppress(httpx.TransportError):  # a forced exit drops the stream
+                events += list(lines)
+        out = proc.communicate(timeout=60)[0].decode()
+        waiting.join(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - start < 30, "the server took its time"  # 4000 tokens on the CPU take far longer
+    assert proc.returncode in ((130, -signal.SIGINT) if presses == 3 else (130,)) and "Traceback" not in out, out
+    assert "Ctrl-C again ends them now" in out and "ending the running requests" in out
+    assert proc.returncode != 130 or "jlora serve: interrupted" in out
+    shutdown = {"message": "the server is shutting down", "type": "server_error", "param": None, "code": 503}
+    if events[-1] == "data: [DONE]":  # ended by the second Ctrl-C (a third may come after)
+        assert json.loads(events[-2][6:]) == {"error": shutdown}
+    else:
+        assert presses == 3, events[-3:]
+    reply, = replies
+    if presses == 2 or isinstance(reply, httpx.Response) and reply.status_code != 500:  # 500: uvicorn's, forced
+        assert reply.status_code == 503 and reply.json() == {"error": shutdown}, reply
