@@ -159,26 +159,25 @@ def test_end_all_ends_every_request_at_the_next_turn_and_takes_no_more(engine):
     finish "failed", the message and HTTP 503, at the loop's next turn; no step runs after, so none gets a token
     past its end; later submits and calls raise EngineStopped, a second `end_all` is a no-op, and `stop` returns."""
     online = OnlineEngine(engine)
-    updates = []
+    updates = {}  # each request's updates: (finish, tokens) as on_update saw them
 
-    def on_update(r: Request) -> None:  # on the loop thread: the first token asks for the end
-        updates.append((r, r.finish, len(r.out)))
-        if r is requests[0] and len(r.out) == 1:
+    def on_update(r: Request) -> None:  # on the loop thread: the first tokens ask for the end
+        if r is requests[0] and not updates.get(r):
             online.end_all("the server is shutting down")
+        updates.setdefault(r, []).append((r.finish, len(r.out)))
 
     requests = [Request([1, 2, 3], -1, 25, on_update=on_update) for _ in range(3)]  # 2 rows: one waits
     online.start()
     try:
         online.submit(requests, "a")
-        deadline = threading.Event()
-        while online.down is None and not deadline.wait(0.01):
-            pass
-        online._thread.join(timeout=60)
+        online._thread.join(timeout=60)  # the loop ends once it took the call
         assert not online._thread.is_alive() and online.down == "the server is shutting down"
         assert [(r.finish, r.error, r.status) for r in requests] == [("failed", "the server is shutting down", 503)] * 3
-        # each request's updates: its tokens, then its end, and nothing after it
-        assert [(requests.index(r), finish, n) for r, finish, n in updates] == [
-            (0, None, 1), (1, None, 1), (2, "failed", 0), (0, "failed", 1), (1, "failed", 1)]
+        for r in requests:  # its tokens, then its end with no token more, and nothing after it
+            *running, (finish, tokens) = updates[r]
+            assert finish == "failed" and tokens == len(r.out) and all(f is None for f, _ in running), updates[r]
+            assert tokens == (running[-1][1] if running else 0) < 25
+        assert len(requests[0].out) > 0 and len(requests[1].out) > 0 and not requests[2].out  # two ran, one waited
         with pytest.raises(EngineStopped, match="shutting down"):
             online.submit(Request([1], -1, 2), None)
         with pytest.raises(EngineStopped):
