@@ -169,7 +169,7 @@ def test_end_all_ends_every_request_at_the_next_turn_and_takes_no_more(engine):
     requests = [Request([1, 2, 3], -1, 25, on_update=on_update) for _ in range(3)]  # 2 rows: one waits
     online.start()
     try:
-        online.submit(requests, "a")
+        online.submit(requests, None)  # the base model: the module's first test unloads "a"
         online._thread.join(timeout=60)  # the loop ends once it took the call
         assert not online._thread.is_alive() and online.down == "the server is shutting down"
         assert [(r.finish, r.error, r.status) for r in requests] == [("failed", "the server is shutting down", 503)] * 3
