@@ -38,6 +38,11 @@ class ShutdownServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         first, again = not self.should_exit, self.should_exit and sig == signal.SIGINT
         super().handle_exit(sig, frame)  # the first signal: should_exit; another Ctrl-C: force_exit
+        # uvicorn raises the signals it caught again once done, to exit as they would have: the first alone. For
+        # the first SIGINT asyncio's runner cancels the server's task and raises KeyboardInterrupt once the event
+        # loop has returned; for a second it raises it from the handler, inside an iteration of the loop, which
+        # uvloop does not reliably survive (a server so ended crashed at exit by SIGSEGV).
+        del self._captured_signals[1:]
         if first:
             self._say("shutting down once the running requests end (Ctrl-C again ends them now)")
         elif again and not self._ending:

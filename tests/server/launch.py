@@ -23,12 +23,12 @@ def _free_port() -> int:
 
 def start_server(model_dir: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """(the process, its base URL) once /health answers; `args` are `jlora serve`'s options, `env` its environment
-    (default: this process's)."""
+    (default: this process's). A crash prints every thread's stack (faulthandler) into its output."""
     port = _free_port()
     cmd = [sys.executable, "-c", _RUN_WITH_SIGINT, "serve", "--model", model_dir, "--port", str(port), "--dtype",
            "float32", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=(os.environ if env is None else env) | {"JAX_PLATFORMS": "cpu"})
+    env = (os.environ if env is None else env) | {"JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
