@@ -46,7 +46,11 @@ def _read_requests(args) -> list[dict]:
         return [_chat_request(args.prompt, args.adapter) if args.chat else {"prompt": args.prompt,
                                                                              "adapter": args.adapter}]
     requests = []
-    with open(args.prompts_file, "rb") as f:
+    try:
+        f = open(args.prompts_file, "rb")
+    except OSError as err:
+        raise OSError(f"cannot read --prompts-file {args.prompts_file!r}: {err.strerror}") from None
+    with f:
         for n, line in enumerate(f, 1):
             where = f"{args.prompts_file}:{n}"
             if not line.strip():

@@ -162,6 +162,17 @@ def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(di
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("path, why", [("missing.jsonl", "No such file or directory"), (".", "Is a directory")])
+def test_a_prompts_file_that_cannot_be_read_is_named_before_loading(dirs, tmp_path, capsys, monkeypatch, path, why):
+    from jlora.engine import Engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    path = str(tmp_path / path)
+    assert cli.main(["generate", "--model", str(dirs / "m"), "--prompts-file", path, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"jlora generate: error: cannot read --prompts-file {path!r}: {why}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"prompt_ids": 5}', "p.jsonl:2: 'prompt_ids' must be a list of integer token ids"),
     ('{"prompt_ids": "the fox"}', "'prompt_ids' must be a list of integer token ids"),
