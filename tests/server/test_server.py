@@ -397,9 +397,10 @@ def test_a_second_ctrl_c_ends_the_running_requests_and_a_third_exits_at_once(roo
 
 @pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM])
 def test_the_exit_raises_again_only_the_first_signal(first):
-    """uvicorn raises the signals it caught again once the server is done: only the first, whatever follows. A
-    second SIGINT raised there makes asyncio's runner raise KeyboardInterrupt inside an event-loop iteration, out
-    of uvloop's callback, where a CI run's server then crashed at exit (SIGSEGV); a first is taken between them."""
+    """uvicorn raises the signals it caught again once the server is done: the first alone, whatever follows. For
+    a second SIGINT asyncio's runner raises KeyboardInterrupt from inside an event-loop iteration (out of uvloop's
+    callback), after which a CI run's server crashed at exit (SIGSEGV); for the first it cancels the server's task
+    and raises once the loop has returned."""
     import uvicorn
 
     from jlora.server.shutdown import ShutdownServer
