@@ -11,18 +11,18 @@ import runpy
 import signal
 import sys
 import tempfile
-
-import jax
+import threading
+from importlib import import_module, metadata
 
 from jlora import __version__
-from jlora.adapters.config import check_start_adapters
-from jlora.engine_config import EngineConfig
-from jlora.server.config import GENERATION_CONFIGS
 from jlora.values import is_integer
 
 __all__ = ["main"]
 
 BENCH_SCRIPTS = {"kernels": "kernels.py", "model": "model.py"}
+# The modules each command runs on, imported before it starts with Ctrl-C held back (`_ctrl_c_held`)
+COMMAND_MODULES = {"demo": ["jlora.demo"], "selfcheck": ["jlora.selfcheck"], "generate": ["jlora.engine"],
+                   "serve": ["jlora.engine", "jlora.server.app"], "bench": []}
 REQUEST_KEYS = frozenset({"prompt", "prompt_ids", "messages", "adapter"})  # a --prompts-file line's keys
 
 
@@ -108,7 +108,9 @@ def _chat_request(text: str, adapter: str | None) -> dict:
 def _generate(args) -> int:
     from tqdm.auto import tqdm
 
+    from jlora.adapters.config import check_start_adapters
     from jlora.engine import Engine
+    from jlora.engine_config import EngineConfig
 
     requests = _read_requests(args)
     config = EngineConfig.from_args(args, max_loras=max(1, len(args.lora)))  # one slot per adapter named
@@ -188,6 +190,8 @@ def _bench(args) -> int:
     if not os.path.isfile(script):
         raise FileNotFoundError(f"{script} not found: the benchmarks live in the repository's bench/ "
                                 f"({', '.join(BENCH_SCRIPTS.values())}); run from a source checkout")
+    import jax
+
     wants_help = any(a in ("-h", "--help") for a in args.args)
     if not wants_help and jax.default_backend() != "gpu":
         raise RuntimeError(f"the benchmarks time CUDA kernels and need an NVIDIA GPU; JAX's backend here is "
@@ -199,6 +203,7 @@ def _bench(args) -> int:
 
 
 def _serve(args) -> int:
+    from jlora.engine_config import EngineConfig
     from jlora.server import ServerConfig, serve
 
     config = ServerConfig(served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -233,9 +238,12 @@ def _serve(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    from jlora.engine_config import EngineConfig  # imports JAX
+    from jlora.server.config import GENERATION_CONFIGS
+
     parser = argparse.ArgumentParser(prog="jlora", description="Multi-LoRA inference for JAX.")
-    parser.add_argument("--version", action="version", version=f"jlora {__version__} (JAX {jax.__version__})")
+    parser.add_argument("--version", action="version", version=f"jlora {__version__} (JAX {metadata.version('jax')})")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="random model + PEFT adapters: generate a mixed batch, check against merged weights")
     demo.add_argument("--out", help="keep the model (OUT/model) and adapters (OUT/<name>) in this directory")
@@ -320,7 +328,41 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("which", choices=sorted(BENCH_SCRIPTS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Holds a Ctrl-C back until the block ends, then raises SIGINT again: for imports, which an interrupt can
+    break midway (JAX's C extensions then fail with an ImportError traceback, or abort the process)."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pressed:
+            signal.raise_signal(signal.SIGINT)  # to the handler before, as if pressed now
+
+
+def _interrupted(who: str) -> int:
+    """Ctrl-C: says so, without a traceback, and returns the shell's code for SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # another Ctrl-C while the process exits ends it, silently
+    print(f"\n{who}: interrupted", file=sys.stderr)
+    return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        with _ctrl_c_held():  # the seconds JAX and the command's packages take to import
+            args = _parser().parse_args(argv)
+            for module in COMMAND_MODULES[args.command]:
+                import_module(module)
+    except KeyboardInterrupt:
+        return _interrupted("jlora")
     try:
         if args.command == "demo":
             from jlora.demo import run_demo
@@ -337,10 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"jlora {args.command}: error: {message}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, no traceback
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # another Ctrl-C while the process exits ends it, silently
-        print(f"\njlora {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return _interrupted(f"jlora {args.command}")
 
 
 if __name__ == "__main__":

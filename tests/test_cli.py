@@ -413,6 +413,34 @@ def test_console_entry_point_help():
     assert result.returncode == 0 and "generate" in result.stdout and "demo" in result.stdout
 
 
+def test_a_ctrl_c_while_the_command_line_loads_waits_for_the_imports_then_ends_it(dirs):
+    """`import jlora` loads no JAX: the command line imports it, and the command's packages, in `main` with Ctrl-C
+    held back, since an interrupt inside a C extension's import fails with an ImportError traceback or aborts the
+    process. A Ctrl-C then (here: sent from inside the parser's build) lets the imports end, then ends the command
+    as any other Ctrl-C: 130, one line, no traceback."""
+    code = f"""if True:
+        import os, signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+        import jlora
+        print("jax before main:", "jax" in sys.modules, flush=True)
+        from jlora import cli
+        build, built = cli._parser, []
+        def parser():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)  # held back: the imports go on
+            built.append(build())
+            return built[0]
+        cli._parser = parser
+        rc = cli.main(["generate", "--model", {str(dirs / "m")!r}, "--prompt", "x", "--quiet"])
+        print("built:", bool(built), "engine imported:", "jlora.engine" in sys.modules, flush=True)
+        sys.exit(rc)"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["jax before main: False", "built: True engine imported: True"]
+    assert result.stderr.strip() == "jlora: interrupted"
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--version"])
