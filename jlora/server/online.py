@@ -57,6 +57,7 @@ class OnlineEngine:
         self._stop = threading.Event()
         self.stopped_by: str | None = None  # why the loop stopped for good (`EngineStopped`)
         self._thread = threading.Thread(target=self._loop, name="jlora-engine", daemon=True)
+        self._set_gauges()  # a scrape before the first request sees the cache's blocks and the adapters in slots
 
     def start(self) -> None:
         self._thread.start()

@@ -34,6 +34,17 @@ def run(online: OnlineEngine, prompt, adapter, max_new: int) -> Request:
     return request
 
 
+def test_the_gauges_hold_the_cache_and_the_slots_before_the_first_request(engine):
+    """A scrape between the server's start and its first request (a dashboard after a restart) reads the KV cache's
+    blocks and the adapters loaded at start, not zeros."""
+    online = OnlineEngine(engine)
+    gauge = online.metrics.registry.get_sample_value
+    assert gauge("jlora_kv_cache_blocks") == online.batcher.blocks.num_blocks > 0
+    assert gauge("jlora_kv_cache_blocks_used") == 0
+    assert gauge("jlora_adapters_resident") == len(engine.pool.names) == 1  # "a", loaded by the fixture
+    assert gauge("jlora_adapter_slots_bytes") == engine.pool.nbytes > 0
+
+
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypatch):
     online = OnlineEngine(engine)
     online.start()
