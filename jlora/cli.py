@@ -109,9 +109,14 @@ def _generate(args) -> int:
     from tqdm.auto import tqdm
 
     from jlora.adapters.config import check_start_adapters
-    from jlora.engine import Engine
+    from jlora.engine import Engine, check_sampling
     from jlora.engine_config import EngineConfig
 
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, min_p=args.min_p, stop_token_ids=args.stop, seed=args.seed,
+                    ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                    frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+    check_sampling(**sampling)  # before the model loads, as every check that needs none
     requests = _read_requests(args)
     config = EngineConfig.from_args(args, max_loras=max(1, len(args.lora)))  # one slot per adapter named
     check_start_adapters(args.lora)
@@ -126,11 +131,7 @@ def _generate(args) -> int:
         with tqdm(total=len(requests) * args.max_new_tokens, desc="generating", unit="tok", disable=args.quiet) as bar:
             run = engine.chat if args.chat else engine.generate
             outputs = run([r["messages" if args.chat else "prompt"] for r in requests],
-                          [r["adapter"] for r in requests], max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          stop_token_ids=args.stop, seed=args.seed, progress=bar.update, ignore_eos=args.ignore_eos,
-                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                          presence_penalty=args.presence_penalty)
+                          [r["adapter"] for r in requests], progress=bar.update, **sampling)
         out.write(_render(args, requests, outputs))
     return 0
 

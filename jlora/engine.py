@@ -84,9 +84,7 @@ def _read_tokenizer(model_dir: str):
 
 
 def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
-    """Each of n requests' seed: `seed + i`, or `seed[i]`; as uint32 values (checked)."""
-    if not (is_integer(seed) or isinstance(seed, Sequence | np.ndarray) and all(is_integer(s) for s in seed)):
-        raise ValueError(f"seed must be an integer or a sequence of integers, got {seed!r:.60}")
+    """Each of n requests' seed: `seed + i`, or `seed[i]` (`check_sampling`'s); as uint32 values (checked)."""
     seeds = [int(seed) + i for i in range(n)] if is_integer(seed) else [int(s) for s in seed]
     if len(seeds) != n:
         raise ValueError(f"{len(seeds)} seeds for {n} prompts; give one seed, or one per prompt")
@@ -102,9 +100,39 @@ def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
     return config if config is not None else EngineConfig(**options)
 
 
-def _check_logprobs(k: int | None) -> None:
-    if k is not None and not (is_integer(k) and 0 <= k <= MAX_TOP_LOGPROBS):
-        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+def check_sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                   min_p: float = 0.0, stop_token_ids: Sequence[int] | None = None, seed: int | Sequence[int] = 0,
+                   logprobs: int | None = None, n: int = 1, ignore_eos: bool = False, repetition_penalty: float = 1.0,
+                   frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> None:
+    """Raises a ValueError naming the first of `Engine.generate`'s settings (its keywords, described there) out of
+    its range: the checks that need no model, so that a caller may make them before one loads (`jlora generate`
+    does). `generate` makes them too, then those that need the model (the stop ids against its vocabulary)."""
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not (is_real(temperature) and is_real(top_p) and 0 <= temperature < float("inf") and 0 < top_p <= 1):
+        raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
+    if not (is_integer(top_k) and 0 <= top_k < 2**31):
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r:.60}")
+    if not (is_real(min_p) and 0 <= min_p <= 1):
+        raise ValueError(f"min_p must be a number in [0, 1] (0: off), got {min_p!r:.60}")
+    if stop_token_ids is not None and not (isinstance(stop_token_ids, Sequence | np.ndarray | set | frozenset)
+                                           and all(is_integer(t) for t in stop_token_ids)):
+        raise ValueError(f"stop_token_ids must be a collection of integer token ids, got {stop_token_ids!r:.60}")
+    if not (is_integer(seed) or isinstance(seed, Sequence | np.ndarray) and all(is_integer(s) for s in seed)):
+        raise ValueError(f"seed must be an integer or a sequence of integers, got {seed!r:.60}")
+    if bad := [int(s) for s in ([seed] if is_integer(seed) else seed) if not 0 <= s < 2**32]:
+        raise ValueError(f"seeds must be in [0, 2**32), got {bad[:5]}")
+    if logprobs is not None and not (is_integer(logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+    if not is_integer(n) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r:.60}")
+    if not (is_real(repetition_penalty) and 0 < repetition_penalty <= 2):
+        raise ValueError(f"repetition_penalty must be a number in (0, 2] (1: off), got {repetition_penalty!r:.60}")
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not (is_real(value) and -2 <= value <= 2):
+            raise ValueError(f"{name} must be a number in [-2, 2] (0: off), got {value!r:.60}")
 
 
 class Generation(list):
@@ -440,30 +468,11 @@ class Engine:
           n `Generation`s (lists of token ids with `.text`, `.finish_reason` and `.logprobs`) per prompt, prompt
           by prompt: prompt i's samples are items i·n to i·n + n - 1.
         """
+        check_sampling(max_new_tokens, temperature, top_p, top_k, min_p, stop_token_ids, seed, logprobs, n, ignore_eos,
+                       repetition_penalty, frequency_penalty, presence_penalty)
         prompts = self.encode(prompts)
-        if not is_integer(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not (is_real(temperature) and is_real(top_p) and 0 <= temperature < float("inf") and 0 < top_p <= 1):
-            raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
-        if not (is_integer(top_k) and 0 <= top_k < 2**31):
-            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r:.60}")
-        if not (is_real(min_p) and 0 <= min_p <= 1):
-            raise ValueError(f"min_p must be a number in [0, 1] (0: off), got {min_p!r:.60}")
-        _check_logprobs(logprobs)
-        if not is_integer(n) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        if not isinstance(ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r:.60}")
-        if not (is_real(repetition_penalty) and 0 < repetition_penalty <= 2):
-            raise ValueError(f"repetition_penalty must be a number in (0, 2] (1: off), got {repetition_penalty!r:.60}")
-        for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
-            if not (is_real(value) and -2 <= value <= 2):
-                raise ValueError(f"{name} must be a number in [-2, 2] (0: off), got {value!r:.60}")
         penalties = dict(repetition_penalty=float(repetition_penalty), frequency_penalty=float(frequency_penalty),
                          presence_penalty=float(presence_penalty))
-        if stop_token_ids is not None and not (isinstance(stop_token_ids, Sequence | np.ndarray | set | frozenset)
-                                               and all(is_integer(t) for t in stop_token_ids)):
-            raise ValueError(f"stop_token_ids must be a collection of integer token ids, got {stop_token_ids!r:.60}")
         max_new_tokens, n = int(max_new_tokens), int(n)  # numpy integers as Python ones from here on
         logprobs = None if logprobs is None else int(logprobs)
         self._check_prompts(prompts, adapters, max_new_tokens)

@@ -162,6 +162,29 @@ def test_generate_refuses_an_output_or_adapters_it_cannot_take_before_loading(di
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
+    (["--temperature", "-1"], "need a finite temperature >= 0 and 0 < top_p <= 1, got -1.0, 1.0"),
+    (["--temperature", "inf"], "need a finite temperature >= 0"),
+    (["--top-p", "0"], "need a finite temperature >= 0 and 0 < top_p <= 1, got 0.0, 0.0"),
+    (["--top-k", "-1"], "top_k must be an integer >= 0 (0: off), got -1"),
+    (["--min-p", "nan"], "min_p must be a number in [0, 1] (0: off), got nan"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a number in (0, 2] (1: off), got 0.0"),
+    (["--frequency-penalty", "3"], "frequency_penalty must be a number in [-2, 2] (0: off), got 3.0"),
+    (["--presence-penalty", "-2.5"], "presence_penalty must be a number in [-2, 2] (0: off), got -2.5"),
+    (["--seed", "-1"], "seeds must be in [0, 2**32), got [-1]"),
+    (["--seed", str(2**32)], f"seeds must be in [0, 2**32), got [{2**32}]"),
+])
+def test_generate_refuses_sampling_options_out_of_range_before_loading(dirs, capsys, monkeypatch, args, message):
+    """What `Engine.generate` would refuse once the model had loaded (seconds to minutes), refused at once."""
+    from jlora.engine import Engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    assert cli.main(["generate", "--model", str(dirs / "m"), "--prompt", "x", "--quiet", *args]) == 1
+    err = capsys.readouterr().err
+    assert f"jlora generate: error: {message}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("path, why", [("missing.jsonl", "No such file or directory"), (".", "Is a directory")])
 def test_a_prompts_file_that_cannot_be_read_is_named_before_loading(dirs, tmp_path, capsys, monkeypatch, path, why):
     from jlora.engine import Engine
