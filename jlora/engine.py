@@ -366,7 +366,10 @@ class Engine:
         return self.model_config.vocab_size + (self.pool.max_extra_vocab if prepared is None else prepared.host.added)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], adapters: Sequence[str | None],
-                       max_new_tokens: int = 0) -> None:
+                       max_new_tokens: int = 0, kind: str = "prompt") -> None:
+        """Raises a ValueError (a KeyError for an adapter not registered) naming the first request, by its `kind`
+        and index, that the engine cannot run: adapters not one name or None per prompt, an empty prompt, token
+        ids outside its adapter's vocabulary, more than max_seq_len positions with `max_new_tokens`."""
         if isinstance(adapters, str) or not isinstance(adapters, Sequence | np.ndarray):
             raise ValueError(f"adapters must be a list of names (None: base), one per prompt, got {adapters!r:.60}; "
                              "for one adapter on every prompt give [name] * len(prompts)")
@@ -382,14 +385,15 @@ class Engine:
             raise KeyError(f"unknown adapter(s) {unknown}; registered: {self.adapters}")
         for i, (p, a) in enumerate(zip(prompts, adapters)):
             if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
+                raise ValueError(f"{kind} {i} is empty")
             vocab = self.vocab_size(a)
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (its adapter's vocabulary): "
+                raise ValueError(f"{kind} {i} has token ids outside [0, {vocab}) (its adapter's vocabulary): "
                                  f"{bad[:5]}")
             if len(p) + max_new_tokens > self.config.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                generated = f" with max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+                raise ValueError(f"{kind} {i} has {len(p)} tokens;{generated} it exceeds "
                                  f"max_seq_len={self.config.max_seq_len}")
 
     def prefill_logits(self, prompts: Sequence[str | Sequence[int]], adapters: Sequence[str | None]) -> list[np.ndarray]:
@@ -561,7 +565,7 @@ class Engine:
         if empty:
             raise ValueError(f"prompt(s) {empty[:5]} are empty: a continuation's first token needs a context")
         full = [p + c for p, c in zip(prompts, continuations)]
-        self._check_prompts(full, adapters)
+        self._check_prompts(full, adapters, kind="prompt + continuation")
         ended = None if progress is None else (lambda r: r.finish is not None and progress(1))
         requests = [Request(f, -1, 0, prompt_logprobs=1, on_update=ended) for f in full]
         self._run(requests, adapters)

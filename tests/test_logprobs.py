@@ -164,8 +164,11 @@ def test_scoring_requests_beside_generation_in_one_batcher(engine):
     (lambda e: e.score([[]], [[1]], [None]), r"prompt\(s\) \[0\] are empty: a continuation's first token"),
     (lambda e: e.score([[1]], [[2.5]], [None]), r"continuation 0 holds token ids that are not integers: \[2.5\]"),
     (lambda e: e.score([[1]], [[2], [3]], [None]), "1 prompts but 2 continuations"),
-    (lambda e: e.score([[1] * 90], [[2] * 10], [None]), "exceeds max_seq_len"),
-    (lambda e: e.score([[1]], [[10**6]], ["a0"]), "outside"),
+    (lambda e: e.score([[1] * 90], [[2] * 10], [None]),
+     r"^prompt \+ continuation 0 has 100 tokens; it exceeds max_seq_len="),
+    (lambda e: e.score([[1], [1]], [[2], [10**6]], [None, "a0"]),
+     r"^prompt \+ continuation 1 has token ids outside \[0, \d+\) \(its adapter's vocabulary\): \[1000000\]"),
+    (lambda e: e.generate([[1] * 90], [None], 20), r"^prompt 0 has 90 tokens; with max_new_tokens=20 it exceeds"),
 ])
 def test_bad_calls_name_the_problem(engine, call, match):
     with pytest.raises((ValueError, KeyError), match=match):
