@@ -5,7 +5,8 @@ loader thread each of them makes the engine loop wait up to the interpreter's sw
 it needs the GIL, which delays its steps while adapters load (docs/performance.md § Tenancy). `ProcessReader`
 runs `read_adapter` in child processes (`serve`, started as reads need them) and takes the arrays back through
 a shared-memory file mapped into this process: no copy, so taking a result holds the GIL for microseconds. A
-child that dies reading a file fails that adapter only and is replaced.
+child that dies reading a file fails that adapter only and is replaced; one that died while idle fails nothing
+(the read goes to another).
 
 Protocol, over the child's stdin and stdout: a request is a pickled `ReadRequest`; the answer a pickled
 `(adapter, path, spans)`, the adapter pickled with its arrays out of band in the file at `path` at `spans`
@@ -95,14 +96,14 @@ class ProcessReader:
         Raises:
           AdapterError: the adapter is invalid, reading it killed the child, or it took longer than `timeout`.
         """
-        child = self._take()
+        child = self._sent(request)
         stopped = threading.Event()
         timer = None if timeout is None else threading.Timer(timeout, lambda: (stopped.set(), child.process.kill()))
         if timer is not None:
             timer.start()
         try:
-            answer = child.ask(request)
-        except (OSError, EOFError, struct.error, pickle.UnpicklingError) as err:  # the child died
+            answer = child.receive()
+        except (OSError, EOFError, struct.error, pickle.UnpicklingError) as err:  # the child died reading it
             self._replace(child, timer)
             if stopped.is_set():
                 raise AdapterError(f"{request.adapter_dir}: reading it took longer than {timeout:g} s "
@@ -158,6 +159,22 @@ class ProcessReader:
                 self._started -= 1
             self._idle.put(None)
 
+    def _sent(self, request: ReadRequest) -> _Child:
+        """A child that has taken `request`. One that ended while idle (killed from outside, by the OOM killer or
+        an operator) cannot take it: it is replaced and the read goes to the next, since no file of this read ended
+        it. Only a new child that cannot take a request fails the read (no endless loop of them)."""
+        while True:
+            child = self._take()
+            new = child.new
+            try:
+                child.send(request)
+                return child
+            except OSError as err:  # its stdin's other end is closed: the process has ended
+                self._replace(child, None)
+                if new:
+                    raise AdapterError(f"{request.adapter_dir}: a new reader process ended before it took the "
+                                       f"read ({type(err).__name__}: {err})") from None
+
     def _take(self) -> _Child:
         """An idle child, a new one while fewer than `processes` run, else the next to become idle (or the
         place of one that ended: None)."""
@@ -191,9 +208,14 @@ class _Child:
         # ends its children; reaching them too, it would fail the reads in flight and print their tracebacks.
         self.process = subprocess.Popen([sys.executable, "-c", "from jlora.adapters.reader import serve; serve()"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, process_group=0)
+        self.new = True  # it has taken no request yet
 
-    def ask(self, request: ReadRequest) -> tuple:
+    def send(self, request: ReadRequest) -> None:
         _send(self.process.stdin, pickle.dumps(request))
+        self.new = False
+
+    def receive(self) -> tuple:
+        """The answer to the request sent last."""
         return pickle.loads(_receive(self.process.stdout))
 
     def close(self) -> None:

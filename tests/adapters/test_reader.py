@@ -128,7 +128,9 @@ def test_many_threads_share_few_children(tmp_path, leftover_files):
     assert not leftover_files()
 
 
-def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path, leftover_files):
+def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path, leftover_files, monkeypatch):
+    """A file the parser refuses fails its read and the child serves on; a child that dies during a read (as if a
+    file had crashed the parser) fails that read and is replaced."""
     config = ModelConfig.from_hf_config(CFG)
     good = str(tmp_path / "good")
     testing.write_adapter(good, CFG, r=4, alpha=8, seed=0)
@@ -146,12 +148,52 @@ def test_a_bad_file_and_a_dead_child_fail_only_their_read(tmp_path, leftover_fil
         dead = reader._children[0].process
         half_written = os.path.join(SHARED, f"jlora-adapter-{dead.pid}-x")
         open(half_written, "wb").close()  # as if it had died writing its answer
-        dead.kill()  # as if a file had crashed the parser
-        dead.wait()
+        os.kill(dead.pid, signal.SIGSTOP)  # it takes the request but reads nothing ...
+        receive = type(reader._children[0]).receive
+
+        def killed_reading(child):  # ... and is killed once the read waits for its answer
+            dead.kill()
+            return receive(child)
+
+        monkeypatch.setattr(type(reader._children[0]), "receive", killed_reading)
         with pytest.raises(AdapterError, match="ended the reader process"):
             reader.read(ReadRequest(good, config, 8, 16))
+        monkeypatch.undo()
         _same(reader.read(ReadRequest(good, config, 8, 16)), want)  # a new child took its place
         assert len(reader._children) == 1 and not os.path.exists(half_written)
+    finally:
+        reader.close()
+    assert not leftover_files()
+
+
+def test_children_that_died_while_idle_fail_no_read(tmp_path, leftover_files, monkeypatch):
+    """Children killed between reads (the OOM killer, an operator's kill) cannot take a request: each read goes to
+    a new child and returns its adapter, however many of the idle children died; only a new child that cannot
+    take a request fails the read, at once."""
+    request, want = _request_and_truth(tmp_path)
+    reader = ProcessReader(3)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as threads:  # three children, all idle after
+            for got in threads.map(lambda _: reader.read(request), range(3)):
+                _same(got, want)
+        dead = [child.process for child in reader._children]
+        assert len(dead) == 3
+        for process in dead:
+            process.kill()
+            process.wait()
+        for _ in range(4):  # one read per dead child, and one more
+            _same(reader.read(request), want)
+        assert len(reader._children) == 1 and reader._children[0].process not in dead
+
+        child_type = type(reader._children[0])
+        reader._children[0].process.kill()
+        reader._children[0].process.wait()
+        monkeypatch.setattr(child_type, "send", lambda child, request: child.process.stdin.close() or
+                            (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))  # no child takes it
+        with pytest.raises(AdapterError, match="a new reader process ended before it took the read"):
+            reader.read(request)
+        monkeypatch.undo()
+        _same(reader.read(request), want)
     finally:
         reader.close()
     assert not leftover_files()
