@@ -387,8 +387,8 @@ class Admission:
 
     def _take(self, request: Request, entry: Registration | None) -> bool:
         """Admits `request` for the batcher: holds its adapter and takes its slot. False when it ended instead."""
-        # What its cached prefix depends on: the adapter's registration (a reload is a new one), or the base.
-        request.prefix_id = "base" if entry is None else f"adapter-{entry.generation}"
+        # What its cached prefix depends on: the base, or the adapter as its slot holds it (`AdapterPool.prefix_id`)
+        request.prefix_id = "base" if entry is None else self.pool.prefix_id(entry.name)
         if entry is None:
             return True
         vocab = self.pool.vocab_size(self.pool.slot(entry.name))

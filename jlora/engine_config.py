@@ -70,8 +70,9 @@ class EngineConfig:
         None, "GiB of each device's memory for the KV cache: sets the number of blocks (with --kv-blocks unset)",
         "GIB", kind=float)
     prefix_caching: bool = _option(
-        True, "keep the full blocks of prompts keyed by adapter (its load generation) and tokens, so a later "
-              "request under the same adapter prefills only what follows its longest cached prefix")
+        True, "keep the full blocks of prompts keyed by adapter (its registration and the files it was read "
+              "from) and tokens, so a later request under the same adapter prefills only what follows its longest "
+              "cached prefix")
     dtype: str | None = _option(None, "the weights' and activations' type (default: bfloat16 on GPU, float32 "
                                       "elsewhere)", choices=DTYPES)
     backend: str = _option("auto", "the LoRA ops' backend ('auto': on GPU gather for calls of under 32 "

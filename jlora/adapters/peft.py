@@ -73,6 +73,7 @@ class HostAdapter:
     lm_head_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     added: int = 0  # tokens past the base vocabulary (ids V .. V + added - 1)
     rope_factor: float = 1.0  # LongLoRA: positions divided by this for the adapter's tokens
+    files: str = ""  # the state of the files it was read from (`files_version`)
     # (layer, group) -> the indices of the fused group's modules it targets, where it targets some but not all
     # (q_proj and v_proj of q|k|v): `layers` holds only their slices, and the slot write zeroes the others'.
     # Under tensor parallelism B holds the whole group, in the devices' order (`permute_adapter`).
@@ -277,6 +278,7 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
         `max_rank`, shapes that do not match the base model, non-floating tensors, or more changed or added
         rows than `max_extra_vocab`.
     """
+    files = files_version(adapter_dir)  # before reading: files changed meanwhile give another version next time
     cfg = read_config(adapter_dir)
     tensors, dtypes = _read_tensors(adapter_dir, _size_limits(config, max_rank, max_extra_vocab))
     layers_to_transform = cfg.get("layers_to_transform")
@@ -421,7 +423,24 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     return HostAdapter(rank=rank_used, layers=tuple(layers), embed=embed, lm_head=lm_head, bias=bias,
                        magnitude=magnitude, embed_rows=embed_rows, lm_head_rows=lm_head_rows, added=added,
                        rope_factor=_rope_factor(adapter_dir, cfg, config, max_seq_len),
-                       slices={key: modules for key, modules in kept.items() if len(modules) < len(groups[key[1]][1])})
+                       slices={key: modules for key, modules in kept.items() if len(modules) < len(groups[key[1]][1])},
+                       files=files)
+
+
+def files_version(adapter_dir: str) -> str:
+    """The state of an adapter directory's files as a string: each file's device, inode, size, and modification
+    and change times (links followed), so files rewritten or replaced since give another one. An adapter read again under one
+    registration (after an eviction) whose files changed meanwhile holds other weights: what was computed with
+    the old ones (a cached prompt prefix) must not be reused with them."""
+    stamps = []
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            st = os.stat(os.path.join(adapter_dir, name))
+        except OSError:  # missing: the read that follows says so
+            stamps.append("-")
+        else:
+            stamps.append(f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}")
+    return "/".join(stamps)
 
 
 def _vector(adapter_dir: str, module: str, what: str, value: np.ndarray, n: int, scale: float = 1.0) -> np.ndarray:

@@ -199,7 +199,8 @@ class AdapterPool:
         self.added = np.zeros(max_loras, np.int32)  # tokens each slot's adapter adds past the base vocabulary
         self._features: list[frozenset[str]] = [frozenset()] * max_loras  # the optional parts each slot uses
         self._slots: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
-        self._generation: dict[str, int] = {}  # name -> the registration generation installed under it
+        # name -> (the registration generation installed under it, the state of the files it was read from)
+        self._installed: dict[str, tuple[int, str]] = {}
         self.evictions = 0  # adapters evicted to make room, so far
         self._in_use: collections.Counter[str] = collections.Counter()
 
@@ -378,7 +379,7 @@ class AdapterPool:
         self.added[slot] = host.added
         self._features[slot] = features
         self._slots[name] = slot
-        self._generation[name] = generation
+        self._installed[name] = generation, host.files
         return slot
 
     def _write_args(self, prepared: PreparedAdapter) -> tuple[list, list]:
@@ -404,7 +405,15 @@ class AdapterPool:
 
     def generation(self, name: str) -> int | None:
         """The registration generation of the adapter installed under `name`, or None when none is."""
-        return self._generation.get(name)
+        installed = self._installed.get(name)
+        return None if installed is None else installed[0]
+
+    def prefix_id(self, name: str) -> str:
+        """What a prompt prefix cached under the adapter installed as `name` depends on beside its tokens: its
+        registration (the name loaded again is another adapter) and the state of the files it was read from
+        (files rewritten under one registration, read again after an eviction, are other weights)."""
+        generation, files = self._installed[name]
+        return f"adapter-{generation}@{files}"
 
     def in_use(self, name: str) -> bool:
         """Whether running (or admitted) requests hold the adapter."""
@@ -533,7 +542,7 @@ class AdapterPool:
         if self._in_use[name]:
             raise RuntimeError(f"adapter {name!r} is used by running requests")
         slot = self._slots.pop(name)
-        del self._generation[name]
+        del self._installed[name]
         self.ranks[slot], self.added[slot], self._features[slot] = 0, 0, frozenset()
 
     def _free_slot(self, name: str) -> int:

@@ -10,8 +10,9 @@ that hold its positions in order. A block is in exactly one of three states:
 
 A full block's key is a SHA-256 digest chained over the prefix: the previous block's key, the adapter's
 identity and the block's token ids. The identity names the adapter's registration (its load generation, not
-only its name), so an adapter reloaded under the same name never reuses the old one's blocks, and a prefix
-under one adapter is never reused under another (the keys and values differ).
+only its name) and the state of the files it was read from (`AdapterPool.prefix_id`), so an adapter reloaded
+under the same name, or read again from files rewritten meanwhile, never reuses the old weights' blocks, and a
+prefix under one adapter is never reused under another (the keys and values differ).
 
 Not thread-safe: the engine's loop owns it.
 """

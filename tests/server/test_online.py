@@ -92,6 +92,37 @@ def test_a_step_out_of_device_memory_empties_the_device_cache_and_the_loop_goes_
         online.stop()
 
 
+def test_an_adapter_read_again_from_rewritten_files_reuses_no_prefix_of_the_old_weights(engine, tmp_path):
+    """An operator rewrites a served adapter's files in place. Once the adapter has left its slot and the host tier
+    its files are read again: other weights under the same registration. A prompt prefix cached from the old
+    weights is not reused with the new (before: the request's first tokens took their keys and values from the
+    old weights and it generated neither adapter's tokens); one cached from the new weights is."""
+    cfg = testing.tiny_config("llama")
+    one_slot = Engine.from_pretrained(engine.root_m, dtype="float32", max_batch=2, max_seq_len=64, max_loras=1,
+                                      max_cpu_loras=1, block_size=16, progress=False)
+    path = str(tmp_path / "x")
+    testing.write_adapter(path, cfg, r=4, alpha=64, seed=7)
+    one_slot.register_adapter("x", path)
+    one_slot.register_adapter("a", engine.root_a)
+    prompt = list(range(1, 40))  # two full blocks cached
+    online = OnlineEngine(one_slot)
+    online.start()
+    try:
+        old = run(online, prompt, "x", 6).out
+        testing.write_adapter(path, cfg, r=4, alpha=64, seed=8)
+        run(online, [5, 6], "a", 2)  # "x" leaves the one slot and the one place of the host tier
+        stats = online.batcher.blocks.stats
+        hits = stats.hit_tokens
+        new = run(online, prompt, "x", 6).out
+        assert stats.hit_tokens == hits  # nothing of the old weights' prefix taken
+        again = run(online, prompt, "x", 6).out
+        assert stats.hit_tokens == hits + 32  # the new weights' prefix taken
+    finally:
+        online.stop()
+    want = list(one_slot.generate([prompt], ["x"], max_new_tokens=6)[0])  # alone, on a fresh cache
+    assert new == again == want != old
+
+
 def test_a_request_the_batcher_refuses_ends_alone_and_the_loop_goes_on(engine):
     """Before: a request that `Batcher.add` refused (max_new 0 without scoring, a prompt longer than the rows)
     raised on the loop thread and stopped it, hanging every request after it."""
