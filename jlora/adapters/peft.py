@@ -429,9 +429,9 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
 
 def files_version(adapter_dir: str) -> str:
     """The state of an adapter directory's files as a string: each file's device, inode, size, and modification
-    and change times (links followed), so files rewritten or replaced since give another one. An adapter read again under one
-    registration (after an eviction) whose files changed meanwhile holds other weights: what was computed with
-    the old ones (a cached prompt prefix) must not be reused with them."""
+    and change times (links followed), so files rewritten or replaced since give another one. An adapter read
+    again under one registration (after an eviction) whose files changed meanwhile holds other weights: what was
+    computed with the old ones (a cached prompt prefix) must not be reused with them."""
     stamps = []
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         try:
