@@ -161,7 +161,7 @@ class Replica:
         if entry is not None and engine.tiers.find(entry.generation)[0] == "disk":
             try:
                 engine.tiers.keep(engine.tiers.host, entry,
-                                  await asyncio.to_thread(engine.pool.prepare, entry.adapter_dir))
+                                  await asyncio.to_thread(engine.pool.prepare, entry.adapter_dir, entry.roots))
             except Exception:  # noqa: BLE001 - AdapterError and OS errors alike: the request reports them
                 pass
         return name

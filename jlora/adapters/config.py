@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from jlora.values import is_integer, is_real
 
 __all__ = ["MAX_ALPHA", "MAX_CONFIG_BYTES", "AdapterError", "adapter_file", "check_adapter_name",
-           "check_start_adapters", "read_config"]
+           "OutsideRootsError", "check_start_adapters", "read_config", "within"]
 
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KB; a megabyte holds any real target list
 MAX_ALPHA = 2.0**16  # |lora_alpha| (and alpha_pattern's values) beyond this is refused: no real adapter uses it
@@ -40,13 +40,27 @@ class AdapterError(ValueError):
     """A PEFT adapter that cannot be loaded; the message names the adapter path and the problem."""
 
 
-def adapter_file(adapter_dir: str, name: str) -> str:
+class OutsideRootsError(AdapterError):
+    """An adapter file that resolves outside the directories adapters may be loaded from (`adapter_file`)."""
+
+
+def adapter_file(adapter_dir: str, name: str, roots: Sequence[str] = ()) -> str:
     """The path of file `name` in `adapter_dir`, which must be a regular file (after links): a directory, device
-    or pipe in its place is refused before anything opens it."""
+    or pipe in its place is refused before anything opens it. With `roots` (real paths: a runtime load's
+    --lora-root) the file must resolve inside one of them, links included: a link in an adapter directory to a
+    file elsewhere is refused, without naming where it leads."""
     path = os.path.join(adapter_dir, name)
     if not os.path.isfile(path):
         raise AdapterError(f"{adapter_dir}: {name} {'is not a regular file' if os.path.exists(path) else 'not found'}")
+    if roots and not any(within(os.path.realpath(path), root) for root in roots):
+        raise OutsideRootsError(f"{adapter_dir}: {name} leads through a link outside the directories adapters may "
+                                "be loaded from")
     return path
+
+
+def within(path: str, root: str) -> bool:
+    """Whether real path `path` is `root` or lies under it."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def check_adapter_name(name) -> None:
@@ -125,14 +139,15 @@ _FIELDS = {
 }
 
 
-def read_config(adapter_dir: str) -> dict:
-    """The checked `adapter_config.json` of `adapter_dir` (a dict; fields as PEFT writes them).
+def read_config(adapter_dir: str, roots: Sequence[str] = ()) -> dict:
+    """The checked `adapter_config.json` of `adapter_dir` (a dict; fields as PEFT writes them), inside `roots` if
+    given (`adapter_file`).
 
     Raises:
       AdapterError: the file is missing, larger than MAX_CONFIG_BYTES, not UTF-8 JSON, nested too deeply, not
         an object, a field has the wrong type or range, or it asks for a feature jlora does not support.
     """
-    path = adapter_file(adapter_dir, "adapter_config.json")
+    path = adapter_file(adapter_dir, "adapter_config.json", roots)
     if os.path.getsize(path) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a PEFT adapter config")
     try:

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -196,14 +196,15 @@ def _size_limits(config: ModelConfig, max_rank: int, max_extra_vocab: int) -> tu
 _FLOAT_TYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the types a LoRA weight may be saved in
 
 
-def _read_tensors(adapter_dir: str, limits: tuple[int, int]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors in the floating types saved, those types' names) of adapter_model.safetensors, whose header is
-    checked against `limits` (`_size_limits`) before any data is read: a hostile header never makes a reader
-    allocate."""
+def _read_tensors(adapter_dir: str, limits: tuple[int, int],
+                  roots: Sequence[str] = ()) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors in the floating types saved, those types' names) of adapter_model.safetensors (inside `roots` if
+    given: `adapter_file`), whose header is checked against `limits` (`_size_limits`) before any data is read: a
+    hostile header never makes a reader allocate."""
     if not os.path.exists(os.path.join(adapter_dir, "adapter_model.safetensors")) and os.path.isfile(
             os.path.join(adapter_dir, "adapter_model.bin")):
         raise AdapterError(f"{adapter_dir}: only adapter_model.bin (a torch pickle); save with safetensors")
-    path = adapter_file(adapter_dir, "adapter_model.safetensors")
+    path = adapter_file(adapter_dir, "adapter_model.safetensors", roots)
     tensors, dtypes = {}, {}
     try:
         with safe_open(path, framework="numpy") as f:  # NumPy: no JAX dispatch on a loader thread
@@ -263,7 +264,7 @@ def _trainable_tokens(adapter_dir: str, cfg: dict) -> dict[str, list[int]]:
 
 def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_rank: int, *,
                  base: BaseRows | None = None, max_extra_vocab: int = 0,
-                 max_seq_len: int | None = None, dtype=np.float32) -> HostAdapter:
+                 max_seq_len: int | None = None, dtype=np.float32, roots: Sequence[str] = ()) -> HostAdapter:
     """Parses and validates a PEFT adapter directory into slot arrays zero-padded to its `rank_bucket` (at
     most `padded_rank`).
 
@@ -271,7 +272,8 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
     `max_extra_vocab` bounds both the tokens an adapter adds and the rows it may change per embedding layer;
     `max_seq_len` bounds a LongLoRA adapter's context. A and B come back in `dtype` (a slot's), each value
     rounded once from float32 (the scaling applied in float32), except an adapter with DoRA (use_dora), whose
-    column factors are computed from them: float32.
+    column factors are computed from them: float32. With `roots` (a runtime load's --lora-root) each file must
+    resolve inside one of them (`adapter_file`).
 
     Raises:
       AdapterError: missing or corrupt files, unsupported features, unknown modules, ranks above
@@ -279,8 +281,8 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
         rows than `max_extra_vocab`.
     """
     files = files_version(adapter_dir)  # before reading: files changed meanwhile give another version next time
-    cfg = read_config(adapter_dir)
-    tensors, dtypes = _read_tensors(adapter_dir, _size_limits(config, max_rank, max_extra_vocab))
+    cfg = read_config(adapter_dir, roots)
+    tensors, dtypes = _read_tensors(adapter_dir, _size_limits(config, max_rank, max_extra_vocab), roots)
     layers_to_transform = cfg.get("layers_to_transform")
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]

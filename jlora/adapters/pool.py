@@ -268,16 +268,17 @@ class AdapterPool:
             if self._in_use[n] <= 0:
                 del self._in_use[n]
 
-    def prepare(self, adapter_dir: str) -> PreparedAdapter:
+    def prepare(self, adapter_dir: str, roots: tuple[str, ...] = ()) -> PreparedAdapter:
         """Reads, validates and converts an adapter on the host: everything a load does but the copy to the device
         and the slot write. It reads only the pool's fixed settings and the base weights, so it may run on
-        another thread while steps run; `stage` or `install` then takes the result.
+        another thread while steps run; `stage` or `install` then takes the result. With `roots` (a runtime
+        load's) its files must resolve inside them.
 
         Raises:
           AdapterError: the adapter is invalid.
         """
         request = ReadRequest(adapter_dir, self.config, self.max_lora_rank, self.rank, self.max_extra_vocab,
-                              self.max_seq_len, jnp.dtype(self.dtype).name)
+                              self.max_seq_len, jnp.dtype(self.dtype).name, roots)
         base = None if self.base is None else self.base.rows
         host = _own(request.read(base) if self.reader is None else self.reader.read(request, base, self.read_timeout))
         if (host.lm_head_rows or host.added) and self.tp is not None and self.tp.vocab_parallel:

@@ -44,7 +44,7 @@ _ALIGN = 64  # each array's offset in the file
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
     """`read_adapter`'s arguments but the base rows (a child has no model); `dtype` the slots' type, which A
-    and B come back in (float32 for DoRA)."""
+    and B come back in (float32 for DoRA); `roots` the directories its files must resolve into (empty: any)."""
 
     adapter_dir: str
     config: ModelConfig
@@ -53,11 +53,12 @@ class ReadRequest:
     max_extra_vocab: int = 0
     max_seq_len: int | None = None
     dtype: str = "float32"
+    roots: tuple[str, ...] = ()
 
     def read(self, base=None) -> HostAdapter:
         return read_adapter(self.adapter_dir, self.config, self.max_rank, self.padded_rank, base=base,
                             max_extra_vocab=self.max_extra_vocab, max_seq_len=self.max_seq_len,
-                            dtype=jnp.dtype(self.dtype))
+                            dtype=jnp.dtype(self.dtype), roots=self.roots)
 
 
 class ProcessReader:

@@ -22,11 +22,13 @@ _generations = itertools.count(1)
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
-    """A registered adapter: its name, directory and generation (unique per registration)."""
+    """A registered adapter: its name, directory and generation (unique per registration), and the directories its
+    files must resolve into whenever they are read (a runtime load's --lora-root; empty: any)."""
 
     name: str
     adapter_dir: str
     generation: int
+    roots: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +47,16 @@ class AdapterRegistry:
         self._entries: dict[str, Registration] = {}
         self._failed: dict[int, str] = {}  # generation -> why its load failed (not retried until re-registered)
 
-    def register(self, name: str, adapter_dir: str) -> Registration:
-        """Registers `name` for `adapter_dir` under a new generation.
+    def register(self, name: str, adapter_dir: str, roots: tuple[str, ...] = ()) -> Registration:
+        """Registers `name` for `adapter_dir` under a new generation, its files to be read inside `roots` if given.
 
         Raises:
           ValueError: an invalid name, or one registered already (unregister it first).
           AdapterError: `adapter_dir` has no adapter_config.json (the rest is checked when it loads).
         """
         check_adapter_name(name)
-        adapter_file(adapter_dir, "adapter_config.json")
-        entry = Registration(name, adapter_dir, next(_generations))
+        adapter_file(adapter_dir, "adapter_config.json", roots)
+        entry = Registration(name, adapter_dir, next(_generations), roots)
         with self._lock:
             if name in self._entries:
                 raise ValueError(f"adapter {name!r} is already registered; unload it first")

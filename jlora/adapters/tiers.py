@@ -111,7 +111,7 @@ class AdapterTiers:
             return self.retried(pool.stage, found)
         if found is None:
             start = time.monotonic()
-            found = pool.prepare(entry.adapter_dir)
+            found = pool.prepare(entry.adapter_dir, entry.roots)
             self.keep(self.host, entry, found)
             timed("disk_to_host", time.monotonic() - start)
         start = time.monotonic()

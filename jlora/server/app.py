@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from jlora.adapters import AdapterError, check_adapter_name
+from jlora.adapters.config import OutsideRootsError
 from jlora.logprobs import TokenLogprob
 from jlora.models.loading import GenerationDefaults
 from jlora.sampling import sample_seeds
@@ -609,11 +610,14 @@ def build_app(online: OnlineEngine, config: ServerConfig) -> Starlette:
                            kind="rate_limit_error", headers={"Retry-After": "1"})
         api.loads_in_progress += 1
         try:  # read and checked on a worker thread; it takes a device slot when a request first needs it
-            prepared = await asyncio.to_thread(api.engine.pool.prepare, path)
+            prepared = await asyncio.to_thread(api.engine.pool.prepare, path, config.lora_roots)
             tiers = api.engine.tiers
-            tiers.keep(tiers.host, api.engine.registry.register(name, path), prepared)
+            tiers.keep(tiers.host, api.engine.registry.register(name, path, config.lora_roots), prepared)
         except AdapterError as err:  # its messages name the real path: the caller sees the path it gave
-            raise ApiError(400, str(err).replace(path, body.lora_path), "lora_path") from None
+            message = str(err).replace(path, body.lora_path)
+            if isinstance(err, OutsideRootsError):  # a link in the directory to a file outside every root
+                raise ApiError(403, f"{message} (--lora-root)", "lora_path", "permission_error") from None
+            raise ApiError(400, message, "lora_path") from None
         except ValueError as err:  # registered meanwhile
             raise ApiError(400, str(err), "lora_name") from None
         finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jlora.adapters.config import within
+
 __all__ = ["GENERATION_CONFIGS", "ServerConfig"]
 
 GENERATION_CONFIGS = ("auto", "none")  # where a request's unset sampling settings come from (`ServerConfig`)
@@ -77,11 +79,8 @@ class ServerConfig:
         if "\0" in path:
             raise ValueError("the path holds a NUL character")
         inside = [real for root in self.lora_roots
-                  if _within(real := os.path.realpath(os.path.join(root, path)), root)]
+                  if within(real := os.path.realpath(os.path.join(root, path)), root)]
         if not inside:
             raise PermissionError(f"{path!r} is outside the directories adapters may be loaded from")
         return next((real for real in inside if os.path.isdir(real)), inside[0])
 
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

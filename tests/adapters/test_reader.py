@@ -18,6 +18,7 @@ import pytest
 
 from jlora import testing
 from jlora.adapters import AdapterError
+from jlora.adapters.config import OutsideRootsError
 from jlora.adapters.reader import ProcessReader, ReadRequest
 from jlora.engine import Engine
 from jlora.models.config import ModelConfig
@@ -194,6 +195,36 @@ def test_children_that_died_while_idle_fail_no_read(tmp_path, leftover_files, mo
             reader.read(request)
         monkeypatch.undo()
         _same(reader.read(request), want)
+    finally:
+        reader.close()
+    assert not leftover_files()
+
+
+def test_a_read_inside_roots_refuses_a_file_linked_outside_them_every_time(tmp_path, leftover_files):
+    """A runtime load's adapter is read inside --lora-root whenever it is read: a file of its directory replaced
+    after its load by a link to one outside (read again after an eviction) is refused in the reader child, as its
+    own error type; a link to a file inside is read."""
+    root, outside = os.path.realpath(tmp_path / "root"), os.path.realpath(tmp_path / "outside")
+    for path, seed in [(os.path.join(root, "a"), 0), (os.path.join(root, "b"), 1), (os.path.join(outside, "c"), 2)]:
+        testing.write_adapter(path, CFG, r=4, alpha=8, seed=seed)
+    request = ReadRequest(os.path.join(root, "a"), ModelConfig.from_hf_config(CFG), 8, 16, roots=(root,))
+    weights = os.path.join(root, "a", "adapter_model.safetensors")
+    reader = ProcessReader(1)
+    try:
+        _same(reader.read(request), request.read())
+        os.remove(weights)
+        os.symlink(os.path.join(outside, "c", "adapter_model.safetensors"), weights)
+        with pytest.raises(OutsideRootsError, match="a: adapter_model.safetensors leads through a link outside the "
+                                                    "directories adapters may be loaded from$") as refused:
+            reader.read(request)
+        assert outside not in str(refused.value)  # where the link leads is not said
+        weights_of = lambda adapter: dataclasses.replace(adapter, files="")  # noqa: E731 - "a"'s files, "c"'s data
+        _same(weights_of(reader.read(dataclasses.replace(request, roots=()))),  # no roots: read where a link leads
+              weights_of(ReadRequest(os.path.join(outside, "c"), request.config, 8, 16).read()))
+        os.remove(weights)
+        os.symlink(os.path.join(root, "b", "adapter_model.safetensors"), weights)
+        _same(weights_of(reader.read(request)),
+              weights_of(ReadRequest(os.path.join(root, "b"), request.config, 8, 16).read()))
     finally:
         reader.close()
     assert not leftover_files()

@@ -6,6 +6,7 @@ loads stay inside --lora-root."""
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -39,6 +40,13 @@ def root(tmp_path_factory):
     testing.write_adapter(str(root / "outside"), CFG, r=4, alpha=8, seed=2)  # a real adapter outside the root
     os.symlink(root / "outside", root / "adapters" / "link-out")
     os.symlink(root / "adapters" / "good", root / "adapters" / "link-in")
+    for name, target in [("file-out", root / "outside"), ("file-in", root / "adapters" / "good")]:
+        os.makedirs(root / "adapters" / name)  # a directory inside the root whose weights file is a link
+        shutil.copy(root / "adapters" / "good" / "adapter_config.json", root / "adapters" / name)
+        os.symlink(target / "adapter_model.safetensors", root / "adapters" / name / "adapter_model.safetensors")
+    os.makedirs(root / "adapters" / "config-out")  # ... whose config is a link out of it
+    shutil.copy(root / "adapters" / "good" / "adapter_model.safetensors", root / "adapters" / "config-out")
+    os.symlink(root / "outside" / "adapter_config.json", root / "adapters" / "config-out" / "adapter_config.json")
     return root
 
 
@@ -195,9 +203,17 @@ def test_runtime_loads_stay_inside_the_lora_root(server, root):
     for path in ("../outside", str(root / "outside"), "link-out", "/etc", "good/../../outside", "/"):
         response = post(url, "/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": path})
         assert response.status_code == 403 and "outside the directories" in response.json()["error"]["message"], path
+    for path in ("file-out", "config-out"):  # a directory inside, a file of it linked to one outside
+        response = post(url, "/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": path})
+        message = response.json()["error"]["message"]
+        assert response.status_code == 403 and "leads through a link outside the directories" in message, path
+        assert str(root) not in message
+        assert "escape" not in [m["id"] for m in CLIENT.get(url + "/v1/models").json()["data"]]
     assert post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "nope"}).status_code == 400
     want = {"model": "in", "prompt": "the fox", "max_tokens": 4, "temperature": 0}
-    for path in ("link-in", str(root / "adapters" / "good"), "./good/"):  # inside, as a symlink, absolute, relative
+    # inside: as a symlink, absolute, relative, and with its weights a link to a file inside (a Hugging Face cache's
+    # snapshot linking to its blobs)
+    for path in ("link-in", str(root / "adapters" / "good"), "./good/", "file-in"):
         assert post(url, "/v1/load_lora_adapter", {"lora_name": "in", "lora_path": path}).status_code == 200, path
         models = CLIENT.get(url + "/v1/models").json()["data"]
         assert all(m["root"] == m["id"] for m in models)  # names, never server paths
