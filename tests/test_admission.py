@@ -76,7 +76,7 @@ def test_requests_over_many_adapters_equal_the_all_resident_engine(root, residen
                                     max_lora_rank=8, max_batch=4, device_cache_memory=cache, progress=False)
     reads = []
     prepare = engine.pool.prepare
-    monkeypatch.setattr(engine.pool, "prepare", lambda path: (reads.append(path), prepare(path))[1])
+    monkeypatch.setattr(engine.pool, "prepare", lambda path, *roots: (reads.append(path), prepare(path, *roots))[1])
     for entry in engine.registry.scan(str(root / "lib")).registered:  # --lora-dir: all 56, a50-a54 unregistered again
         if entry.name in {f"a{i}" for i in range(50, 55)}:
             engine.registry.unregister(entry.name)
@@ -236,7 +236,7 @@ def test_passing_is_free_while_an_adapter_loads_and_bounded_once_it_waits_for_a_
     engine.load_adapter("hot", str(root / "lib" / "a01"))
     engine.register_adapter("cold", str(root / "lib" / "a02"))
     gate, prepare = threading.Event(), engine.pool.prepare
-    monkeypatch.setattr(engine.pool, "prepare", lambda path: (gate.wait(30), prepare(path))[1])
+    monkeypatch.setattr(engine.pool, "prepare", lambda path, *roots: (gate.wait(30), prepare(path, *roots))[1])
     admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader, max_passes=0)
     admitted = []
     cold, hot, later = (Request([1, 2], -1, 2) for _ in range(3))
@@ -352,7 +352,7 @@ def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, res
     assert list(engine.generate([[4, 5]], ["x"], max_new_tokens=4)[0]) == list(resident.generate([[4, 5]], ["a04"], 4)[0])
 
     gate, prepare = threading.Event(), engine.pool.prepare
-    monkeypatch.setattr(engine.pool, "prepare", lambda path: (gate.wait(30), prepare(path))[1])
+    monkeypatch.setattr(engine.pool, "prepare", lambda path, *roots: (gate.wait(30), prepare(path, *roots))[1])
     engine.register_adapter("slow", str(root / "lib" / "a05"))
     online = OnlineEngine(engine)
     online.start()

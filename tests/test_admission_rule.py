@@ -30,6 +30,9 @@ class FakePool:
     def generation(self, name):
         return self._generation.get(name)
 
+    def prefix_id(self, name):
+        return f"adapter-{self._generation[name]}"
+
     def in_use(self, name):
         return self._in_use[name] > 0
 

@@ -78,7 +78,8 @@ def _counting(engine: Engine, monkeypatch) -> dict[str, list]:
     """The adapter directories `engine` reads and the adapters it copies to the device, as they happen."""
     seen = {"reads": [], "copies": []}
     prepare, copied = engine.pool.prepare, engine.pool._copied
-    monkeypatch.setattr(engine.pool, "prepare", lambda path: (seen["reads"].append(path), prepare(path))[1])
+    monkeypatch.setattr(engine.pool, "prepare",
+                        lambda path, *roots: (seen["reads"].append(path), prepare(path, *roots))[1])
     monkeypatch.setattr(engine.pool, "_copied", lambda p: (seen["copies"].append(p), copied(p))[1])
     return seen
 

@@ -55,7 +55,7 @@ def run(app, scenario):
 def test_runtime_loads_past_the_cap_answer_429(served, monkeypatch):
     engine, app, online = served
     gate, prepare = threading.Event(), engine.pool.prepare
-    monkeypatch.setattr(engine.pool, "prepare", lambda path: (gate.wait(30), prepare(path))[1])
+    monkeypatch.setattr(engine.pool, "prepare", lambda path, *roots: (gate.wait(30), prepare(path, *roots))[1])
 
     async def scenario(c):
         first = [asyncio.create_task(c.post("/v1/load_lora_adapter", json={"lora_name": n, "lora_path": n}))
