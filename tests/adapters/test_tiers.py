@@ -143,9 +143,9 @@ def test_a_load_that_ends_after_its_adapter_was_unloaded_keeps_no_copy(lib, monk
     step = {"read": "prepare", "copy": "_copied"}[when]
     real = getattr(engine.pool, step)
 
-    def unloaded_meanwhile(arg):
+    def unloaded_meanwhile(*args):
         engine.unload_adapter("a0")
-        return real(arg)
+        return real(*args)
 
     monkeypatch.setattr(engine.pool, step, unloaded_meanwhile)
     assert engine.tiers.staged(engine.pool, entry, None).staged
