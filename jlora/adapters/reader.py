@@ -95,7 +95,8 @@ class ProcessReader:
         (storage that hangs, a file that never ends) is killed and replaced.
 
         Raises:
-          AdapterError: the adapter is invalid, reading it killed the child, or it took longer than `timeout`.
+          AdapterError: the adapter is invalid (a file outside `request.roots`: OutsideRootsError), reading it
+            killed the child, it took longer than `timeout`, or a new child ended before it took the read.
         """
         child = self._sent(request)
         stopped = threading.Event()
