@@ -7,11 +7,12 @@ slot, and adapters move disk -> host -> device without pausing the rows that dec
   converted, `AdapterPool.prepare`, into the host tier), then host -> device (`AdapterPool.stage`: the copy to
   the device, kept by the device cache within its budget). Requests for the same adapter share one load. At
   most `max_loads` loads are under way or staged on the device and not yet installed, started in the waiting
-  requests' order: a staged copy holds device memory until a slot takes it. A load that fails fails its
-  requests ("failed", the loader's message) and every later one for the same registration, without retrying;
-  so does a slot write that fails (the device's memory for a part no adapter targeted before), which evicts
-  nothing. With eviction off (`evict="refuse"`) and every slot holding another adapter, no slot frees until an
-  adapter is unloaded: the requests waiting for one end at once (status 503), and later ones try again.
+  requests' order: a staged copy holds device memory until a slot takes it. A load that fails fails the
+  requests that waited for it ("failed", the loader's message), and the registry remembers the failure for its
+  `retry_after` seconds: later requests for the adapter fail at once meanwhile, and the first one after loads it
+  again. So does a slot write that fails (the device's memory for a part no adapter targeted before), which
+  evicts nothing. With eviction off (`evict="refuse"`) and every slot holding another adapter, no slot frees
+  until an adapter is unloaded: the requests waiting for one end at once (status 503), and later ones try again.
 - **Slot writes while a step runs.** `poll` writes a staged adapter into a free slot or the slot of the least
   recently used idle adapter (`AdapterPool.install`: one jitted write of device memory), one per poll: a
   write costs the loop a few milliseconds of host time, and a burst of finished loads must not stall one step
@@ -60,11 +61,11 @@ logger = logging.getLogger("jlora.admission")
 @dataclasses.dataclass
 class AdapterStats:
     """What `Admission` counts, for metrics: per tier, requests that found their adapter there or not (device: the
-    slots, on arrival; then per load, the device cache, and the host tier when the device cache had not), and load
-    latencies (seconds) not yet taken by a reader: queued (a started load waiting for a loader thread), disk to
-    host and host to device on loader threads, slot_wait (a staged copy waiting to be written: for a slot that no
-    running request holds, or for the next poll) and the slot write's host time on the engine loop (between two
-    steps)."""
+    slots, on arrival; then per load, the device cache, and the host tier when the device cache had not), the loads
+    that failed (reading the adapter, or writing it into a slot), and load latencies (seconds) not yet taken by a
+    reader: queued (a started load waiting for a loader thread), disk to host and host to device on loader
+    threads, slot_wait (a staged copy waiting to be written: for a slot that no running request holds, or for the
+    next poll) and the slot write's host time on the engine loop (between two steps)."""
 
     device_hits: int = 0
     device_misses: int = 0
@@ -72,6 +73,7 @@ class AdapterStats:
     device_cache_misses: int = 0
     host_hits: int = 0
     host_misses: int = 0
+    load_failures: list[str] = dataclasses.field(default_factory=list)  # the adapters' names, not yet counted
     disk_to_host: list[float] = dataclasses.field(default_factory=list)
     host_to_device: list[float] = dataclasses.field(default_factory=list)
     slot_write: list[float] = dataclasses.field(default_factory=list)
@@ -227,7 +229,7 @@ class Admission:
                 self.pending.drop(None)
                 continue
             entry = self._current(adapter)
-            if entry is None:
+            if entry is None or self._failed(entry):
                 continue
             waiting.append(entry)
             arrival = group[0][0]
@@ -235,8 +237,8 @@ class Admission:
             if ((blocked is None or self._passes < self.max_passes)
                     and (self._resident(entry) or self._install(entry))):
                 heapq.heappush(ready, (arrival, adapter, entry))
-            elif self.registry.failure(entry) is not None:  # its slot write failed just now: its requests end
-                self._current(adapter)
+            elif self._failed(entry):  # its slot write failed just now
+                continue
             elif blocked is None and self._loaded(entry):
                 blocked = group[0][1]
                 if blocked is not self._blocked:
@@ -267,7 +269,7 @@ class Admission:
 
     def _current(self, adapter: str) -> Registration | None:
         """The registration that `adapter`'s requests are served by now (a name registered again serves its new
-        adapter); None when there is none, or its load failed: then its requests end here."""
+        adapter); None when there is none, or the registry remembers its load failing: then its requests end here."""
         entry = self.registry.get(adapter)
         failure = None if entry is None else self.registry.failure(entry)
         if entry is not None and failure is None:
@@ -277,6 +279,20 @@ class Admission:
         else:
             self._end(adapter, "failed", failure)
         return None
+
+    def _failed(self, entry: Registration) -> bool:
+        """Whether entry's load (or slot write) has failed: then the requests that waited for it end with its
+        error, whether or not the registry still remembers it (`AdapterRegistry.failure`), and the poll's end lets
+        go of the load, so that a request after loads it again."""
+        error = self._load_error(entry)
+        if error is not None:
+            self._end(entry.name, "failed", error)
+        return error is not None
+
+    def _load_error(self, entry: Registration) -> str | None:
+        """The error of entry's load if it failed."""
+        future = self._loads.get(entry.generation)
+        return None if future is None or not future.done() or future.exception() is None else str(future.exception())
 
     def _no_slot(self, entry: Registration) -> bool:
         """Whether entry can get no slot until an adapter is unloaded: eviction is off and every slot holds another
@@ -338,13 +354,11 @@ class Admission:
                                            lambda stage, seconds: getattr(self.stats, stage).append(seconds))
                 self._staged_at[entry.generation] = time.monotonic()
                 return staged
-            except Exception as err:  # AdapterError, or anything else reading it raised: not retried either
+            except Exception as err:  # AdapterError, or anything else reading it raised
                 reason = str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
                 logger.warning("adapter %r (%s) cannot be loaded: %s", entry.name, entry.adapter_dir, reason)
-                # requests are told without the server's path
-                reason = reason.replace(entry.adapter_dir, f"<{entry.name}>")
-                self.registry.fail(entry, f"adapter {entry.name!r} cannot be loaded: {reason}")
-                raise
+                reason = reason.replace(entry.adapter_dir, f"<{entry.name}>")  # requests are told no server path
+                raise AdapterError(self._fail(entry, f"cannot be loaded: {reason}")) from err
 
         future = self.loader.submit(load)
         self._loads[entry.generation] = future
@@ -357,8 +371,7 @@ class Admission:
         future = self._loads.get(entry.generation)
         if future is None or not future.done():
             return False
-        if future.exception() is not None:  # the registry holds the failure: the next poll ends its requests
-            del self._loads[entry.generation]
+        if future.exception() is not None:  # failed since this poll looked: `_failed` ends its requests
             return False
         if self.pool.generation(entry.name) is not None:  # an older registration of the name holds a slot
             if self.pool.in_use(entry.name):
@@ -375,8 +388,9 @@ class Admission:
                 return False
             reason = f"{type(err).__name__}: {err}"
             logger.warning("adapter %r cannot be written into a slot: %s", entry.name, reason)
-            self.registry.fail(entry, f"adapter {entry.name!r} cannot be written into a slot: {reason}")
-            del self._loads[entry.generation]  # the next poll ends its requests; not retried
+            failed = concurrent.futures.Future()  # in place of the load: its requests end (`_failed`)
+            failed.set_exception(AdapterError(self._fail(entry, f"cannot be written into a slot: {reason}")))
+            self._loads[entry.generation] = failed
             self._staged_at.pop(entry.generation, None)
             return False
         self.stats.slot_write.append(time.monotonic() - start)
@@ -384,6 +398,15 @@ class Admission:
         del self._loads[entry.generation]
         self._may_write = False
         return True
+
+    def _fail(self, entry: Registration, what: str) -> str:
+        """Counts a failed load, has the registry remember it (`AdapterRegistry.fail`) and returns its message
+        ("adapter 'name' {what} ...")."""
+        self.stats.load_failures.append(entry.name)
+        message = (f"adapter {entry.name!r} {what} (its requests fail at once for {self.registry.retry_after:g} s, "
+                   f"then it is loaded again)")
+        self.registry.fail(entry, message)
+        return message
 
     def _take(self, request: Request, entry: Registration | None) -> bool:
         """Admits `request` for the batcher: holds its adapter and takes its slot. False when it ended instead."""

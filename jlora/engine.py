@@ -187,7 +187,7 @@ class Engine:
                                 read_timeout=config.adapter_read_timeout)
         self.runner = ModelRunner(model, self.pool, dtype=dtype, backend=config.backend, tp=tp,
                                   attention_chunk=config.attention_chunk(self.model_config.num_kv_heads))
-        self.registry = AdapterRegistry()
+        self.registry = AdapterRegistry(config.adapter_retry_after)
         self.devices = list(tp.mesh.devices.flat) if tp is not None else [jax.devices()[0]]
         free = _free_bytes(self.devices)
         if free is not None and config.device_cache_bytes > free:

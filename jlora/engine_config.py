@@ -47,6 +47,10 @@ class EngineConfig:
         120.0, "seconds a reader process may take to read one adapter (storage that hangs, a file that never "
                "ends) before it is stopped and the adapter fails to load; only with adapter_readers > 0",
         "SECONDS", kind=float)
+    adapter_retry_after: float = _option(
+        30.0, "seconds an adapter whose load failed fails its requests at once, without reading it again; the first "
+              "request after loads it again (storage back, a reader process killed mid-read, files fixed in place)",
+        "SECONDS", kind=float)
     max_lora_rank: int = _option(64, "the largest adapter rank accepted")
     max_extra_vocab: int = _option(
         256, "per adapter, the embedding and lm_head rows that may differ from the base model's: tokens it adds "
@@ -103,6 +107,7 @@ class EngineConfig:
             if self.kv_blocks is not None:
                 raise ValueError("give kv_blocks or kv_cache_memory, not both")
         _check_positive(self, "adapter_read_timeout", "seconds")
+        _check_positive(self, "adapter_retry_after", "seconds")
         for name in ("max_cpu_lora_memory", "device_cache_memory"):
             if getattr(self, name) is not None:
                 _check_positive(self, name, "GiB")

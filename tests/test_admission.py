@@ -1,6 +1,7 @@
 """Many adapters over few slots: every request, whatever arrives around it, gets the tokens it gets on an engine
 where every adapter is resident; a slot rewritten while a step that read it is in flight leaves that step's
-tokens alone; a corrupt adapter fails only its own requests, once, and is not read again."""
+tokens alone; a corrupt adapter fails only its own requests, and is not read again until adapter_retry_after
+has passed."""
 
 import collections
 import concurrent.futures
@@ -124,7 +125,7 @@ def test_requests_over_many_adapters_equal_the_all_resident_engine(root, residen
     assert sum(requests[i].finish == "cancelled" for i in cancel) >= 3
     broken = requests[72:74]
     assert all(r.finish == "failed" and "'lora_alpha' must be a finite number" in r.error for r in broken)
-    assert reads.count(str(root / "lib" / "a55")) == 1  # read once, not retried
+    assert reads.count(str(root / "lib" / "a55")) == 1  # read once: not again within adapter_retry_after
     assert requests[74].finish == "error" and requests[74].status == 404
     assert engine.pool.evictions > 0 and len(engine.resident_adapters) <= slots
     assert not any(engine.pool.in_use(name) for name in engine.resident_adapters)  # every hold released
@@ -382,12 +383,14 @@ def test_a_reload_under_the_same_name_and_a_request_cancelled_mid_load(root, res
         online.stop()
 
 
-def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_own_requests_once(root, monkeypatch):
+def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_own_requests_until_its_retry(root, monkeypatch):
     """A slot write that raises (as when the device runs out of memory for a part no adapter targeted before)
-    fails that adapter's requests with the reason, evicts nothing, is not retried, and the others run."""
+    fails that adapter's requests with the reason, evicts nothing, is not tried again for adapter_retry_after
+    seconds, and the others run; after them, the next request writes it."""
     from jlora.adapters.pool import AdapterPool
 
-    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8, progress=False)
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8, progress=False,
+                                    adapter_retry_after=1.0)
     for name in ("a00", "a01"):  # q_proj + v_proj; every linear module
         engine.register_adapter(name, str(root / "lib" / name))
     allocate = AdapterPool._allocate
@@ -412,10 +415,69 @@ def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_own_requests_on
     assert admitted == [ok] and bad.finish == "failed"
     assert "'a01' cannot be written into a slot" in bad.error and "RESOURCE_EXHAUSTED" in bad.error
     assert engine.resident_adapters == ["a00"] and sorted(engine.pool.weights.layers[0].a) == ["qkv"]
+    assert "fail at once for 1 s" in bad.error and admission.stats.load_failures == ["a01"]
     again = Request([1, 2], -1, 2)
     admission.submit(again, "a01")
     admission.poll(admitted.append)
     assert again.finish == "failed" and again.error == bad.error and not admission._loads  # not loaded again
+    monkeypatch.setattr(AdapterPool, "_allocate", allocate)  # the device's memory back
+    time.sleep(1.0)
+    later = Request([1, 2], -1, 2)
+    admission.submit(later, "a01")
+    for _ in range(3):
+        admission.poll(admitted.append)
+        _wait_for_loads(admission)
+    assert admitted == [ok, later] and later.finish is None and sorted(engine.resident_adapters) == ["a00", "a01"]
+
+
+def test_a_failed_load_ends_the_requests_that_waited_and_is_read_again_after_its_retry(root, monkeypatch):
+    """A load that fails ends every request that waited for it, even once the registry has forgotten the failure
+    (a retry_after shorter than the load: no request loads it forever). Requests after it fail at once, without
+    a read, for retry_after; the first after reads the files again, and an adapter fixed in place meanwhile serves
+    the tokens of an engine that loaded it whole."""
+    import shutil
+
+    engine = Engine.from_pretrained(str(root / "m"), dtype="float32", max_loras=2, max_lora_rank=8, progress=False,
+                                    adapter_readers=0, adapter_retry_after=0.5)
+    broken = root / "broken"
+    shutil.copytree(root / "lib" / "a03", broken)
+    good = (broken / "adapter_config.json").read_text()
+    (broken / "adapter_config.json").write_text('{"r": 4, "lora_alpha": "8"}')
+    reads = []
+    prepare = engine.pool.prepare
+    monkeypatch.setattr(engine.pool, "prepare", lambda path, *roots: (reads.append(path), prepare(path, *roots))[1])
+    engine.register_adapter("b", str(broken))
+    admission = Admission(engine.pool, engine.registry, engine.tiers, engine.loader)
+    admitted, first = [], [Request([1, 2], -1, 2) for _ in range(3)]
+    for r in first:
+        admission.submit(r, "b")
+    admission.poll(admitted.append)
+    _wait_for_loads(admission)
+    time.sleep(0.5)  # the registry forgets the failure before the poll that sees the load's end
+    assert engine.registry.failure(engine.registry.get("b")) is None
+    admission.poll(admitted.append)
+    assert not admitted and all(r.finish == "failed" and "lora_alpha" in r.error for r in first)
+    assert "<b>" in first[0].error and str(broken) not in first[0].error and not admission._loads and len(reads) == 1
+
+    admission.submit(r := Request([1, 2], -1, 2), "b")  # a fresh failure: at once, with no read
+    admission.poll(admitted.append)
+    _wait_for_loads(admission)
+    admission.poll(admitted.append)
+    assert r.finish == "failed" and len(reads) == 2
+    again = Request([1, 2], -1, 2)
+    admission.submit(again, "b")
+    assert again.finish == "failed" and again.error == r.error and len(reads) == 2
+    (broken / "adapter_config.json").write_text(good)  # fixed in place
+    time.sleep(0.5)
+    fixed = Request([3, 1, 4], -1, 4)
+    admission.submit(fixed, "b")
+    for _ in range(3):
+        admission.poll(admitted.append)
+        _wait_for_loads(admission)
+    assert admitted == [fixed] and len(reads) == 3 and engine.resident_adapters == ["b"]
+    want = Engine.from_pretrained(str(root / "m"), dtype="float32", max_lora_rank=8, progress=False)
+    want.load_adapter("b", str(root / "lib" / "a03"))
+    assert engine.generate([[3, 1, 4]], ["b"], 4) == want.generate([[3, 1, 4]], ["b"], 4)
 
 
 def test_generate_and_score_raise_a_refusal_and_keep_their_progress(root):

@@ -148,6 +148,9 @@ class ListAdmission(Admission):
                 if self.registry.failure(entry) is not None:
                     request.end("failed", self.registry.failure(entry))
                     continue
+                if self._load_error(entry) is not None:  # the load it waited for failed
+                    request.end("failed", self._load_error(entry))
+                    continue
             passing = blocked is not None and entry is not None
             if passing and blocked is not self._blocked:
                 self._blocked, self._passes = blocked, 0
@@ -156,8 +159,8 @@ class ListAdmission(Admission):
                 self._passes += passing
                 if self._take(request, entry):
                     add(request)
-            elif entry is not None and self.registry.failure(entry) is not None:  # its slot write failed just now
-                request.end("failed", self.registry.failure(entry))
+            elif entry is not None and self._load_error(entry) is not None:  # its slot write failed just now
+                request.end("failed", self._load_error(entry))
             else:
                 if blocked is None and self._loaded(entry):
                     blocked = request

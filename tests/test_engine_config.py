@@ -20,6 +20,7 @@ from jlora import EngineConfig, cli
     (dict(adapter_readers=1.5), "adapter_readers must be an integer >= 0, got 1.5"),
     (dict(adapter_read_timeout=0), "adapter_read_timeout must be a number of seconds > 0, got 0"),
     (dict(adapter_read_timeout=None), "adapter_read_timeout must be a number of seconds > 0, got None"),
+    (dict(adapter_retry_after=0), "adapter_retry_after must be a number of seconds > 0, got 0"),
     (dict(prefill_chunk=100), "prefill_chunk must be a power of two >= 16, got 100"),
     (dict(prefill_chunk=8), "prefill_chunk must be a power of two >= 16, got 8"),
     (dict(dtype="int8"), "dtype must be one of"),
@@ -92,7 +93,7 @@ def test_settings_parse_as_the_flags_do():
     value of every field unlike its default); a config file's values are taken as they are; a bad key or value is
     named."""
     values = dict(max_loras="3", max_cpu_loras="5", max_cpu_lora_memory="0.5", device_cache_memory="2",
-                  adapter_readers="0", adapter_read_timeout="30", max_lora_rank="16", max_extra_vocab="0",
+                  adapter_readers="0", adapter_read_timeout="30", adapter_retry_after="5", max_lora_rank="16", max_extra_vocab="0",
                   max_batch="4", max_seq_len="256", prefill_chunk="64", block_size="0", kv_blocks="100",
                   prefix_caching="false", dtype="float32", backend="reference", split_attention="on", evict="refuse",
                   tensor_parallel="2")

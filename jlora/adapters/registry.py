@@ -2,8 +2,11 @@
 
 A registration carries a generation, unique over the process: registering a name again (after unregistering
 it) gives a new one, so anything keyed by an adapter's identity (its host copy, a failure, a cache entry)
-never mistakes the new adapter for the old (`jlora.adapters.tiers`). The registry is thread-safe: the server
-reads it from its request threads while the engine's loop and its loader threads write it.
+never mistakes the new adapter for the old (`jlora.adapters.tiers`). A failed load is remembered for
+`retry_after` seconds, so the requests for a broken adapter fail at once rather than each reading it again, and
+a fault that passes (storage back, a reader process killed mid-read, files fixed in place) does not disable the
+adapter for good. The registry is thread-safe: the server reads it from its request threads while the engine's
+loop and its loader threads write it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 
 from jlora.adapters.config import adapter_file, check_adapter_name
 
@@ -40,12 +44,19 @@ class Scan:
 
 
 class AdapterRegistry:
-    """name -> `Registration`, independent of device slots."""
+    """name -> `Registration`, independent of device slots, and the registrations whose last load failed.
 
-    def __init__(self):
+    Args:
+      retry_after: seconds a failed load is remembered (`fail`): requests for it fail at once meanwhile.
+    """
+
+    def __init__(self, retry_after: float = 30.0):
+        if not retry_after > 0:
+            raise ValueError(f"retry_after must be > 0 seconds, got {retry_after}")
+        self.retry_after = retry_after
         self._lock = threading.Lock()
         self._entries: dict[str, Registration] = {}
-        self._failed: dict[int, str] = {}  # generation -> why its load failed (not retried until re-registered)
+        self._failed: dict[int, tuple[str, float]] = {}  # generation -> (why its load failed, until when: monotonic)
 
     def register(self, name: str, adapter_dir: str, roots: tuple[str, ...] = ()) -> Registration:
         """Registers `name` for `adapter_dir` under a new generation, its files to be read inside `roots` if given.
@@ -103,10 +114,17 @@ class AdapterRegistry:
             return sorted(self._entries)
 
     def fail(self, entry: Registration, message: str) -> None:
-        """Records that `entry` cannot be loaded: requests for it fail at once until it is registered again."""
+        """Records that `entry` cannot be loaded: requests for it fail at once (`failure`) for `retry_after`
+        seconds, or until it is registered again; the first one after loads it again."""
         with self._lock:
             if self._entries.get(entry.name) is entry:
-                self._failed[entry.generation] = message
+                self._failed[entry.generation] = (message, time.monotonic() + self.retry_after)
 
     def failure(self, entry: Registration) -> str | None:
-        return self._failed.get(entry.generation)
+        """Why `entry`'s last load failed, while that is remembered (`fail`); else None."""
+        with self._lock:
+            failed = self._failed.get(entry.generation)
+            if failed is not None and time.monotonic() >= failed[1]:
+                del self._failed[entry.generation]
+                failed = None
+            return None if failed is None else failed[0]

@@ -18,7 +18,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.035, 0.0
 class Metrics:
     """Requests by adapter and outcome, tokens, running and waiting requests, KV-cache blocks, step time and the
     interval between steps, time to first token; adapters registered, in slots, in the device cache and on the host,
-    per-tier hits and misses, load latencies and waits, runtime registrations and evictions."""
+    per-tier hits and misses, load latencies and waits, failed loads, runtime registrations and evictions."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -47,6 +47,10 @@ class Metrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.adapter_loads = Counter("jlora_adapter_loads", "Adapters registered at runtime (load_lora_adapter)",
                                      registry=r)
+        self.adapter_load_failures = Counter(
+            "jlora_adapter_load_failures", "Adapter loads that failed (reading the files, the copy to the device or "
+            "the slot write): the requests that waited end, and later ones fail at once for --adapter-retry-after "
+            "seconds", registry=r)
         self.adapter_evictions = Counter("jlora_adapter_evictions", "Adapters evicted from device slots",
                                          registry=r)
         self.tier_hits = Counter("jlora_adapter_tier_hits", "Requests whose adapter was in the tier", ["tier"],
@@ -83,6 +87,9 @@ class Metrics:
             self.tier_misses.labels(tier).inc(misses - getattr(seen, f"{tier}_misses"))
             setattr(seen, f"{tier}_hits", hits)
             setattr(seen, f"{tier}_misses", misses)
+        while stats.load_failures:
+            stats.load_failures.pop()
+            self.adapter_load_failures.inc()
         for stage in AdapterStats.STAGES:
             times = getattr(stats, stage)
             while times:

@@ -1,9 +1,10 @@
 """`jlora serve --lora-dir DIR --max-loras 2`: 105 adapters served from one process over two device slots. Concurrent
 requests over 8 of them equal the engine's own generation with all 8 resident; a corrupt adapter fails its own
-requests with a clear error and every other tenant is served; an adapter evicted from its slot comes back from
+requests with a clear error, every other tenant is served, and once fixed it is served after --adapter-retry-after; an adapter evicted from its slot comes back from
 the device cache without another copy; the tiers' metrics count what happened."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ from tests.server.launch import start_server, stop_server  # noqa: E402
 pytestmark = pytest.mark.xdist_group("tenancy")
 CFG = testing.tiny_config("llama", vocab_size=120)
 USED = [f"t{i:03d}" for i in range(0, 104, 13)]  # 8 of the 104
+RETRY = 3  # seconds a failed load is remembered (--adapter-retry-after)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def root(tmp_path_factory):
 def server(root):
     proc, url = start_server(str(root / "m"), "--lora-dir", str(root / "lib"), "--max-loras", "2",
                              "--max-cpu-loras", "3", "--device-cache-memory", "1", "--max-lora-rank", "8",
-                             "--max-batch", "4", "--max-seq-len", "64")
+                             "--max-batch", "4", "--max-seq-len", "64", "--adapter-retry-after", str(RETRY))
     yield url
     stop_server(proc)
 
@@ -88,17 +90,30 @@ def test_many_adapters_over_two_slots_equal_the_resident_engine(server, root):
     assert metric(server, "jlora_requests_running") == 0
 
 
-def test_a_corrupt_adapter_fails_its_own_requests_once_and_others_are_served(server, root):
-    body = {"model": "broken", "prompt": "the fox", "max_tokens": 2}
+def test_a_corrupt_adapter_fails_its_own_requests_until_its_retry_and_others_are_served(server, root):
+    """Its requests fail with the reason, read once: later ones at once, for --adapter-retry-after seconds. Its
+    files fixed in place meanwhile (a copy that was still being written), the first request after reads them again
+    and is served: a fault that passes disables no adapter for good."""
+    body = {"model": "broken", "prompt": "the fox", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
     for _ in range(2):
         response = httpx.post(server + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 500
         assert "'broken' cannot be loaded" in response.json()["error"]["message"]
         assert "<broken>/adapter_model.safetensors: cannot read safetensors" in response.json()["error"]["message"]
+        assert f"fail at once for {RETRY} s" in response.json()["error"]["message"]
         assert str(root) not in response.json()["error"]["message"]  # no server path
     assert metric(server, 'jlora_requests_total{adapter="broken",outcome="failed"}') == 2
     ok = httpx.post(server + "/v1/completions", json=body | {"model": USED[0]}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+    testing.write_adapter(str(root / "lib" / "broken"), CFG, r=2, alpha=8, seed=0)  # t000's weights
+    assert httpx.post(server + "/v1/completions", json=body, timeout=60).status_code == 500
+    assert metric(server, "jlora_adapter_load_failures_total") == 1  # read once
+    time.sleep(RETRY)
+    fixed = httpx.post(server + "/v1/completions", json=body, timeout=60)
+    assert fixed.status_code == 200, fixed.text
+    want = httpx.post(server + "/v1/completions", json=body | {"model": "t000"}, timeout=60)
+    assert fixed.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+    assert metric(server, "jlora_adapter_load_failures_total") == 1
 
 
 def test_lora_dir_registers_each_adapter_and_names_what_it_skips(root, tmp_path, capsys):
