@@ -1,7 +1,8 @@
 """The decode attention kernel's launch parameters (#39): cache positions per key block (`block_t`), key blocks
-loaded per loop step (`step_blocks`), Triton's warps per program and pipeline stages, swept over the 8B shape (8 KV heads of 4 query heads, head_dim 128) at
-the batches and contexts the model step runs, over contiguous rows and over the paged cache (16-position
-blocks in a random order), unsplit and split as the engine splits (`split_chunk`).
+loaded per loop step (`step_blocks`), Triton's warps per program (2, 4, 8) and pipeline stages, swept over the
+8B shape (8 KV heads of 4 query heads, head_dim 128) at the batches and contexts the model step runs, over
+contiguous rows and over the paged cache (16-position blocks in a random order), unsplit and split as the engine
+splits (`split_chunk`).
 
 Each case: device µs per layer over layers with distinct caches, each layer's query the layer before's output
 (as in the model), as many layers as make their caches 4x the 50 MB L2 (at least 8), so no run finds a layer's
@@ -54,7 +55,7 @@ MIN_LAYERS, CACHES_BYTES = 8, 200 << 20  # the layers' caches together: 4x the H
 # None: the kernel's rules of the grid (decode_attention._stages, and _step_blocks over pages; one over rows)
 SHIPPED = dict(block_t=64, num_warps=4, num_stages=None, step_blocks=None)
 SETTINGS = [dict(block_t=b, num_warps=w, num_stages=s, step_blocks=n)
-            for b, w, s, n in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4)) if b * n <= 256]
+            for b, w, s, n in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4)) if b * n <= 256]
 ATTENTION = importlib.import_module("jlora.pallas.decode_attention")  # the module: jlora.pallas names the function
 CASES = {  # layout -> (batch, cache positions, query position)
     "rows": [(1, 1024, 512), (8, 1024, 512), (16, 1024, 512), (32, 1024, 512), (64, 1024, 512), (128, 1024, 512),
