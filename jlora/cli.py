@@ -294,7 +294,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="a PEFT adapter directory to serve under NAME, checked at start (repeatable)")
     srv.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
                      help="serve every subdirectory of DIR with an adapter_config.json, named after it, read "
-                          "when first requested (repeatable)")
+                          "when first requested; one added later is registered when first named (repeatable)")
     srv.add_argument("--served-model-name", help="the base model's name in the API (default: the directory's)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)

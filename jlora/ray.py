@@ -3,7 +3,7 @@
 - `Replica`: one engine (one GPU, or one tensor-parallel group) with `jlora serve`'s app in the same process:
   every request runs through that app's handling (validation, errors, streaming, metrics), called over ASGI.
   Each replica keeps its own slots and host tier and registers every adapter of the `--lora` /
-  `--lora-dir` registry at start.
+  `--lora-dir` registry at start, and an adapter added to a `--lora-dir` later when it is first named.
 - The adapter is Ray Serve's multiplexed model id. A replica's `get_adapter` (`@serve.multiplexed`) reads an
   adapter into its host tier the first time it is asked for it, and Ray then routes that adapter's requests
   to the replicas that hold it, loading it elsewhere only when none does (LRU within
@@ -156,7 +156,7 @@ class Replica:
     async def _load(self, name: str) -> str:
         """Reads adapter `name` into the host tier (a failure is left to the request's own load to report)."""
         engine = self.online.engine
-        entry = engine.registry.get(name)
+        entry = await asyncio.to_thread(engine.registry.find, name)  # one added to a --lora-dir since too
         self.loads += 1
         if entry is not None and engine.tiers.find(entry.generation)[0] == "disk":
             try:

@@ -5,7 +5,9 @@ it) gives a new one, so anything keyed by an adapter's identity (its host copy, 
 never mistakes the new adapter for the old (`jlora.adapters.tiers`). A failed load is remembered for
 `retry_after` seconds, so the requests for a broken adapter fail at once rather than each reading it again, and
 a fault that passes (storage back, a reader process killed mid-read, files fixed in place) does not disable the
-adapter for good. The registry is thread-safe: the server reads it from its request threads while the engine's
+adapter for good. A directory scanned (`scan`: `jlora serve --lora-dir`) stays watched: an adapter subdirectory
+added to it later is registered when a request names it (`find`) or the adapters are listed (`rescan`).
+The registry is thread-safe: the server reads it from its request threads while the engine's
 loop and its loader threads write it.
 """
 
@@ -17,7 +19,7 @@ import os
 import threading
 import time
 
-from jlora.adapters.config import adapter_file, check_adapter_name
+from jlora.adapters.config import AdapterError, adapter_file, check_adapter_name
 
 __all__ = ["AdapterRegistry", "Registration", "Scan"]
 
@@ -57,6 +59,7 @@ class AdapterRegistry:
         self._lock = threading.Lock()
         self._entries: dict[str, Registration] = {}
         self._failed: dict[int, tuple[str, float]] = {}  # generation -> (why its load failed, until when: monotonic)
+        self._scanned: list[tuple[str, frozenset[str]]] = []  # the directories `scan` registered from, their reserved
 
     def register(self, name: str, adapter_dir: str, roots: tuple[str, ...] = ()) -> Registration:
         """Registers `name` for `adapter_dir` under a new generation, its files to be read inside `roots` if given.
@@ -77,7 +80,10 @@ class AdapterRegistry:
     def scan(self, root: str, reserved: frozenset[str] = frozenset()) -> Scan:
         """Registers every subdirectory of `root` that holds an adapter_config.json, named after it (sorted).
         One whose name is not a valid adapter name, is registered already or is in `reserved` (the served base
-        model's name) is skipped, and the result says why."""
+        model's name) is skipped, and the result says why. `root` stays watched (`find`, `rescan`)."""
+        with self._lock:
+            if (root, reserved) not in self._scanned:
+                self._scanned.append((root, reserved))
         registered, skipped = [], []
         for sub in sorted(os.listdir(root)):
             path = os.path.join(root, sub)
@@ -91,6 +97,31 @@ class AdapterRegistry:
             except ValueError as err:
                 skipped.append((sub, "registered already" if sub in self else str(err)))
         return Scan(tuple(registered), tuple(skipped))
+
+    def rescan(self) -> list[Registration]:
+        """Registers the adapter subdirectories added to the directories scanned (`scan`) since."""
+        return [entry for root, reserved in list(self._scanned) for entry in self.scan(root, reserved).registered]
+
+    def find(self, name: str) -> Registration | None:
+        """`name`'s registration. A name not registered is registered first when a directory scanned (`scan`) has
+        an adapter subdirectory of that name, added since (or unregistered since): the name is one path component
+        there, as `scan` names them. None when neither."""
+        entry = self.get(name)
+        if entry is not None or not self._scanned or "/" in name or os.sep in name:
+            return entry
+        try:
+            check_adapter_name(name)
+        except ValueError:
+            return None
+        for root, reserved in list(self._scanned):
+            path = os.path.join(root, name)
+            if name in reserved or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                continue
+            try:
+                return self.register(name, path)
+            except (ValueError, AdapterError):  # registered meanwhile on another thread; its config just removed
+                return self.get(name)
+        return None
 
     def unregister(self, name: str) -> Registration:
         """Raises KeyError when `name` is not registered."""

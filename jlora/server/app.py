@@ -90,7 +90,7 @@ class _Api:
     def adapter_of(self, model: str) -> str | None:
         if model == self.name:
             return None
-        if model in self.engine.registry:
+        if self.engine.registry.find(model) is not None:  # an adapter added to a --lora-dir since is registered
             return model
         raise ApiError(404, f"the model {_quoted(model)} does not exist; GET /v1/models lists them", "model",
                        "NotFoundError")
@@ -582,6 +582,7 @@ def build_app(online: OnlineEngine, config: ServerConfig) -> Starlette:
         return await api.run(request, await asyncio.to_thread(api.prepare_chat, body), chat=True)
 
     async def models(request: HTTPRequest) -> Response:
+        await asyncio.to_thread(api.engine.registry.rescan)  # adapters added to a --lora-dir since
         created = int(time.time())
         data = [{"id": api.name, "object": "model", "created": created, "owned_by": "jlora", "root": api.name,
                  "parent": None}]

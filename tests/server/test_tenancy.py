@@ -1,7 +1,8 @@
 """`jlora serve --lora-dir DIR --max-loras 2`: 105 adapters served from one process over two device slots. Concurrent
 requests over 8 of them equal the engine's own generation with all 8 resident; a corrupt adapter fails its own
-requests with a clear error, every other tenant is served, and once fixed it is served after --adapter-retry-after; an adapter evicted from its slot comes back from
-the device cache without another copy; the tiers' metrics count what happened."""
+requests with a clear error, every other tenant is served, and once fixed it is served after
+--adapter-retry-after; an adapter added to the directory while serving is served by its name; an adapter evicted
+from its slot comes back from the device cache without another copy; the tiers' metrics count what happened."""
 
 import asyncio
 import time
@@ -114,6 +115,25 @@ def test_a_corrupt_adapter_fails_its_own_requests_until_its_retry_and_others_are
     want = httpx.post(server + "/v1/completions", json=body | {"model": "t000"}, timeout=60)
     assert fixed.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
     assert metric(server, "jlora_adapter_load_failures_total") == 1
+
+
+def test_an_adapter_added_to_the_lora_dir_while_serving_is_served_by_its_name(server, root):
+    """A subdirectory added to --lora-dir after the start: named by a request, it is registered and served (before:
+    404 until a restart); GET /v1/models lists one added since. Only a subdirectory's own name resolves."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(server + "/v1/completions", json=body | {"model": "t013"}, timeout=60).json()
+    testing.write_adapter(str(root / "lib" / "late"), CFG, r=2 + 13 % 7, alpha=8, seed=13)  # t013's weights
+    testing.write_adapter(str(root / "lib" / "listed"), CFG, r=2, alpha=8, seed=0)
+    testing.write_adapter(str(root / "outside"), CFG, r=2, alpha=8, seed=0)
+    for name in ("../outside", "late/..", "lib/late", "nope"):
+        response = httpx.post(server + "/v1/completions", json=body | {"model": name}, timeout=60)
+        assert response.status_code == 404, (name, response.text)
+    late = httpx.post(server + "/v1/completions", json=body | {"model": "late"}, timeout=60)
+    assert late.status_code == 200, late.text
+    assert late.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    models = [m["id"] for m in httpx.get(server + "/v1/models").json()["data"]]
+    assert {"late", "listed"} <= set(models) and "outside" not in models and len(models) == 108
+    assert metric(server, "jlora_adapters_registered") == 107
 
 
 def test_lora_dir_registers_each_adapter_and_names_what_it_skips(root, tmp_path, capsys):
