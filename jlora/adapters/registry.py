@@ -99,8 +99,15 @@ class AdapterRegistry:
         return Scan(tuple(registered), tuple(skipped))
 
     def rescan(self) -> list[Registration]:
-        """Registers the adapter subdirectories added to the directories scanned (`scan`) since."""
-        return [entry for root, reserved in list(self._scanned) for entry in self.scan(root, reserved).registered]
+        """Registers the adapter subdirectories added to the directories scanned (`scan`) since; a directory that
+        cannot be listed now (removed, unmounted) adds none."""
+        registered = []
+        for root, reserved in list(self._scanned):
+            try:
+                registered += self.scan(root, reserved).registered
+            except OSError:
+                continue
+        return registered
 
     def find(self, name: str) -> Registration | None:
         """`name`'s registration. A name not registered is registered first when a directory scanned (`scan`) has

@@ -47,6 +47,8 @@ def test_rescan_registers_what_was_added_and_keeps_what_is_registered(tmp_path):
     testing.write_adapter(str(lib / "bad name"), CFG, r=2, alpha=4, seed=2)
     assert [e.name for e in registry.rescan()] == ["b"] and registry.get("a") is a
     assert registry.names == ["a", "b"]
+    lib.rename(tmp_path / "gone")  # the directory removed or unmounted: nothing added, nothing raised
+    assert registry.rescan() == [] and registry.find("c") is None and registry.names == ["a", "b"]
 
 
 def test_concurrent_finds_register_a_name_once(tmp_path):
