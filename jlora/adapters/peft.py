@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -277,12 +278,10 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
 
     Raises:
       AdapterError: missing or corrupt files, unsupported features, unknown modules, ranks above
-        `max_rank`, shapes that do not match the base model, non-floating tensors, or more changed or added
-        rows than `max_extra_vocab`.
+        `max_rank`, shapes that do not match the base model, non-floating tensors, more changed or added
+        rows than `max_extra_vocab`, or files that changed during each read (`_read_files`).
     """
-    files = files_version(adapter_dir)  # before reading: files changed meanwhile give another version next time
-    cfg = read_config(adapter_dir, roots)
-    tensors, dtypes = _read_tensors(adapter_dir, _size_limits(config, max_rank, max_extra_vocab), roots)
+    files, cfg, tensors, dtypes = _read_files(adapter_dir, _size_limits(config, max_rank, max_extra_vocab), roots)
     layers_to_transform = cfg.get("layers_to_transform")
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]
@@ -427,6 +426,35 @@ def read_adapter(adapter_dir: str, config: ModelConfig, max_rank: int, padded_ra
                        rope_factor=_rope_factor(adapter_dir, cfg, config, max_seq_len),
                        slices={key: modules for key, modules in kept.items() if len(modules) < len(groups[key[1]][1])},
                        files=files)
+
+
+_READ_ATTEMPTS = 3  # reads of an adapter's files that a writer may change before the read gives up
+
+
+def _read_files(adapter_dir: str, limits: tuple[int, int],
+                roots: Sequence[str]) -> tuple[str, dict, dict[str, np.ndarray], dict[str, str]]:
+    """(`files_version`, the config, the tensors, their dtypes' names) of one state of the adapter's files: the
+    files are read again when their version changed while they were read (a copy into place still being
+    written), so that no read mixes two states, nor keeps an error that a half-written file gave.
+
+    Raises:
+      AdapterError: the files are invalid, or changed during each of `_READ_ATTEMPTS` reads.
+    """
+    for attempt in range(_READ_ATTEMPTS):
+        if attempt:
+            time.sleep(0.1 * attempt)  # a writer's time to finish
+        files = files_version(adapter_dir)
+        try:
+            cfg = read_config(adapter_dir, roots)
+            tensors, dtypes = _read_tensors(adapter_dir, limits, roots)
+        except AdapterError:
+            if files_version(adapter_dir) == files:
+                raise
+            continue
+        if files_version(adapter_dir) == files:
+            return files, cfg, tensors, dtypes
+    raise AdapterError(f"{adapter_dir}: its files changed while they were read, {_READ_ATTEMPTS} times (a copy "
+                       "still being written?); write an adapter elsewhere and rename it into place")
 
 
 def files_version(adapter_dir: str) -> str:

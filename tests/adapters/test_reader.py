@@ -358,3 +358,71 @@ def test_the_loader_keeps_every_reader_busy():
                                     adapter_readers=6)
     assert engine.loader._max_workers == 6 and engine.max_loads == 12
     assert engine.pool.reader.processes >= 6
+
+
+def test_a_read_that_a_writer_changes_is_read_again_and_never_mixes_two_states(tmp_path, monkeypatch):
+    """Files rewritten while they are read (a copy into place still being written): the read starts over, so the
+    adapter is one state of the files, never the old config with the new weights, and an error that the
+    half-written file gave is not kept; files that change at every read fail naming that; a broken file that
+    does not change fails at once, read once."""
+    from jlora.adapters import peft
+
+    config = ModelConfig.from_hf_config(CFG)
+    path, want = str(tmp_path / "a"), str(tmp_path / "want")
+    testing.write_adapter(want, CFG, r=4, alpha=16, seed=2)
+    read_tensors, calls = peft._read_tensors, []
+
+    def writer(action):
+        def read(*args):
+            calls.append(1)
+            out = read_tensors(*args)  # raises for the half-written file
+            action(len(calls))
+            return out
+        return read
+
+    def rewrite(n):  # the first read took the r=2 config and weights: the writer puts r=4 ones in place
+        if n == 1:
+            testing.write_adapter(path, CFG, r=4, alpha=16, seed=2)
+
+    testing.write_adapter(path, CFG, r=2, alpha=8, seed=1)
+    monkeypatch.setattr(peft, "_read_tensors", writer(rewrite))
+    got = peft.read_adapter(path, config, 8, 8)
+    fresh = peft.read_adapter(want, config, 8, 8)
+    assert len(calls) == 3 and got.rank == 4 and got.files == peft.files_version(path)  # 2 reads, + want's
+    for lg, lw in zip(got.layers, fresh.layers):
+        for g in lw:
+            np.testing.assert_array_equal(lg[g][0], lw[g][0])
+            np.testing.assert_array_equal(lg[g][1], lw[g][1])
+
+    calls.clear()
+    weights = f"{path}/adapter_model.safetensors"
+    good = open(weights, "rb").read()
+    with open(weights, "wb") as f:
+        f.write(good[: len(good) // 2])  # half written: the writer finishes during the read
+
+    def finish(*args):
+        calls.append(1)
+        try:
+            return read_tensors(*args)  # the first: cannot read the half-written file
+        finally:
+            if len(calls) == 1:
+                with open(weights, "wb") as f:
+                    f.write(good)
+
+    monkeypatch.setattr(peft, "_read_tensors", finish)
+    assert peft.read_adapter(path, config, 8, 8).rank == 4 and len(calls) == 2
+
+    calls.clear()
+    ns = iter(range(10**18, 2 * 10**18, 10**9))
+    monkeypatch.setattr(peft, "_read_tensors", writer(lambda n: os.utime(weights, ns=(next(ns), next(ns)))))
+    with pytest.raises(AdapterError, match="changed while they were read, 3 times"):
+        peft.read_adapter(path, config, 8, 8)
+    assert len(calls) == 3
+
+    calls.clear()
+    with open(weights, "wb") as f:
+        f.write(b"\x10garbage")
+    monkeypatch.setattr(peft, "_read_tensors", writer(lambda n: None))
+    with pytest.raises(AdapterError, match="cannot read safetensors"):
+        peft.read_adapter(path, config, 8, 8)
+    assert len(calls) == 1
