@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from importlib import import_module, metadata
 
 from jlora import __version__
@@ -349,6 +350,45 @@ def _ctrl_c_held():
             signal.raise_signal(signal.SIGINT)  # to the handler before, as if pressed now
 
 
+@contextlib.contextmanager
+def _ctrl_c_kept_from_collections():
+    """A Ctrl-C that lands while a garbage collection runs a Python callback (JAX has one) raises KeyboardInterrupt
+    inside it, where Python drops it and prints it as an ignored exception's traceback. Within this block such an
+    interrupt goes quietly to a thread that raises it in the main thread again once the collection is over, while
+    Python's own handler takes Ctrl-C (the server's handlers count presses: theirs are left alone)."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    lost, done, previous = threading.Event(), threading.Event(), sys.unraisablehook
+    lock = threading.Lock()  # no interrupt is raised again once the block has ended
+
+    def hook(unraisable) -> None:
+        if (unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt)
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            lost.set()
+        else:
+            previous(unraisable)
+
+    def redeliver() -> None:
+        while lost.wait():
+            lost.clear()
+            time.sleep(0.01)  # the collection's other callbacks first: one that took it would drop it again
+            with lock:
+                if done.is_set():
+                    return
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a wait in C code ends too
+
+    sys.unraisablehook = hook
+    threading.Thread(target=redeliver, name="jlora-ctrl-c", daemon=True).start()
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        with lock:
+            done.set()
+        lost.set()
+
+
 def _interrupted(who: str) -> int:
     """Ctrl-C: says so, without a traceback, and returns the shell's code for SIGINT."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # another Ctrl-C while the process exits ends it, silently
@@ -365,23 +405,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _interrupted("jlora")
     try:
-        if args.command == "demo":
-            from jlora.demo import run_demo
-
-            return 0 if run_demo(out_dir=args.out) else 1
-        if args.command == "selfcheck":
-            from jlora.selfcheck import run_selfcheck
-
-            return 0 if run_selfcheck() else 1
-        if args.command == "serve":
-            return _serve(args)
-        return _generate(args) if args.command == "generate" else _bench(args)
+        with _ctrl_c_kept_from_collections():
+            return _run(args)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"jlora {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return _interrupted(f"jlora {args.command}")
+
+
+def _run(args) -> int:
+    """Runs the parsed command; its exit code."""
+    if args.command == "demo":
+        from jlora.demo import run_demo
+
+        return 0 if run_demo(out_dir=args.out) else 1
+    if args.command == "selfcheck":
+        from jlora.selfcheck import run_selfcheck
+
+        return 0 if run_selfcheck() else 1
+    if args.command == "serve":
+        return _serve(args)
+    return _generate(args) if args.command == "generate" else _bench(args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import pytest
@@ -519,3 +520,38 @@ def test_selfcheck_passes_and_fails_a_wrong_backend(capsys, monkeypatch):
     failed = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.endswith("FAIL")]
     assert failed == [["gather", "float32"], ["pallas", "float32"], ["pallas", "bfloat16"]]  # gather's 0.1 %
     # is within bfloat16's bar
+
+
+def test_ctrl_c_that_lands_in_a_garbage_collection_still_ends_the_command(dirs, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while a garbage collection runs a Python callback (JAX has one) raises KeyboardInterrupt in the
+    callback, where Python used to drop it, printing an "Exception ignored" traceback, and the command went on.
+    Now it ends the command as any Ctrl-C does: one line, 130."""
+    import gc
+
+    from jlora.engine import Engine
+
+    pressed = []
+
+    def callback(phase, info):
+        if phase == "start" and pressed and len(pressed) == 1:
+            pressed.append(True)
+            raise KeyboardInterrupt
+
+    def generate(self, *args, **kwargs):
+        pressed.append(True)
+        gc.collect()
+        time.sleep(10)  # the command goes on: only the interrupt ends it
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    gc.callbacks.insert(0, callback)
+    handler, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    try:
+        start = time.monotonic()
+        rc = cli.main(["generate", "--model", str(dirs / "m"), "--prompt", "the fox", "--quiet"])
+    finally:
+        gc.callbacks.remove(callback)
+        signal.signal(signal.SIGINT, handler)
+    err = capsys.readouterr().err
+    assert rc == 130 and err.strip() == "jlora generate: interrupted", err
+    assert len(pressed) == 2 and time.monotonic() - start < 5 and sys.unraisablehook is hook
