@@ -6,7 +6,8 @@ never mistakes the new adapter for the old (`jlora.adapters.tiers`). A failed lo
 `retry_after` seconds, so the requests for a broken adapter fail at once rather than each reading it again, and
 a fault that passes (storage back, a reader process killed mid-read, files fixed in place) does not disable the
 adapter for good. A directory scanned (`scan`: `jlora serve --lora-dir`) stays watched: an adapter subdirectory
-added to it later is registered when a request names it (`find`) or the adapters are listed (`rescan`).
+added to it later is registered when a request names it (`find`) or the adapters are listed (`available`), and
+one removed is not served while it is gone.
 The registry is thread-safe: the server reads it from its request threads while the engine's
 loop and its loader threads write it.
 """
@@ -28,13 +29,15 @@ _generations = itertools.count(1)
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
-    """A registered adapter: its name, directory and generation (unique per registration), and the directories its
-    files must resolve into whenever they are read (a runtime load's --lora-root; empty: any)."""
+    """A registered adapter: its name, directory and generation (unique per registration), the directories its
+    files must resolve into whenever they are read (a runtime load's --lora-root; empty: any), and whether it was
+    found in a directory scanned (`AdapterRegistry.scan`): then it is not served while its directory is gone."""
 
     name: str
     adapter_dir: str
     generation: int
     roots: tuple[str, ...] = ()
+    watched: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +64,9 @@ class AdapterRegistry:
         self._failed: dict[int, tuple[str, float]] = {}  # generation -> (why its load failed, until when: monotonic)
         self._scanned: list[tuple[str, frozenset[str]]] = []  # the directories `scan` registered from, their reserved
 
-    def register(self, name: str, adapter_dir: str, roots: tuple[str, ...] = ()) -> Registration:
-        """Registers `name` for `adapter_dir` under a new generation, its files to be read inside `roots` if given.
+    def register(self, name: str, adapter_dir: str, roots: tuple[str, ...] = (), watched: bool = False) -> Registration:
+        """Registers `name` for `adapter_dir` under a new generation, its files to be read inside `roots` if given
+        (`watched`: found in a directory scanned).
 
         Raises:
           ValueError: an invalid name, or one registered already (unregister it first).
@@ -70,7 +74,7 @@ class AdapterRegistry:
         """
         check_adapter_name(name)
         adapter_file(adapter_dir, "adapter_config.json", roots)
-        entry = Registration(name, adapter_dir, next(_generations), roots)
+        entry = Registration(name, adapter_dir, next(_generations), roots, watched)
         with self._lock:
             if name in self._entries:
                 raise ValueError(f"adapter {name!r} is already registered; unload it first")
@@ -87,13 +91,13 @@ class AdapterRegistry:
         registered, skipped = [], []
         for sub in sorted(os.listdir(root)):
             path = os.path.join(root, sub)
-            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            if not os.path.isfile(_config(path)):
                 continue
             if sub in reserved:
                 skipped.append((sub, "the served base model's name"))
                 continue
             try:
-                registered.append(self.register(sub, path))
+                registered.append(self.register(sub, path, watched=True))
             except ValueError as err:
                 skipped.append((sub, "registered already" if sub in self else str(err)))
         return Scan(tuple(registered), tuple(skipped))
@@ -109,23 +113,32 @@ class AdapterRegistry:
                 continue
         return registered
 
+    def available(self) -> list[str]:
+        """The names a request may use now (`find`), sorted: those registered, with the adapters added to the
+        directories scanned since (`rescan`), less those found there whose directory was removed."""
+        self.rescan()
+        return [name for name in self.names if self.find(name) is not None]
+
     def find(self, name: str) -> Registration | None:
-        """`name`'s registration. A name not registered is registered first when a directory scanned (`scan`) has
-        an adapter subdirectory of that name, added since (or unregistered since): the name is one path component
-        there, as `scan` names them. None when neither."""
+        """`name`'s registration, if it may be served: not one found in a directory scanned whose directory is gone
+        now (it is again once the directory is back). A name not registered is registered first when a directory
+        scanned (`scan`) has an adapter subdirectory of that name, added since (or unregistered since): the name is
+        one path component there, as `scan` names them. None when neither."""
         entry = self.get(name)
-        if entry is not None or not self._scanned or "/" in name or os.sep in name:
-            return entry
+        if entry is not None:
+            return None if entry.watched and not os.path.isfile(_config(entry.adapter_dir)) else entry
+        if not self._scanned or "/" in name or os.sep in name:
+            return None
         try:
             check_adapter_name(name)
         except ValueError:
             return None
         for root, reserved in list(self._scanned):
             path = os.path.join(root, name)
-            if name in reserved or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            if name in reserved or not os.path.isfile(_config(path)):
                 continue
             try:
-                return self.register(name, path)
+                return self.register(name, path, watched=True)
             except (ValueError, AdapterError):  # registered meanwhile on another thread; its config just removed
                 return self.get(name)
         return None
@@ -166,3 +179,8 @@ class AdapterRegistry:
                 del self._failed[entry.generation]
                 failed = None
             return None if failed is None else failed[0]
+
+
+def _config(adapter_dir: str) -> str:
+    """The path of `adapter_dir`'s adapter_config.json."""
+    return os.path.join(adapter_dir, "adapter_config.json")

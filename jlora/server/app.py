@@ -90,7 +90,7 @@ class _Api:
     def adapter_of(self, model: str) -> str | None:
         if model == self.name:
             return None
-        if self.engine.registry.find(model) is not None:  # an adapter added to a --lora-dir since is registered
+        if self.engine.registry.find(model) is not None:  # a --lora-dir's as it is now
             return model
         raise ApiError(404, f"the model {_quoted(model)} does not exist; GET /v1/models lists them", "model",
                        "NotFoundError")
@@ -582,11 +582,11 @@ def build_app(online: OnlineEngine, config: ServerConfig) -> Starlette:
         return await api.run(request, await asyncio.to_thread(api.prepare_chat, body), chat=True)
 
     async def models(request: HTTPRequest) -> Response:
-        await asyncio.to_thread(api.engine.registry.rescan)  # adapters added to a --lora-dir since
+        names = await asyncio.to_thread(api.engine.registry.available)  # a --lora-dir's as it is now
         created = int(time.time())
         data = [{"id": api.name, "object": "model", "created": created, "owned_by": "jlora", "root": api.name,
                  "parent": None}]
-        for name in api.engine.adapters:
+        for name in names:
             data.append({"id": name, "object": "model", "created": created, "owned_by": "jlora", "root": name,
                          "parent": api.name})
         return JSONResponse({"object": "list", "data": data})

@@ -1,6 +1,6 @@
 """`AdapterRegistry`: a directory scanned stays watched, so an adapter subdirectory added later is registered
-when named (`find`) or listed (`rescan`), only as `scan` would have named it; a failed load is remembered for
-`retry_after` seconds."""
+when named (`find`) or listed (`available`), only as `scan` would have named it, and one removed is not served
+while it is gone; a failed load is remembered for `retry_after` seconds."""
 
 import concurrent.futures
 import os
@@ -49,6 +49,31 @@ def test_rescan_registers_what_was_added_and_keeps_what_is_registered(tmp_path):
     assert registry.names == ["a", "b"]
     lib.rename(tmp_path / "gone")  # the directory removed or unmounted: nothing added, nothing raised
     assert registry.rescan() == [] and registry.find("c") is None and registry.names == ["a", "b"]
+
+
+def test_an_adapter_whose_directory_is_removed_is_not_served_until_it_is_back(tmp_path):
+    """Found in a directory scanned: while its directory is gone, `find` and `available` leave it out (a request
+    answers 404), and once it is back it is served under the same registration. An adapter registered by name
+    (--lora, a runtime load) is not watched: its load reports missing files."""
+    lib = tmp_path / "lib"
+    for name in ("a", "b"):
+        testing.write_adapter(str(lib / name), CFG, r=2, alpha=4, seed=1)
+    testing.write_adapter(str(tmp_path / "named"), CFG, r=2, alpha=4, seed=1)
+    registry = AdapterRegistry()
+    registry.register("named", str(tmp_path / "named"))
+    registry.scan(str(lib))
+    testing.write_adapter(str(lib / "late"), CFG, r=2, alpha=4, seed=1)
+    late = registry.find("late")
+    a = registry.get("a")
+    assert registry.available() == ["a", "b", "late", "named"]
+    for name in ("a", "late"):
+        (lib / name).rename(tmp_path / f"away-{name}")
+    (tmp_path / "named").rename(tmp_path / "away-named")
+    assert registry.find("a") is None and registry.find("late") is None and registry.find("named") is not None
+    assert registry.available() == ["b", "named"] and registry.names == ["a", "b", "late", "named"]
+    (tmp_path / "away-a").rename(lib / "a")
+    (tmp_path / "away-late").rename(lib / "late")
+    assert registry.find("a") is a and registry.find("late") is late and len(registry.available()) == 4
 
 
 def test_concurrent_finds_register_a_name_once(tmp_path):

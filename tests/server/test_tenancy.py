@@ -119,7 +119,8 @@ def test_a_corrupt_adapter_fails_its_own_requests_until_its_retry_and_others_are
 
 def test_an_adapter_added_to_the_lora_dir_while_serving_is_served_by_its_name(server, root):
     """A subdirectory added to --lora-dir after the start: named by a request, it is registered and served (before:
-    404 until a restart); GET /v1/models lists one added since. Only a subdirectory's own name resolves."""
+    404 until a restart); GET /v1/models lists one added since. Only a subdirectory's own name resolves. One
+    removed is neither listed nor served (404) until it is back."""
     body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     want = httpx.post(server + "/v1/completions", json=body | {"model": "t013"}, timeout=60).json()
     testing.write_adapter(str(root / "lib" / "late"), CFG, r=2 + 13 % 7, alpha=8, seed=13)  # t013's weights
@@ -134,6 +135,13 @@ def test_an_adapter_added_to_the_lora_dir_while_serving_is_served_by_its_name(se
     models = [m["id"] for m in httpx.get(server + "/v1/models").json()["data"]]
     assert {"late", "listed"} <= set(models) and "outside" not in models and len(models) == 108
     assert metric(server, "jlora_adapters_registered") == 107
+    (root / "lib" / "late").rename(root / "late-away")  # removed: not listed, not served, until it is back
+    models = [m["id"] for m in httpx.get(server + "/v1/models").json()["data"]]
+    assert "late" not in models and len(models) == 107
+    assert httpx.post(server + "/v1/completions", json=body | {"model": "late"}, timeout=60).status_code == 404
+    (root / "late-away").rename(root / "lib" / "late")
+    again = httpx.post(server + "/v1/completions", json=body | {"model": "late"}, timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
 
 
 def test_lora_dir_registers_each_adapter_and_names_what_it_skips(root, tmp_path, capsys):
