@@ -7,9 +7,8 @@ never mistakes the new adapter for the old (`jlora.adapters.tiers`). A failed lo
 a fault that passes (storage back, a reader process killed mid-read, files fixed in place) does not disable the
 adapter for good. A directory scanned (`scan`: `jlora serve --lora-dir`) stays watched: an adapter subdirectory
 added to it later is registered when a request names it (`find`) or the adapters are listed (`available`), and
-one removed is not served while it is gone.
-The registry is thread-safe: the server reads it from its request threads while the engine's
-loop and its loader threads write it.
+one removed is not served while it is gone. The registry is thread-safe: the server reads it from its request
+threads while the engine's loop and its loader threads write it.
 """
 
 from __future__ import annotations
