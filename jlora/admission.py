@@ -86,25 +86,27 @@ class AdapterStats:
 
 class _Pending:
     """The requests waiting in `Admission`, grouped by adapter name (None: the base model), each group in arrival
-    order. Requests for one adapter are admitted or kept alike, so a poll visits each group once, not each
-    request: its host work follows the adapters waited for, not the queue's length."""
+    order (arrival number -> request; an ordered dict, so that a request cancelled anywhere in a long queue is
+    taken out at once). Requests for one adapter are admitted or kept alike, so a poll visits each group once, not
+    each request: its host work follows the adapters waited for, not the queue's length."""
 
     def __init__(self):
-        self._groups: dict[str | None, collections.deque[tuple[int, Request]]] = {}  # (arrival number, request)
-        self._adapter: dict[Request, str | None] = {}
+        self._groups: dict[str | None, collections.OrderedDict[int, Request]] = {}
+        self._where: dict[Request, tuple[str | None, int]] = {}  # request -> (its adapter, its arrival number)
         self._arrivals = itertools.count()
 
     def append(self, request: Request, adapter: str | None) -> None:
-        self._groups.setdefault(adapter, collections.deque()).append((next(self._arrivals), request))
-        self._adapter[request] = adapter
+        arrival = next(self._arrivals)
+        self._groups.setdefault(adapter, collections.OrderedDict())[arrival] = request
+        self._where[request] = adapter, arrival
 
     def remove(self, request: Request) -> bool:
         """Takes out `request`; False when it is not here."""
-        if request not in self._adapter:
+        if request not in self._where:
             return False
-        adapter = self._adapter.pop(request)
+        adapter, arrival = self._where.pop(request)
         group = self._groups[adapter]
-        group.remove(next(item for item in group if item[1] is request))
+        del group[arrival]
         if not group:
             del self._groups[adapter]
         return True
@@ -112,26 +114,26 @@ class _Pending:
     def popleft(self, adapter: str | None) -> Request:
         """Takes out the first request waiting for `adapter`."""
         group = self._groups[adapter]
-        _, request = group.popleft()
-        del self._adapter[request]
+        _, request = group.popitem(last=False)
+        del self._where[request]
         if not group:
             del self._groups[adapter]
         return request
 
     def drop(self, adapter: str | None) -> list[Request]:
         """Takes out every request waiting for `adapter`, in arrival order."""
-        requests = [r for _, r in self._groups.pop(adapter)]
+        requests = list(self._groups.pop(adapter).values())
         for r in requests:
-            del self._adapter[r]
+            del self._where[r]
         return requests
 
-    def in_order(self) -> list[tuple[str | None, collections.deque[tuple[int, Request]]]]:
-        """The groups, by their first request's arrival."""
-        return sorted(self._groups.items(), key=lambda item: item[1][0][0])
+    def in_order(self) -> list[tuple[str | None, collections.OrderedDict[int, Request]]]:
+        """The groups (arrival number -> request), by their first request's arrival."""
+        return sorted(self._groups.items(), key=lambda item: next(iter(item[1])))
 
     def first(self, adapter: str | None) -> int:
         """The arrival number of the first request waiting for `adapter`."""
-        return self._groups[adapter][0][0]
+        return next(iter(self._groups[adapter]))
 
     def waits_for(self, adapter: str) -> bool:
         return adapter in self._groups
@@ -142,15 +144,14 @@ class _Pending:
 
     def requests(self) -> list[Request]:
         """Every request here, in arrival order."""
-        return [r for _, r in sorted((item for group in self._groups.values() for item in group),
-                                     key=lambda item: item[0])]
+        return [r for _, r in sorted(item for group in self._groups.values() for item in group.items())]
 
     def clear(self) -> None:
         self._groups.clear()
-        self._adapter.clear()
+        self._where.clear()
 
     def __len__(self) -> int:
-        return len(self._adapter)
+        return len(self._where)
 
 
 class Admission:
@@ -225,14 +226,14 @@ class Admission:
         waiting: list[Registration] = []  # the groups' current registrations, in order
         for adapter, group in self.pending.in_order():
             if adapter is None:  # the base model's requests hold no slot and always pass
-                taken += [(arrival, request) for arrival, request in group if self._take(request, None)]
+                taken += [(arrival, request) for arrival, request in group.items() if self._take(request, None)]
                 self.pending.drop(None)
                 continue
             entry = self._current(adapter)
             if entry is None or self._failed(entry):
                 continue
             waiting.append(entry)
-            arrival = group[0][0]
+            arrival, first = next(iter(group.items()))
             self._take_ready(ready, arrival, blocked is not None, taken)
             if ((blocked is None or self._passes < self.max_passes)
                     and (self._resident(entry) or self._install(entry))):
@@ -240,7 +241,7 @@ class Admission:
             elif self._failed(entry):  # its slot write failed just now
                 continue
             elif blocked is None and self._loaded(entry):
-                blocked = group[0][1]
+                blocked = first
                 if blocked is not self._blocked:
                     self._blocked, self._passes = blocked, 0
         self._take_ready(ready, math.inf, blocked is not None, taken)
