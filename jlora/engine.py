@@ -63,11 +63,24 @@ def _note_refusal(refused: list[Request], then: Callable[[Request], None] | None
 
 
 def _free_bytes(devices: Sequence[jax.Device]) -> int | None:
-    """Bytes the devices' allocators can still hand out, all together, or None where a backend does not say (CPU)."""
+    """Bytes the devices' allocators can still hand out, all together; for CPU devices, which say nothing, the
+    memory the host has available (they share it); None where neither is known."""
     stats = [d.memory_stats() for d in devices]
-    if any(not st or "bytes_limit" not in st for st in stats):
-        return None
-    return sum(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
+    if all(st and "bytes_limit" in st for st in stats):
+        return sum(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
+    return _host_available_bytes() if all(d.platform == "cpu" for d in devices) else None
+
+
+def _host_available_bytes() -> int | None:
+    """The host's available memory (Linux's MemAvailable: free, and caches it can drop), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _read_tokenizer(model_dir: str):

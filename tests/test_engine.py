@@ -479,6 +479,8 @@ def test_kv_cache_memory_sets_the_number_of_blocks(engine):
 def test_a_kv_cache_larger_than_the_free_device_memory_is_refused_before_it_is_made(engine, monkeypatch):
     import jlora.engine
 
+    _free_bytes = jlora.engine._free_bytes
+
     config = dataclasses.replace(engine.config, block_size=16)
     monkeypatch.setattr(engine, "config", config)
     block = 2 * CFG["num_hidden_layers"] * 2 * 16 * 16 * 4  # k and v, layers, 2 KV heads, head_dim 16, f32
@@ -497,6 +499,11 @@ def test_a_kv_cache_larger_than_the_free_device_memory_is_refused_before_it_is_m
         engine.new_batcher(1, 16)
     monkeypatch.setattr(engine, "config", dataclasses.replace(config, kv_cache_memory=1.0))  # capped at the rows'
     assert engine.new_batcher(2, 48).blocks.num_blocks == 6
+    monkeypatch.setattr(jlora.engine, "_free_bytes", _free_bytes)  # the host's memory, as a CPU engine counts it
+    monkeypatch.setattr(engine, "config", dataclasses.replace(config, kv_blocks=2**40 // block))  # 1 TiB
+    with pytest.raises(ValueError, match=r"a KV cache of \d+ blocks of 16 positions takes 1024.0 GiB on each device "
+                                         r".* more than the [\d.]+ GiB free there"):
+        engine.new_batcher(1, 16)
 
 
 def test_an_engine_stores_the_weights_as_its_max_batch_wants_them(engine):

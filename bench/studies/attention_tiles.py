@@ -18,11 +18,11 @@ step loads, the warps and the stages may follow the grid where their bits are eq
 
 Model (`--model-batches`): the 8B-shaped base decode step (`bench/model.py`'s model, context 1024 with the query
 at 512 unless `--model-context` says otherwise) as shipped against the step with one of the kernel's grid rules
-replaced (`--model-variant`: three stages at every grid, or one key block a loop step), in alternating rounds,
-over rows and over the paged cache split as the engine splits it.
+replaced (`--model-variant`: three stages at every grid, one key block a loop step, or two warps), in
+alternating rounds, over rows and over the paged cache split as the engine splits it.
 
   python bench/studies/attention_tiles.py [--cases rows,paged,split] [--model-batches 32,64,128]
-      [--model-variant stages|step_blocks] [--model-context 4096/4000] [--model-layouts paged] [--out DIR]  # GPU
+      [--model-variant stages|step_blocks|warps] [--model-context 4096/4000] [--model-layouts paged] [--out DIR]  # GPU
   python bench/studies/attention_tiles.py --smoke                                  # CPU, interpret mode
 """
 
@@ -52,8 +52,8 @@ from jlora.runner import forward  # noqa: E402
 from jlora.step import StepOptions  # noqa: E402
 
 MIN_LAYERS, CACHES_BYTES = 8, 200 << 20  # the layers' caches together: 4x the H100 / H200's 50 MB L2
-# None: the kernel's rules of the grid (decode_attention._stages, and _step_blocks over pages; one over rows)
-SHIPPED = dict(block_t=64, num_warps=4, num_stages=None, step_blocks=None)
+# None: the kernel's rules of the grid (decode_attention._warps, _stages, and _step_blocks over pages; one over rows)
+SHIPPED = dict(block_t=64, num_warps=None, num_stages=None, step_blocks=None)
 SETTINGS = [dict(block_t=b, num_warps=w, num_stages=s, step_blocks=n)
             for b, w, s, n in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4)) if b * n <= 256]
 ATTENTION = importlib.import_module("jlora.pallas.decode_attention")  # the module: jlora.pallas names the function
@@ -133,6 +133,7 @@ def case_rows(layout: str, batch: int, max_seq: int, pos: int, layers: int, sett
 VARIANTS = {  # --model-variant -> (its name, the rule patched while it traces, what the patch returns)
     "stages": ("three stages", "_stages", 3),
     "step_blocks": ("one key block a step", "_step_blocks", 1),
+    "warps": ("two warps", "_warps", 2),
 }
 
 

@@ -83,6 +83,11 @@ def _stages(programs: int) -> int:
     return 3 if programs <= 2 * num_sms() else 2
 
 
+def _warps(programs: int) -> int:
+    """Triton's warps per program: four at every grid (bench/results/attention_tiles.json: eight won no case)."""
+    return 4
+
+
 def _step_blocks(programs: int, tile_bytes: int) -> int:
     """Key blocks a loop step of the paged kernel loads: two while the grid leaves SMs to spare (at most one program
     on each SM), so more gathered loads are in flight, one past that
@@ -372,12 +377,12 @@ def paged_decode_attention(
 
 
 def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window: int | None, chunk: int | None,
-          limit: int, num_warps: int = 4, num_stages: int | None = None, step_blocks: int | None = 1,
+          limit: int, num_warps: int | None = None, num_stages: int | None = None, step_blocks: int | None = 1,
           kv: int | None = None):
     """`kernel` over q [B, KV, G, D] (or a `NewToken` of `kv` KV heads) and `limit` cache positions -> [B, KV, G,
     D] (from a `NewToken`, and the caches k and v as given, the token written): one program per (request, KV
     head), and per chunk of `chunk` positions when that is given (None: unsplit). `num_warps` and `num_stages`
-    are Triton's (None: `_stages` of the grid), `step_blocks` the key blocks a loop step loads (None:
+    are Triton's (None: `_warps` and `_stages` of the grid), `step_blocks` the key blocks a loop step loads (None:
     `_step_blocks` of the grid, the paged kernel's rule); bench/studies/attention_tiles.py sweeps them with
     `block_t`."""
     token = q if isinstance(q, NewToken) else None
@@ -418,7 +423,7 @@ def _call(kernel, name: str, q, positions, where, k, v, *, block_t: int, window:
         out_shape=out_shape,
         grid=grid,
         input_output_aliases=aliases,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or _warps(programs),
                                                 num_stages=num_stages or _stages(programs)),
         interpret=_interpret(),
         name=f"jlora_{name}_{kv}x{groups}x{d}",

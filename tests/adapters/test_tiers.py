@@ -5,6 +5,7 @@ way when the device runs out of memory."""
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -258,13 +259,22 @@ def test_a_device_cache_larger_than_the_free_device_memory_is_refused(lib, monke
     assert engine.tiers.device.max_bytes == 2**30
 
 
-def test_free_device_memory_is_summed_over_the_devices_or_unknown():
+def test_free_device_memory_is_summed_over_the_devices_or_the_hosts_for_cpus_or_unknown(monkeypatch):
+    import jlora.engine
     from jlora.engine import _free_bytes
 
     class Device:  # what `_free_bytes` reads of a jax.Device
-        def __init__(self, stats):
-            self.memory_stats = lambda: stats
+        def __init__(self, stats, platform="gpu"):
+            self.memory_stats, self.platform = lambda: stats, platform
 
     used = [Device({"bytes_limit": 10, "bytes_in_use": 4}), Device({"bytes_limit": 8, "bytes_in_use": 1})]
     assert _free_bytes(used) == 13
     assert _free_bytes([used[0], Device(None)]) is None and _free_bytes([Device({"bytes_in_use": 1})]) is None
+    monkeypatch.setattr(jlora.engine, "_host_available_bytes", lambda: 77)
+    assert _free_bytes([Device(None, "cpu"), Device(None, "cpu")]) == 77  # shared by the CPU devices, not summed
+    assert _free_bytes([Device(None, "cpu"), Device(None)]) is None
+    monkeypatch.undo()
+    with open("/proc/meminfo") as f:  # this machine's, as the engine reads it
+        available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
+    assert abs(jlora.engine._host_available_bytes() - available) < 2**30
+    assert abs(_free_bytes(jax.devices("cpu")) - available) < 2**30
