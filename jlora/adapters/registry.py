@@ -105,11 +105,13 @@ class AdapterRegistry:
         """Registers the adapter subdirectories added to the directories scanned (`scan`) since; a directory that
         cannot be listed now (removed, unmounted) adds none."""
         registered = []
-        for root, reserved in list(self._scanned):
+        for root, _ in list(self._scanned):
             try:
-                registered += self.scan(root, reserved).registered
+                subs = sorted(os.listdir(root))
             except OSError:
                 continue
+            # names registered already cost nothing here: `find` registers the others as a request would
+            registered += [entry for sub in subs if sub not in self and (entry := self.find(sub)) is not None]
         return registered
 
     def available(self) -> list[str]:

@@ -36,16 +36,19 @@ def test_find_registers_a_subdirectory_added_after_the_scan_as_the_scan_names_it
     assert again is not None and again.generation != entry.generation
 
 
-def test_rescan_registers_what_was_added_and_keeps_what_is_registered(tmp_path):
+def test_rescan_registers_what_was_added_and_keeps_what_is_registered(tmp_path, monkeypatch):
     lib = tmp_path / "lib"
     testing.write_adapter(str(lib / "a"), CFG, r=2, alpha=4, seed=1)
     registry = AdapterRegistry()
     registry.scan(str(lib))
     a = registry.get("a")
-    assert registry.rescan() == []
+    tried = []  # what rescan tries to register: none of the names registered already
+    register = registry.register
+    monkeypatch.setattr(registry, "register", lambda name, *a, **kw: tried.append(name) or register(name, *a, **kw))
+    assert registry.rescan() == [] and tried == []
     testing.write_adapter(str(lib / "b"), CFG, r=2, alpha=4, seed=2)
     testing.write_adapter(str(lib / "bad name"), CFG, r=2, alpha=4, seed=2)
-    assert [e.name for e in registry.rescan()] == ["b"] and registry.get("a") is a
+    assert [e.name for e in registry.rescan()] == ["b"] and registry.get("a") is a and tried == ["b"]
     assert registry.names == ["a", "b"]
     lib.rename(tmp_path / "gone")  # the directory removed or unmounted: nothing added, nothing raised
     assert registry.rescan() == [] and registry.find("c") is None and registry.names == ["a", "b"]
