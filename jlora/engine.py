@@ -666,3 +666,4 @@ class Engine:
                 for r in requests:  # after an error: the requests still here give back their adapters
                     if r.finish is None and not admission.cancel(r):
                         batcher.cancel(r)
+                batcher.settle()  # after a Ctrl-C too: the device idle, as a process may exit next

@@ -356,6 +356,15 @@ class Batcher:
             self.last_token[row] = token
             r._notify()
 
+    def settle(self) -> None:
+        """Waits until the device has run every step dispatched, and drops the step in flight unread: for a caller
+        that steps no more (a process exiting with a step still running on the device can crash in its exit)."""
+        try:
+            jax.block_until_ready((self.cache, self.history, self.in_flight and self.in_flight.tokens))
+        except Exception:  # a step that failed has ended too; its requests hear of it no more
+            pass
+        self.in_flight = None
+
     def _collect(self) -> None:
         """Reads the step in flight and records its tokens (and log-probabilities) for the requests still in
         their rows; a scoring request (max_new 0) whose prompt is in ends."""

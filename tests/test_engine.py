@@ -236,6 +236,31 @@ def test_a_request_cancelled_while_its_prompt_goes_in_pieces_frees_its_row(engin
     assert [r.out for r in others] == [list(a) for a in alone] and not long.out
 
 
+def test_a_generate_interrupted_mid_step_leaves_nothing_running_on_the_device(engine, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) while a step runs and the one before is unread: `generate` raises it only once
+    the device has run both, as the process may exit next (XLA running at exit crashed a server by SIGSEGV)."""
+    from jlora.scheduler import Batcher
+
+    step, batchers = Batcher.step, []
+
+    def step_interrupted_at_the_third(self, while_in_flight=None):
+        def interrupt():
+            raise KeyboardInterrupt
+
+        batchers.append(self)
+        step(self, interrupt if len(batchers) == 3 else while_in_flight)
+
+    monkeypatch.setattr(Batcher, "step", step_interrupted_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([PROMPTS[0], PROMPTS[3]], ["a0", None], max_new_tokens=8)
+    batcher, = set(batchers)
+    assert len(batchers) == 3 and batcher.in_flight is None
+    assert all(leaf.is_ready() for leaf in jax.tree.leaves(batcher.cache))
+    monkeypatch.undo()
+    alone = engine.generate([PROMPTS[0]], ["a0"], max_new_tokens=8)  # and the engine generates on
+    assert alone == engine.generate([PROMPTS[0], PROMPTS[3]], ["a0", None], max_new_tokens=8)[:1]
+
+
 def test_sampling_is_seeded(engine):
     kw = dict(max_new_tokens=8, temperature=1.5, top_p=0.95)
     a = engine.generate(PROMPTS, ADAPTERS, seed=1, **kw)

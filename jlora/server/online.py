@@ -205,6 +205,7 @@ class OnlineEngine:
                 logger.exception("the engine loop failed")
                 self._fail_all("the engine loop failed", err)
                 last_start = None
+        self.batcher.settle()  # the device idle once the loop ends: a process may exit next
 
     def _stop_for_good(self, message: str, status: int | None = None) -> None:
         """Ends every request taken in or queued ("failed", `message`, HTTP `status`; None: 500) and every queued

@@ -100,7 +100,10 @@ def serve(model_dir: str, config: ServerConfig, engine_config: EngineConfig = En
         server = ShutdownServer(uvicorn.Config(
             app, log_level="warning", http=header_deadline_protocol(config.header_timeout),
             limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive), online)
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        finally:  # a forced exit skips the app's shutdown: the engine loop still ends before the process does
+            online.stop()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

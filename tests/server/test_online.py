@@ -3,6 +3,7 @@ ends its requests with an error instead of hanging them, and the loop serves on.
 
 import threading
 
+import jax
 import pytest
 
 pytest.importorskip("prometheus_client")  # the server's packages (absent on the GPU machine)
@@ -214,6 +215,8 @@ def test_end_all_ends_every_request_at_the_next_turn_and_takes_no_more(engine):
         online.submit(requests, None)  # the base model: the module's first test unloads "a"
         online._thread.join(timeout=60)  # the loop ends once it took the call
         assert not online._thread.is_alive() and online.down == "the server is shutting down"
+        # the step dispatched before the call ran to its end: a server exiting next has nothing on the device
+        assert online.batcher.in_flight is None and all(a.is_ready() for a in jax.tree.leaves(online.batcher.cache))
         assert [(r.finish, r.error, r.status) for r in requests] == [("failed", "the server is shutting down", 503)] * 3
         for r in requests:  # its tokens, then its end with no token more, and nothing after it
             *running, (finish, tokens) = updates[r]
