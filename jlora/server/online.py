@@ -65,7 +65,8 @@ class OnlineEngine:
     def stop(self) -> None:
         self._stop.set()
         self._inbox.put(("wake",))
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():  # not started: a server whose start failed
+            self._thread.join(timeout=10)
 
     @property
     def down(self) -> str | None:

@@ -44,6 +44,8 @@ def test_the_gauges_hold_the_cache_and_the_slots_before_the_first_request(engine
     assert gauge("jlora_kv_cache_blocks_used") == 0
     assert gauge("jlora_adapters_resident") == len(engine.pool.names) == 1  # "a", loaded by the fixture
     assert gauge("jlora_adapter_slots_bytes") == engine.pool.nbytes > 0
+    online.stop()  # a server whose start failed before its loop started stops it as one that served
+    assert online.down == "the engine loop is not running"
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypatch):
