@@ -357,10 +357,12 @@ class Batcher:
             r._notify()
 
     def settle(self) -> None:
-        """Waits until the device has run every step dispatched, and drops the step in flight unread: for a caller
-        that steps no more (a process exiting with a step still running on the device can crash in its exit)."""
+        """Waits until the device has run every step and adapter slot write dispatched, and drops the step in flight
+        unread: for a caller that steps no more (a process exiting with a step still running on the device can
+        crash in its exit)."""
         try:
-            jax.block_until_ready((self.cache, self.history, self.in_flight and self.in_flight.tokens))
+            jax.block_until_ready((self.cache, self.history, self.in_flight and self.in_flight.tokens,
+                                   self.runner.pool.weights))
         except Exception:  # a step that failed has ended too; its requests hear of it no more
             pass
         self.in_flight = None
