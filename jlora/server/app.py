@@ -101,8 +101,8 @@ class _Api:
         prompt = request.prompt  # [] is one prompt of no ids, refused as empty below
         batched = isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], (str, list))
         given = prompt if batched else [prompt]
-        prompts = [self.encode_prompt(p, adapter, "the prompt" if not batched else f"prompt {i}")
-                   for i, p in enumerate(given)]
+        prompts = [self.encode_prompt(p, adapter, "the prompt" if not batched else f"prompt {i}",
+                                      request.add_special_tokens) for i, p in enumerate(given)]
         best_of = request.n if request.best_of is None else request.best_of
         if best_of < request.n:
             raise ApiError(400, f"'best_of' ({best_of}) must be at least 'n' ({request.n})", "best_of")
@@ -119,7 +119,7 @@ class _Api:
         adapter = self.adapter_of(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        prompt = self.tokenize(self.render(request), "messages", add_special_tokens=False)
+        prompt = self.tokenize(self.render(request), "messages", request.add_special_tokens)
         if not prompt:
             raise ApiError(400, "the rendered chat prompt is empty", "messages")
         return self.prepared(request, [prompt], adapter, "messages",
@@ -149,10 +149,10 @@ class _Api:
         if (request.prompt is None) == (request.messages is None):
             raise ApiError(400, "give either 'prompt' or 'messages'", "prompt")
         if request.messages is not None:
-            ids = self.tokenize(self.render(request), "messages", add_special_tokens=False)
+            ids = self.tokenize(self.render(request), "messages", request.add_special_tokens is True)
         else:
             self.need_tokenizer("tokenizing", "prompt")
-            ids = self.tokenize(request.prompt, "prompt", request.add_special_tokens)
+            ids = self.tokenize(request.prompt, "prompt", request.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": self.engine.config.max_seq_len, "tokens": ids, "token_strs": None}
 
     def detokenize_request(self, body: bytes) -> dict:
@@ -237,12 +237,13 @@ class _Api:
         return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream,
                          stream_usage, request.n, logprobs, echo)
 
-    def encode_prompt(self, prompt: str | list[int], adapter: str | None, what: str = "the prompt") -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], adapter: str | None, what: str = "the prompt",
+                      add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, checked against the adapter's vocabulary; `what` names it in errors ("prompt 3"
-        of a batch)."""
+        of a batch); a text's with the tokenizer's special tokens (BOS) unless `add_special_tokens` is False."""
         if isinstance(prompt, str):
             self.need_tokenizer("a text prompt (send token ids)", "prompt")
-            ids = self.tokenize(prompt, "prompt")
+            ids = self.tokenize(prompt, "prompt", add_special_tokens)
         else:
             ids = prompt
         if not ids:

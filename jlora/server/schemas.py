@@ -9,7 +9,7 @@ the field. Fields beyond OpenAI's that vLLM also takes: `top_k`, `min_p`, `repet
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -27,10 +27,13 @@ MAX_N = 128  # choices per prompt (n, best_of)
 # not implement: a request that sets one to anything but its unset values (null, false or 0 unless said) is
 # refused, naming it, rather than sampled as if it were not there.
 UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "min_tokens",
+               "min_tokens", "audio", "modalities",
                "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
                "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids",
-               "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+               "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+               "structural_tag", "logits_processors", "return_tokens_as_token_ids", "prompt_embeds", "priority",
+               "cache_salt", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
+               "chat_template", "documents")  # the prompt the model's template renders is the only one
 # What a field of a union type must be: its message when the body's value fits none of the forms (N: any index).
 _FORMS = {"prompt": f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
           "stop": "a string or a list of at most 16 strings (of at most 1024 characters) or token ids",
@@ -62,6 +65,7 @@ _Unsupported = create_model("_Unsupported", __base__=_Strict, **{
     "length_penalty": (Annotated[float, Field(ge=1, le=1)] | None, None),
     "skip_special_tokens": (Literal[None, True], None), "spaces_between_special_tokens": (Literal[None, True], None),
     "bad_words": (Literal[None] | Annotated[list, Field(max_length=0)], None),
+    "modalities": (Literal[None] | list[Literal["text"]], None),
     "prompt_logprobs": (Literal[None], None), "truncate_prompt_tokens": (Literal[None], None)})
 
 
@@ -92,6 +96,7 @@ class CompletionRequest(_Generation):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy form: the top k per token
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    add_special_tokens: bool = True  # a text prompt's BOS (the tokenizer's special tokens)
 
 
 class ContentPart(TypedDict, total=False):
@@ -113,6 +118,8 @@ class _ChatOptions(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Off = None  # the model's template renders, never a request's (`UNSUPPORTED`)
+    documents: Off = None
 
 
 class ChatRequest(_Generation, _ChatOptions):
@@ -120,6 +127,9 @@ class ChatRequest(_Generation, _ChatOptions):
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_special_tokens: bool = False  # the tokenizer's special tokens before the rendered prompt (vLLM's default)
+    echo: Off = None  # vLLM's: the last message's content before the answer
+    unsupported: ClassVar[tuple[str, ...]] = ("echo",)  # refused as `UNSUPPORTED`'s are, in chat only
 
 
 class TokenizeRequest(_ChatOptions):
@@ -127,7 +137,7 @@ class TokenizeRequest(_ChatOptions):
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, fail_fast=True)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: vLLM's default, True for a prompt and False for messages
 
 
 class DetokenizeRequest(_Strict):
@@ -167,7 +177,7 @@ def parse(model: type[Model], body: bytes) -> Model:
     field = ".".join(loc)
     if first["type"] == "missing":
         raise ApiError(400, f"'{field}' is required", loc[0])
-    if loc[0] in UNSUPPORTED:
+    if loc[0] in UNSUPPORTED + getattr(model, "unsupported", ()):
         raise ApiError(400, f"'{loc[0]}' is not supported by this server", loc[0])
     pattern = ["N" if part.isdigit() else part for part in loc]
     for form, what in _FORMS.items():

@@ -340,3 +340,37 @@ def test_with_eviction_off_a_request_no_slot_can_take_ends_at_once(tmp_path):
     assert refused.status_code == 503 and error["param"] == "model"
     assert error["message"] == ("no slot for adapter 'b': all 1 slots hold other adapters and eviction is off "
                                 "(evict='refuse'); unload one")
+
+
+def test_add_special_tokens_adds_the_tokenizers_bos_where_vllm_does(served):
+    """A text prompt gets the tokenizer's special tokens (here "the", id 1, as BOS) unless add_special_tokens is
+    false; a chat prompt, rendered by its template, only when it is true; /tokenize as either, by its form."""
+    from tokenizers import processors
+
+    engine, app, _ = served
+    engine.tokenizer.post_processor = processors.TemplateProcessing(single="the $A", special_tokens=[("the", 1)])
+    messages = [{"role": "user", "content": "fox"}]
+
+    async def scenario(c):
+        async def post(path, **body):
+            reply = await c.post(path, json={"model": "m", **body})
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+
+        async def prompt_tokens(path, **body):
+            return (await post(path, max_tokens=1, **body))["usage"]["prompt_tokens"]
+
+        assert (await post("/tokenize", prompt="fox"))["tokens"] == [1, 4]
+        assert (await post("/tokenize", prompt="fox", add_special_tokens=False))["tokens"] == [4]
+        chat = (await post("/tokenize", messages=messages))["tokens"]
+        assert chat[0] != 1 and (await post("/tokenize", messages=messages, add_special_tokens=True))["tokens"] == [1, *chat]
+        assert await prompt_tokens("/v1/completions", prompt="fox") == 2
+        assert await prompt_tokens("/v1/completions", prompt="fox", add_special_tokens=False) == 1
+        assert await prompt_tokens("/v1/completions", prompt=[4], add_special_tokens=True) == 1  # ids stay as given
+        assert await prompt_tokens("/v1/chat/completions", messages=messages) == len(chat)
+        assert await prompt_tokens("/v1/chat/completions", messages=messages, add_special_tokens=True) == len(chat) + 1
+
+    try:
+        run(app, scenario)
+    finally:
+        engine.tokenizer.post_processor = None

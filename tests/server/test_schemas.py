@@ -12,7 +12,7 @@ pytest.importorskip("pydantic")
 pytest.importorskip("starlette")
 
 from jlora.server.errors import ApiError  # noqa: E402
-from jlora.server.schemas import ChatRequest, CompletionRequest, parse  # noqa: E402
+from jlora.server.schemas import ChatRequest, CompletionRequest, TokenizeRequest, parse  # noqa: E402
 
 MB = 1 << 20
 JUNK = {  # 1 MiB (the default body limit) of the JSON that costs most, each refused or ignored
@@ -75,8 +75,13 @@ def test_unset_unsupported_fields_and_unknown_fields_pass():
 
 
 @pytest.mark.parametrize("extra, refused", [
-    ({"min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True,
-      "bad_words": [], "prompt_logprobs": None, "guided_json": None}, None),
+    ({"min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True, "bad_words": [], "prompt_logprobs": None,
+      "guided_json": None, "priority": 0, "modalities": ["text"], "chat_template": None, "cache_salt": None}, None),
+    ({"chat_template": "{{ 'another prompt' }}"}, "chat_template"), ({"documents": [{"text": "x"}]}, "documents"),
+    ({"priority": -1}, "priority"), ({"cache_salt": "tenant-7"}, "cache_salt"), ({"audio": {"voice": "x"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"logits_processors": ["m.P"]}, "logits_processors"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
+    ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({"min_tokens": 4}, "min_tokens"),
     ({"use_beam_search": True}, "use_beam_search"), ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"bad_words": ["the"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
@@ -92,6 +97,17 @@ def test_vllm_fields_jlora_lacks_are_taken_only_at_their_defaults(extra, refused
         else:
             with pytest.raises(ApiError, match=f"'{refused}' is not supported by this server"):
                 parse(model, json.dumps(body).encode())
+
+
+def test_fields_that_change_the_chat_prompt_are_refused_in_chat_and_tokenize():
+    """A request's own chat template or documents would render another prompt than the model's template: refused,
+    also by /tokenize; so is chat's echo (vLLM's: the last message before the answer), which completions have."""
+    messages = [{"role": "user", "content": "x"}]
+    for model, extra in [(ChatRequest, {"chat_template": "{{ 'x' }}"}), (TokenizeRequest, {"chat_template": "x"}),
+                         (TokenizeRequest, {"documents": [{"text": "x"}]}), (ChatRequest, {"echo": True})]:
+        with pytest.raises(ApiError, match=f"'{next(iter(extra))}' is not supported by this server"):
+            parse(model, json.dumps({"model": "m", "messages": messages, **extra}).encode())
+    assert parse(CompletionRequest, json.dumps({"model": "m", "prompt": "x", "echo": True}).encode()).echo
 
 
 @pytest.mark.parametrize("extra, message", [
