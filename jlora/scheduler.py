@@ -89,6 +89,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prefix_id: str | None = None  # what its keys and values depend on beside its tokens (`Admission` sets it)
+    cache_salt: str | None = None  # shares cached prompt blocks only with requests of the same salt (`block_keys`)
     out_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_out_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
 
@@ -249,7 +250,7 @@ class Batcher:
         for each running request that may grow (the blocks they take next), are too few."""
         size, pool = self.blocks.block_size, self.blocks
         shares = pool.prefix_caching and r.prefix_id is not None and r.prompt_logprobs is None
-        keys = block_keys(r.prefix_id, r.prompt, size) if shares else []
+        keys = block_keys(r.prefix_id, r.prompt, size, r.cache_salt) if shares else []
         cached = pool.match(keys, (len(r.prompt) - 1) // size) if keys else []  # one prompt token left to run
         need = pool.blocks_for(len(r.prompt) + min(r.max_new, 1)) - len(cached)
         rest = pool.allocate(need) if self._room_for(need) else None

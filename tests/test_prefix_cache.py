@@ -96,6 +96,23 @@ def test_a_new_registration_never_reuses_the_old_ones_blocks(engine):
         assert r.out == first[0].out
 
 
+def test_a_cache_salt_shares_blocks_only_within_its_salt(engine):
+    """vLLM's cache_salt: the same prompt under one adapter, salted "t1" first; another salt, or none, prefills
+    every token; "t1" again reuses the first's full blocks. Each generates what the first did."""
+    prompt = list(range(1, 49))  # 3 full blocks, 2 of them reusable (the last prompt token is always computed)
+    first = [Request(prompt, -1, 4, prefix_id="base", cache_salt="t1")]
+    batcher = run(engine, first)
+    hits = batcher.blocks.stats.hit_tokens
+    for salt, reused in (("t2", 0), (None, 0), ("t1\0", 0), ("t1", 2 * SIZE), (None, 2 * SIZE)):
+        r = Request(prompt, -1, 4, prefix_id="base", cache_salt=salt)
+        batcher.add(r)
+        while batcher.busy:
+            batcher.step()
+        assert batcher.blocks.stats.hit_tokens - hits == reused, salt
+        hits = batcher.blocks.stats.hit_tokens
+        assert r.out == first[0].out
+
+
 def test_scoring_requests_compute_every_prompt_token(engine):
     prompt = list(range(3, 60))
     batcher = run(engine, [Request(prompt, -1, 3, prefix_id="base")])

@@ -28,10 +28,13 @@ from collections.abc import Sequence
 __all__ = ["BlockPool", "PrefixStats", "block_keys"]
 
 
-def block_keys(identity: str, tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """The keys of the full blocks of `tokens` under the adapter `identity` ("" for the base model): key i
-    covers tokens[: (i + 1) · block_size]."""
+def block_keys(identity: str, tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The keys of the full blocks of `tokens` under the adapter `identity` ("" for the base model), and `salt`
+    when given: key i covers tokens[: (i + 1) · block_size]. Keys of other salts never meet, so requests share
+    cached blocks only within one salt (vLLM's `cache_salt`: no tenant can time another's prompts)."""
     keys, previous = [], identity.encode()
+    if salt is not None:  # a digest: never an identity's bytes, and `identity` holds no NUL to blur the parts
+        previous = hashlib.sha256(previous + b"\0" + salt.encode()).digest()
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = struct.pack(f"<{block_size}q", *tokens[start: start + block_size])
         previous = hashlib.sha256(previous + b"\0" + block).digest()

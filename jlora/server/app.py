@@ -233,7 +233,7 @@ class _Api:
                         prompt_logprobs=prompt_logprobs,
                         repetition_penalty=unset(request.repetition_penalty, unset(defaults.repetition_penalty, 1.0)),
                         frequency_penalty=request.frequency_penalty or 0.0,
-                        presence_penalty=request.presence_penalty or 0.0)
+                        presence_penalty=request.presence_penalty or 0.0, cache_salt=request.cache_salt)
         return _Prepared(prompts, adapter, settings, sample_seeds(seed, best_of), strings, request.stream,
                          stream_usage, request.n, logprobs, echo)
 

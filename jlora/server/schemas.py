@@ -32,7 +32,7 @@ UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "fun
                "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids",
                "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                "structural_tag", "logits_processors", "return_tokens_as_token_ids", "prompt_embeds", "priority",
-               "cache_salt", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
+               "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
                "chat_template", "documents")  # the prompt the model's template renders is the only one
 # What a field of a union type must be: its message when the body's value fits none of the forms (N: any index).
 _FORMS = {"prompt": f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
@@ -88,6 +88,7 @@ class _Generation(_Unsupported):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: the prefix cache per salt
 
 
 class CompletionRequest(_Generation):

@@ -374,3 +374,24 @@ def test_add_special_tokens_adds_the_tokenizers_bos_where_vllm_does(served):
         run(app, scenario)
     finally:
         engine.tokenizer.post_processor = None
+
+
+def test_a_cache_salt_keeps_a_prompts_cached_blocks_to_its_own_salt(served):
+    """Completions of one prompt of 3 full blocks: a salt the cache has not seen reuses nothing, the same salt
+    again its first 2 blocks; each answers what the first did."""
+    _, app, online = served
+    prompt = list(range(5, 53))
+
+    async def scenario(c):
+        answers, reused = [], []
+        for salt in ("tenant-a", "tenant-b", "tenant-a"):
+            hits = online.batcher.blocks.stats.hit_tokens
+            reply = await c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 3,
+                                                           "temperature": 0, "cache_salt": salt})
+            assert reply.status_code == 200, reply.text
+            answers.append(reply.json()["choices"][0]["text"])
+            reused.append(online.batcher.blocks.stats.hit_tokens - hits)
+        return answers, reused
+
+    answers, reused = run(app, scenario)
+    assert reused == [0, 0, 32] and len(set(answers)) == 1

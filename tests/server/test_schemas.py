@@ -62,6 +62,8 @@ def test_a_megabyte_body_costs_at_most_200ms_of_cpu(case):
     ({"model": "m", "prompt": "x", "n": 0}, "invalid 'n'"),
     ({"model": "m", "prompt": "x", "best_of": 129}, "invalid 'best_of'"),
     ({"prompt": "x"}, "'model' is required"),
+    ({"model": "m", "prompt": "x", "cache_salt": ""}, "invalid 'cache_salt'"),
+    ({"model": "m", "prompt": "x", "cache_salt": 7}, "invalid 'cache_salt'"),
 ])
 def test_strict_fields(body, message):
     with pytest.raises(ApiError, match=message):
@@ -78,7 +80,7 @@ def test_unset_unsupported_fields_and_unknown_fields_pass():
     ({"min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True, "bad_words": [], "prompt_logprobs": None,
       "guided_json": None, "priority": 0, "modalities": ["text"], "chat_template": None, "cache_salt": None}, None),
     ({"chat_template": "{{ 'another prompt' }}"}, "chat_template"), ({"documents": [{"text": "x"}]}, "documents"),
-    ({"priority": -1}, "priority"), ({"cache_salt": "tenant-7"}, "cache_salt"), ({"audio": {"voice": "x"}}, "audio"),
+    ({"priority": -1}, "priority"), ({"audio": {"voice": "x"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ({"logits_processors": ["m.P"]}, "logits_processors"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
