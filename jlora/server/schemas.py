@@ -4,7 +4,7 @@ pydantic's JSON parser bounds nesting (200 levels) and numbers (4300 digits), an
 lone surrogates; strict mode takes no string for a number or a boolean ("stream": "false" is an error, not
 true), and lists of token ids stop at their first bad element. Every failure becomes a 400 `ApiError` naming
 the field. Fields beyond OpenAI's that vLLM also takes: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
-`ignore_eos`.
+`ignore_eos`, `add_special_tokens`, `cache_salt`.
 """
 
 from __future__ import annotations
