@@ -321,7 +321,8 @@ _json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=4) | st.dic
 _FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids",
            "ignore_eos", "stream", "n", "best_of", "logprobs", "top_logprobs", "echo", "user", "stream_options",
            "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "skip_special_tokens", "bad_words", "prompt_logprobs",
-           "add_generation_prompt", "continue_final_message", "chat_template_kwargs"]
+           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens",
+           "cache_salt", "chat_template", "priority"]
 _VALID = {"/v1/completions": {"model": "m", "prompt": "the quick fox", "max_tokens": 3},
           "/v1/chat/completions": {"model": "a", "messages": [{"role": "user", "content": "the dog"}],
                                    "max_completion_tokens": 3}}
@@ -365,7 +366,7 @@ EDGES = [None, True, -1, 2**31, 1.5, "", [], [[]], [""], [-1], {}, [{}]]
 _ROUTE_FIELDS = {
     "/v1/completions": (_VALID["/v1/completions"] | {"max_tokens": 1}, _FIELDS),
     "/v1/chat/completions": (_VALID["/v1/chat/completions"] | {"max_completion_tokens": 1}, _FIELDS),
-    "/tokenize": ({"prompt": "the fox"}, ["prompt", "messages", "add_special_tokens"]),
+    "/tokenize": ({"prompt": "the fox"}, ["prompt", "messages", "add_special_tokens", "chat_template"]),
     "/detokenize": ({"tokens": [1, 2]}, ["tokens"]),
 }
 
