@@ -1,4 +1,5 @@
-"""Batch invariance: every request generates what it generates alone, whatever else is in the batch.
+"""Batch invariance: every request generates what it generates alone, whatever else is in the batch (in float32,
+where a step's shape moves only the last bits of its numbers: docs/design.md, § What a request's bits depend on).
 
 A seeded generator draws rounds of `generate` calls on one engine: `max_batch` in {1, 2, 3, 4, 8}, 1 to
 max_batch + 3 requests (so batches are full, partly filled and refilled), prompt lengths from 1 to what
