@@ -105,3 +105,33 @@ def test_an_int_seed_gives_request_i_the_seed_plus_i(root):
         engine.generate(prompts, [None] * 3, seed=[1, 2], **kw)
     with pytest.raises(ValueError, match=r"seeds must be in \[0, 2\*\*32\)"):
         engine.generate(prompts, [None] * 3, seed=[1, 2, -3], **kw)
+
+
+def test_the_same_call_on_an_engine_in_the_same_state_gives_the_same_bits(root):
+    """In bfloat16, where what shares a step moves a request's numbers (docs/design.md): the same call on two
+    engines built alike, and again on one of them, gives the same tokens and log-probabilities bit for bit,
+    over a paged cache so small that requests are preempted, prompts in pieces beside decoding rows."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, CFG["vocab_size"], int(n)).tolist() for n in (3, 20, 9, 18, 14, 5)]
+    adapters = ["a", None, "b", "c", None, "a"]
+
+    def engine(block_size):
+        e = Engine.from_pretrained(str(root / "m"), max_loras=3, max_lora_rank=16, dtype="bfloat16",
+                                   max_seq_len=MAX_SEQ, max_batch=4, prefill_chunk=16, block_size=block_size,
+                                   kv_blocks=4 if block_size else None, progress=False)
+        for name in ("a", "b", "c"):
+            e.load_adapter(name, str(root / name))
+        return e
+
+    def bits(e):
+        made, new_batcher = [], e.new_batcher  # the call's batcher, for its preemption count
+        e.new_batcher = lambda *args: made.append(new_batcher(*args)) or made[-1]
+        out = e.generate(prompts, adapters, max_new_tokens=12, logprobs=2, seed=3, temperature=0.7)
+        return [(list(g), [(t.token, t.logprob, t.top) for t in g.logprobs]) for g in out], made[0].preemptions
+
+    paged, preempted = bits(engine(16))
+    assert preempted > 0  # the case meant: requests preempted and resumed
+    assert bits(engine(16))[0] == paged
+    contiguous = engine(0)  # no prefix cache: a second call runs the same steps again
+    first = bits(contiguous)[0]
+    assert bits(contiguous)[0] == first
