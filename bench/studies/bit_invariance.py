@@ -10,22 +10,32 @@ from batch to batch and greedy tokens still agree. Here:
   largest log-probability difference before it, per trial, in each dtype; and whether the same call run twice
   gives the same bits.
 - On a GPU, the projection product again compiled under XLA options that could fix its reduction order.
+- *fixed order* (`--gemm`): what a product with one reduction order at every M costs. A Pallas GEMM whose
+  program (n, m, s) computes a [BM, BN] f32 block over K split s of a fixed `splits`, BK columns a step, with the
+  rows padded to BM whatever M is, and the splits added in their order: its first row's bits over M = 1-2048,
+  and its device time per call against XLA's (`x @ w`, 16 calls over distinct weights and activations) at decode
+  and prefill sizes, bf16.
 
-JSON: bit_invariance.json.
+JSON: bit_invariance.json (bit_invariance_gemm.json for `--gemm`).
 
   python bench/studies/bit_invariance.py [--dtypes bfloat16,float32] [--trials 6] [--out DIR]  # GPU or CPU
+  python bench/studies/bit_invariance.py --gemm [--out DIR]                                       # GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jlora import testing
 from jlora.engine import Engine
@@ -76,6 +86,75 @@ def ops_rows(dtype, options: dict | None = None) -> dict:
     return out
 
 
+def fixed_order_matmul(x: jax.Array, w: jax.Array, *, block_m: int = 64, block_n: int = 128, block_k: int = 64,
+                       splits: int = 1) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] f32, each row's sums in one order whatever M is: rows padded to `block_m`, K in
+    `splits` parts of `block_k`-column steps, the parts added in order."""
+    m, k_dim = x.shape
+    n_dim = w.shape[1]
+    mp = -(-m // block_m) * block_m
+    k_split = k_dim // splits
+
+    def kernel(x_ref, w_ref, o_ref):
+        s = pl.program_id(2)
+
+        def step(j, acc):
+            ks = pl.ds(pl.multiple_of(s * k_split + j * block_k, block_k), block_k)
+            return acc + pltriton.dot(x_ref[:, ks], w_ref[ks, :])
+
+        o_ref[0] = jax.lax.fori_loop(0, k_split // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+
+    partials = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((splits, mp, n_dim), jnp.float32),
+        grid=(n_dim // block_n, mp // block_m, splits),
+        in_specs=[pl.BlockSpec((block_m, k_dim), lambda n, i, s: (i, 0)),
+                  pl.BlockSpec((k_dim, block_n), lambda n, i, s: (0, n))],
+        out_specs=pl.BlockSpec((1, block_m, block_n), lambda n, i, s: (s, i, n)),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        interpret=jax.default_backend() != "gpu", name="fixed_order_matmul",
+    )(jnp.pad(x, ((0, mp - m), (0, 0))), w)
+    out = partials[0]
+    for part in range(1, splits):  # in order, element by element
+        out = out + partials[part]
+    return out[:m]
+
+
+def per_call_us(fn, xs, ws, calls: int) -> float:
+    """Wall µs per call of `fn` over `calls` distinct (x, w) pairs in one jitted program, the best of 5 runs."""
+    run = jax.jit(lambda xs, ws: [fn(xs[i], ws[i]) for i in range(calls)])
+    jax.block_until_ready(run(xs, ws))
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(run(xs, ws))
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
+
+
+def gemm_rows() -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    calls = 16
+    for k, n in ((4096, 6144), (14336, 4096)):
+        ws = jnp.asarray(rng.standard_normal((calls, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
+        xs = jnp.asarray(rng.standard_normal((calls, 2048, k), np.float32), jnp.bfloat16)
+        shape = out.setdefault(f"{k}x{n}", {})
+        for splits in (1, 4):
+            f = jax.jit(functools.partial(fixed_order_matmul, splits=splits))
+            shape[f"splits {splits} same_bits"] = classes({m: f(xs[0, :m], ws[0])[0]
+                                                           for m in (1, 8, 32, 64, 136, 520, 2048)})["same_bits"]
+        for m in (8, 32, 512, 2048):
+            xla = per_call_us(lambda x, w: project(x, w, False), xs[:, :m], ws, calls)
+            row = {"xla_us": round(xla, 1)}
+            for splits in (1, 4):
+                t = per_call_us(functools.partial(fixed_order_matmul, splits=splits), xs[:, :m], ws, calls)
+                row[f"splits {splits} us"] = round(t, 1)
+                row[f"splits {splits} x xla"] = round(t / xla, 3)
+            shape[f"M {m}"] = row
+            print(k, n, m, row, flush=True)
+    return out
+
+
 def engine_trials(dtype: str, trials: int, root: str) -> list[dict]:
     eng = Engine.from_pretrained(root, dtype=dtype, max_batch=4, max_seq_len=1024, prefill_chunk=256, max_loras=1,
                                  progress=False)
@@ -102,8 +181,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--trials", type=int, default=6)
+    p.add_argument("--gemm", action="store_true", help="the fixed-order GEMM's bits and time against XLA's only")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
+    if args.gemm:
+        result = {"device": jax.devices()[0].device_kind, "gemm": gemm_rows()}
+        print(json.dumps(result), flush=True)
+        with open(os.path.join(args.out, "bit_invariance_gemm.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return
     result = {"device": jax.devices()[0].device_kind, "ops": {}, "engine": {}}
     for dtype in args.dtypes.split(","):
         result["ops"][dtype] = ops_rows(jnp.dtype(dtype))
