@@ -132,12 +132,12 @@ def per_call_us(fn, xs, ws, calls: int) -> float:
 
 
 def gemm_rows() -> dict:
-    rng = np.random.default_rng(0)
     out = {}
     calls = 16
     for k, n in ((4096, 6144), (14336, 4096)):
-        ws = jnp.asarray(rng.standard_normal((calls, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
-        xs = jnp.asarray(rng.standard_normal((calls, 2048, k), np.float32), jnp.bfloat16)
+        kw, kx = jax.random.split(jax.random.key(k))
+        ws = (jax.random.normal(kw, (calls, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        xs = jax.random.normal(kx, (calls, 2048, k), jnp.float32).astype(jnp.bfloat16)
         shape = out.setdefault(f"{k}x{n}", {})
         for splits in (1, 4):
             f = jax.jit(functools.partial(fixed_order_matmul, splits=splits))
