@@ -13,7 +13,7 @@ from batch to batch and greedy tokens still agree. Here:
 - *fixed order* (`--gemm`): what a product with one reduction order at every M costs. A Pallas GEMM whose
   program (n, m, s) computes a [BM, BN] f32 block over K split s of a fixed `splits`, BK columns a step, with the
   rows padded to BM whatever M is, and the splits added in their order: its first row's bits over M = 1-2048,
-  and its device time per call against XLA's (`x @ w`, 16 calls over distinct weights and activations) at decode
+  and its device time per call against XLA's (`x @ w`, 32 calls over distinct weights and activations) at decode
   and prefill sizes, bf16.
 
 JSON: bit_invariance.json (bit_invariance_gemm.json for `--gemm`).
@@ -28,8 +28,8 @@ import argparse
 import functools
 import json
 import os
+import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jlora import testing
-from jlora.engine import Engine
-from jlora.models.llama import _masked_attention, project
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
+from kernels import CALLS, device_time_per_call  # noqa: E402
+
+from jlora import testing  # noqa: E402
+from jlora.engine import Engine  # noqa: E402
+from jlora.models.llama import _masked_attention, project  # noqa: E402
 
 
 def classes(rows: dict[int, jax.Array]) -> dict:
@@ -119,35 +122,29 @@ def fixed_order_matmul(x: jax.Array, w: jax.Array, *, block_m: int = 64, block_n
     return out[:m]
 
 
-def per_call_us(fn, xs, ws, calls: int) -> float:
-    """Wall µs per call of `fn` over `calls` distinct (x, w) pairs in one jitted program, the best of 5 runs."""
-    run = jax.jit(lambda xs, ws: [fn(xs[i], ws[i]) for i in range(calls)])
-    jax.block_until_ready(run(xs, ws))
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(run(xs, ws))
-        best = min(best, time.perf_counter() - start)
-    return best / calls * 1e6
+def per_call_us(fn, xs, ws) -> float:
+    """Device µs per call of `fn` over `CALLS` distinct (x, w) pairs in one jitted program (`kernels.py`'s
+    measurement, from a profiler trace)."""
+    run = jax.jit(lambda xs, ws: [fn(xs[i], ws[i]) for i in range(CALLS)])
+    return device_time_per_call(run, xs, ws)[0] * 1e6
 
 
 def gemm_rows() -> dict:
     out = {}
-    calls = 16
     for k, n in ((4096, 6144), (14336, 4096)):
         kw, kx = jax.random.split(jax.random.key(k))
-        ws = (jax.random.normal(kw, (calls, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-        xs = jax.random.normal(kx, (calls, 2048, k), jnp.float32).astype(jnp.bfloat16)
+        ws = (jax.random.normal(kw, (CALLS, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        xs = jax.random.normal(kx, (CALLS, 2048, k), jnp.float32).astype(jnp.bfloat16)
         shape = out.setdefault(f"{k}x{n}", {})
         for splits in (1, 4):
             f = jax.jit(functools.partial(fixed_order_matmul, splits=splits))
             shape[f"splits {splits} same_bits"] = classes({m: f(xs[0, :m], ws[0])[0]
                                                            for m in (1, 8, 32, 64, 136, 520, 2048)})["same_bits"]
         for m in (8, 32, 512, 2048):
-            xla = per_call_us(lambda x, w: project(x, w, False), xs[:, :m], ws, calls)
+            xla = per_call_us(lambda x, w: project(x, w, False), xs[:, :m], ws)
             row = {"xla_us": round(xla, 1)}
             for splits in (1, 4):
-                t = per_call_us(functools.partial(fixed_order_matmul, splits=splits), xs[:, :m], ws, calls)
+                t = per_call_us(functools.partial(fixed_order_matmul, splits=splits), xs[:, :m], ws)
                 row[f"splits {splits} us"] = round(t, 1)
                 row[f"splits {splits} x xla"] = round(t / xla, 3)
             shape[f"M {m}"] = row
