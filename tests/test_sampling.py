@@ -52,6 +52,15 @@ def test_top_k_min_p_and_their_order():
     assert set(out[:, 0].tolist()) == {3} and set(out[:, 1].tolist()) == {1, 3}
 
 
+def test_the_filters_at_their_bounds_keep_the_top_token_and_its_ties():
+    """min_p = 1 keeps the tokens as likely as the top one (p >= 1 · p_top), top_k = 1 the tokens tied with the
+    first (as HF keeps ties with the k-th), and a top_p below every token's mass one of them: never no token."""
+    tied = jnp.log(jnp.array([[0.05, 0.4, 0.05, 0.4, 0.1]] * 3, jnp.float32))  # tokens 1 and 3 tied at the top
+    out = draw(settings(1.0, top_p=[1.0, 1.0, 1e-6], top_k=[0, 1, 0], min_p=[1.0, 0.0, 0.0]), True, logits=tied)
+    assert set(out[:, 0].tolist()) == {1, 3} and set(out[:, 1].tolist()) == {1, 3}
+    assert len(set(out[:, 2].tolist())) == 1 and set(out[:, 2].tolist()) <= {1, 3}
+
+
 def _reference(logits: np.ndarray, temperature: float, top_p: float, top_k: int, min_p: float) -> np.ndarray:
     """HF's warpers in float64 (temperature, top-k, top-p on the renormalized rest, min-p): the kept tokens'
     probabilities [V] (0 elsewhere)."""
