@@ -56,8 +56,11 @@ def test_a_request_that_runs_out_of_blocks_preempts_the_last_admitted_and_both_m
     preempted (past its prompt: its blocks go to host memory) and resumes after the first ends."""
     slot = engine.pool.slot("a")
     requests = [Request(list(range(1, 11)), slot, 30, 0.9, seed=1), Request(list(range(5, 15)), -1, 30, seed=2)]
-    batcher = drive(Batcher(engine.runner, 2, 64, block_size=16, num_blocks=4), requests)
-    assert batcher.preemptions >= 1
+    batcher, preempted = Batcher(engine.runner, 2, 64, block_size=16, num_blocks=4), []
+    append = batcher.waiting.append  # a preempted request goes back to the head of the queue
+    batcher.waiting.append = lambda r, at_head=False: (at_head and preempted.append(r)) or append(r, at_head)
+    drive(batcher, requests)
+    assert batcher.preemptions >= 1 and preempted == [requests[1]] * batcher.preemptions
     check_alone(engine, requests)
     check_no_leak(batcher)
 
