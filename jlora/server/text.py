@@ -59,15 +59,16 @@ class StreamText:
         start = max(0, self.searched - max((len(s) for s in self.stops), default=0) + 1)
         hits = [at for s in self.stops if (at := self.text.find(s, start)) >= 0]
         self.searched = len(self.text)
-        if hits:
-            self.text, self.finish, self.done = self.text[:min(hits)], "stop", True
-            self.shown = next((k for k in range(first + 1, self.seen) if self._holds_stop(tokens[:k])), self.seen)
+        if hits:  # the text ends before the first stop string in the text of the token that completed one
+            self.shown = next((k for k in range(first + 1, self.seen) if self._stops_in(tokens[:k])), self.seen)
+            self.text, self.finish, self.done = self.text[:min(self._stops_in(tokens[:self.shown]))], "stop", True
         return self.finish == "stop"
 
-    def _holds_stop(self, tokens: list[int]) -> bool:
-        """Whether the whole decode of `tokens` holds a stop string (once per request: when one ended its text)."""
+    def _stops_in(self, tokens: list[int]) -> list[int]:
+        """Where stop strings start in the whole decode of `tokens` (once per request: when one ended its text), so
+        the cut does not depend on how many tokens an update brought."""
         text = self.tokenizer.decode([t for t in tokens if t < self.known])
-        return any(s in text for s in self.stops)
+        return [at for s in self.stops if (at := text.find(s)) >= 0]
 
     def take(self) -> str:
         hold = 0 if self.done else max((len(s) - 1 for s in self.stops), default=0)

@@ -1,8 +1,8 @@
 """`StreamText` against whole decodes: fed a request's tokens in random increments, its streamed pieces join
 to what the tokenizer decodes from all of them, for a word-level tokenizer (WordPiece's spacing) and a
 byte-level one (characters split over tokens, outputs cut inside a character); no piece holds a half
-character; stop strings cut the text where the whole decode first holds one, and the tokens shown end with the
-one that completed it."""
+character; stop strings cut the text where the whole decode first holds one (before the earliest of those it
+holds then), and the tokens shown end with the one that completed it."""
 
 import numpy as np
 import pytest
@@ -71,15 +71,33 @@ def test_stop_strings_cut_where_the_whole_decode_first_holds_one(kind, tmp_path)
         whole = tok.decode([t for t in ids if t < tok.get_vocab_size()]).rstrip("\ufffd")
         if len(whole) < 2:
             continue
-        at = int(rng.integers(0, len(whole) - 1))
-        stop = whole[at: at + int(rng.integers(1, 5))]
-        text, streamed = stream(tok, ids, ["<never>", stop], rng)
-        assert text.finish == "stop" and streamed == text.final() == whole[: whole.index(stop)], (ids, stop)
-        # the tokens an answer shows: through the one whose text completed the stop string, though the updates
-        # read up to 2 more
+        stops = ["<never>"]  # and two pieces of the text: the first to appear in it ends it, whichever is listed first
+        for _ in range(2):
+            at = int(rng.integers(0, len(whole) - 1))
+            stops.append(whole[at: at + int(rng.integers(1, 5))])
+        text, streamed = stream(tok, ids, stops, rng)
+        # the tokens an answer shows: through the one whose text completed a stop string, though the updates
+        # read up to 2 more; the text ends before the earliest stop string in theirs
         decode = lambda k: tok.decode([t for t in ids[:k] if t < tok.get_vocab_size()])  # noqa: E731
-        assert text.shown == next(k for k in range(1, len(ids) + 1) if stop in decode(k)), (ids, stop)
+        shown = next(k for k in range(1, len(ids) + 1) if any(s in decode(k) for s in stops))
+        first = min(decode(shown).index(s) for s in stops if s in decode(shown))
+        assert text.finish == "stop" and streamed == text.final() == whole[:first], (ids, stops)
+        assert text.shown == shown, (ids, stops)
         checked += 1
+
+
+def test_a_stop_string_completed_first_ends_the_text_however_the_tokens_arrive(tmp_path):
+    """"c" completes at the third token, "abcd" (which starts earlier) at the fourth: the text ends before "c"
+    whether the four tokens come one by one or in one update, as a request's updates may bring several."""
+    tok = byte_level()
+    ids = tok.encode("abcdef").ids
+    for sizes in ([1] * 6, [6], [2, 4]):
+        text, out = StreamText(tok, ["abcd", "c"]), []
+        for size in sizes:
+            out += ids[len(out): len(out) + size]
+            if text.update(out, len(out) == len(ids)):
+                break
+        assert (text.final(), text.shown, text.finish) == ("ab", 3, "stop"), sizes
 
 
 def test_without_a_tokenizer_the_text_stays_empty():
