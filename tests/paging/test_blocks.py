@@ -94,6 +94,17 @@ def test_eviction_takes_the_least_recently_released_and_a_row_tail_first():
     assert pool.allocate(1) is None and pool.num_available == 0
 
 
+def test_a_block_keyed_and_a_key_held_stay_as_they_are():
+    pool = BlockPool(4, 2)
+    one, two = pool.allocate(1), pool.allocate(1)
+    k1, k2 = block_keys("", [1, 2, 3, 4], 2)
+    pool.commit(one, [k1])
+    pool.commit(one, [k2])  # already keyed: it keeps k1
+    pool.commit(two, [k1])  # the same prefix computed twice: the first block keeps the key
+    pool.release(one + two)
+    assert pool.num_cached == 1 and pool.match([k1], 1) == one and pool.match([k2], 1) == []
+
+
 def test_without_prefix_caching_nothing_is_kept():
     pool = BlockPool(4, 2, prefix_caching=False)
     blocks = pool.allocate(2)
