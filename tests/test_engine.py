@@ -15,6 +15,7 @@ from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.models.loading import GenerationDefaults, generation_defaults, load_model
 from jlora.runner import generate_step
+from tests.batching import drive
 
 CFG = testing.tiny_config("llama")
 
@@ -234,6 +235,25 @@ def test_a_request_cancelled_while_its_prompt_goes_in_pieces_frees_its_row(engin
         batcher.step()
     alone = engine.generate([PROMPTS[0], PROMPTS[3]], ["a0", None], max_new_tokens=4)
     assert [r.out for r in others] == [list(a) for a in alone] and not long.out
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_step_prefills_at_most_prefill_chunk_tokens_padded(engine, monkeypatch, seed):
+    """Prompts of 1-60 tokens arriving over the steps, 4 rows, 32 prompt tokens a step: every step's pieces,
+    padded to [bucket(pieces), bucket(longest)], hold at most 32 tokens (the step shapes the engine compiles),
+    and each request still generates what it generates alone."""
+    from jlora.scheduler import Batcher, Request
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 90, int(rng.integers(1, 61))).tolist() for _ in range(10)]
+    requests = [Request(p, -1, 3) for p in prompts]
+    shapes, step = [], engine.runner.step
+    monkeypatch.setattr(engine.runner, "step",
+                        lambda s, *rest: shapes.append(s.prefill and s.prefill.tokens.shape) or step(s, *rest))
+    drive(Batcher(engine.runner, 4, 96, prefill_chunk=32), requests, arrivals=sorted(rng.integers(0, 12, 10)))
+    pieces = [a * b for a, b in filter(None, shapes)]
+    assert pieces and max(pieces) <= 32 and sum(pieces) >= sum(map(len, prompts))
+    assert [r.out for r in requests] == [list(g) for g in engine.generate(prompts, [None] * 10, max_new_tokens=3)]
 
 
 def test_a_generate_interrupted_mid_step_leaves_nothing_running_on_the_device(engine, monkeypatch):
