@@ -237,6 +237,20 @@ def test_a_request_cancelled_while_its_prompt_goes_in_pieces_frees_its_row(engin
     assert [r.out for r in others] == [list(a) for a in alone] and not long.out
 
 
+def test_a_requests_first_token_time_stays_its_first_tokens(engine):
+    """`Request.first_token_time` (the server's time to first token) is set by the first token, not the later ones."""
+    from jlora.scheduler import Batcher, Request
+
+    r, batcher = Request(PROMPTS[0], -1, 4), Batcher(engine.runner, 2, 64)
+    batcher.add(r)
+    while not r.out:
+        batcher.step()
+    first = r.first_token_time
+    while batcher.busy:
+        batcher.step()
+    assert first is not None and r.first_token_time == first and len(r.out) == 4
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_a_step_prefills_at_most_prefill_chunk_tokens_padded(engine, monkeypatch, seed):
     """Prompts of 1-60 tokens arriving over the steps, 4 rows, 32 prompt tokens a step: every step's pieces,
