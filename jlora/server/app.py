@@ -192,8 +192,9 @@ class _Api:
         room = self.engine.config.max_seq_len - longest
         defaults = self.defaults
         max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
-        if max_tokens is None:  # as vLLM: a chat's room (at most the model's max_new_tokens), a completion's 16
-            max_tokens = min(room, defaults.max_tokens or room) if isinstance(request, ChatRequest) else 16
+        if max_tokens is None:  # as vLLM: a chat's room (at most the model's max_new_tokens; at least 1, so that a
+            # prompt that fills the context is refused as one), a completion's 16
+            max_tokens = max(min(room, defaults.max_tokens or room), 1) if isinstance(request, ChatRequest) else 16
         if max_tokens == 0 and echo is None:
             raise ApiError(400, "'max_tokens' 0 needs 'echo': true (a request that scores its prompt)", "max_tokens")
         if room < min(max_tokens, 1):

@@ -216,6 +216,27 @@ def test_unset_sampling_settings_take_the_models_generation_config(served, monke
     assert len(tokens(run(model, lambda c: c.post("/v1/completions", json=completion)))) == 16
 
 
+def test_a_chat_without_max_tokens_takes_the_room_left_and_one_that_fills_the_context_is_refused_as_such(served):
+    """A chat's unset max_tokens is the context's room after its rendered prompt: one token left gives one token;
+    a prompt that fills the context or passes it answers 400 naming the context, not a max_tokens it never set."""
+    engine, app, _ = served
+    template = len(engine.tokenizer.encode(engine.chat_template.render([{"role": "user", "content": ""}])).ids)
+
+    def chat(words: int):
+        body = {"model": "m", "messages": [{"role": "user", "content": " ".join(["the"] * words)}], "ignore_eos": True}
+        return run(app, lambda c: c.post("/v1/chat/completions", json=body))
+
+    room = engine.config.max_seq_len - template
+    answer = chat(room - 1).json()
+    assert answer["usage"] == {"prompt_tokens": engine.config.max_seq_len - 1, "completion_tokens": 1,
+                               "total_tokens": engine.config.max_seq_len}
+    for words in (room, room + 5):
+        error = chat(words)
+        assert error.status_code == 400 and error.json()["error"]["param"] == "messages", error.text
+        assert error.json()["error"]["message"] == (f"the prompt has {template + words} tokens; the maximum context "
+                                                    f"is {engine.config.max_seq_len} tokens")
+
+
 def test_penalties_per_request_as_the_engine_applies_them(served):
     """repetition_penalty (vLLM's), frequency_penalty and presence_penalty (OpenAI's): a request generates what
     Engine.generate generates with them, alone or beside requests with other penalties; out of range: 400."""
