@@ -71,7 +71,7 @@ def test_stop_strings_cut_where_the_whole_decode_first_holds_one(kind, tmp_path)
         whole = tok.decode([t for t in ids if t < tok.get_vocab_size()]).rstrip("\ufffd")
         if len(whole) < 2:
             continue
-        stops = ["<never>"]  # and two pieces of the text: the first to appear in it ends it, whichever is listed first
+        stops = ["<never>"]  # and two pieces of the text: the first to appear ends it, whatever their order here
         for _ in range(2):
             at = int(rng.integers(0, len(whole) - 1))
             stops.append(whole[at: at + int(rng.integers(1, 5))])
