@@ -12,7 +12,7 @@ pytest.importorskip("starlette")
 from jlora import testing  # noqa: E402
 from jlora.engine import Engine  # noqa: E402
 from jlora.scheduler import Request  # noqa: E402
-from jlora.server.online import EngineStopped, OnlineEngine  # noqa: E402
+from jlora.server.online import EngineStopped, OnlineEngine, QueueFull  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +233,15 @@ def test_end_all_ends_every_request_at_the_next_turn_and_takes_no_more(engine):
         assert online.down == "the server is shutting down"
     finally:
         online.stop()
+
+
+def test_a_batch_that_would_pass_max_waiting_is_refused_whole(engine):
+    """`submit` of several requests (a list of prompts, n > 1) takes all or none: a batch of two with room for one
+    more is refused and queues nothing; one that fits is taken whole."""
+    online = OnlineEngine(engine, max_waiting=3)  # not started: what is submitted stays queued
+    online.submit([Request([1, 2], -1, 1), Request([3], -1, 1)], None)
+    with pytest.raises(QueueFull, match="2 requests are waiting"):
+        online.submit([Request([4], -1, 1), Request([5], -1, 1)], None)
+    assert online.num_waiting == 2
+    online.submit([Request([6], -1, 1)], None)
+    assert online.num_waiting == 3
