@@ -32,6 +32,7 @@ from jlora.logprobs import MAX_TOP_LOGPROBS, Score, TokenLogprob
 from jlora.models.config import ModelConfig
 from jlora.models.llama import Transformer, with_weight_layout
 from jlora.models.loading import GenerationDefaults, eos_token_ids, generation_defaults, load_model
+from jlora.output_text import output_text
 from jlora.parallel import TensorParallel
 from jlora.runner import HISTORY_DTYPE, ModelRunner, bucket, pack_prompts
 from jlora.sampling import sample_seeds
@@ -149,7 +150,8 @@ def check_sampling(max_new_tokens: int, temperature: float = 0.0, top_p: float =
 
 
 class Generation(list):
-    """A request's generated token ids (a `list[int]`), with `text` (None without a tokenizer),
+    """A request's generated token ids (a `list[int]`), with `text` (what they add to the prompt's text, a word's
+    leading space included, as in vLLM's and transformers' pipeline's; None without a tokenizer),
     `finish_reason` ("stop": a stop token, not included; "length": max_new_tokens reached) and `logprobs`
     (when asked for, one `TokenLogprob` per token, and last the stop token's when one ended it; else None)."""
 
@@ -508,11 +510,8 @@ class Engine:
                                         int(top_k), float(min_p), logprobs=logprobs, fork_of=first, **penalties))
                 first = first or requests[-1]
         self._run(requests, [a for a in adapters for _ in range(n)], progress)
-        vocab = self.model_config.vocab_size  # the tokenizer's; an adapter's added tokens have no text here
-        decode = ((lambda ids: self.tokenizer.decode([t for t in ids if t < vocab])) if self.tokenizer is not None
-                  else (lambda ids: None))
-        return [Generation(r.out, decode(r.out), r.finish, None if logprobs is None else r.out_logprobs)
-                for r in requests]
+        return [Generation(r.out, None if self.tokenizer is None else output_text(self.tokenizer, r.prompt, r.out),
+                           r.finish, None if logprobs is None else r.out_logprobs) for r in requests]
 
     def chat(self, conversations: Sequence[Sequence[dict]], adapters: Sequence[str | None], max_new_tokens: int,
              options: ChatOptions = ChatOptions(), **sampling) -> list[Generation]:

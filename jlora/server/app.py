@@ -281,7 +281,7 @@ class _Api:
             for seed in prepared.seeds:
                 request = Request(prompt, -1, seed=seed, on_update=on_update, fork_of=first,
                                   prompt_logprobs=None if first else prompt_logprobs, **settings)
-                samples.append(_Sample(i, request, StreamText(self.engine.tokenizer, prepared.strings)))
+                samples.append(_Sample(i, request, StreamText(self.engine.tokenizer, prepared.strings, prompt)))
                 first = first or request
         requests = [s.request for s in samples]
         try:

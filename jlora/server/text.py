@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jlora.output_text import output_text, prompt_context
+
 __all__ = ["StreamText"]
 
 
@@ -10,7 +12,8 @@ class StreamText:
     character, together with the tokens of the piece before them, and keeps what that adds to the piece alone:
     decoders that space or strip a sequence's first token (SentencePiece's "▁", WordPiece's "##") then give
     what a decode of the whole sequence gives, and a character split over byte tokens waits for its last byte.
-    The cost per token stays constant, where a whole decode per update grew with the output.
+    The cost per token stays constant, where a whole decode per update grew with the output. The prompt's last
+    tokens start the sequence: the text is `output_text`'s, what the output adds to the prompt's.
 
     Stop strings: `take()` gives the new text that can no longer become a stop string's start; once a stop
     string appears, the text ends before it (`finish` = "stop"), and `shown` counts the request's tokens through
@@ -18,15 +21,18 @@ class StreamText:
     cancelled. Without a tokenizer the text stays empty.
     """
 
-    def __init__(self, tokenizer, stop_strings: list[str]):
+    def __init__(self, tokenizer, stop_strings: list[str], prompt: list[int] = ()):
         self.tokenizer, self.stops = tokenizer, stop_strings
         # An adapter's added tokens (ids past the base vocabulary) have no text in the base tokenizer.
         self.known = 0 if tokenizer is None else tokenizer.get_vocab_size()
         self.text, self.sent, self.finish, self.done = "", 0, None, False
-        self.ids: list[int] = []  # the tokens with text, so far
+        self.prompt = prompt
+        # the prompt's last tokens, then the output's tokens with text
+        self.ids: list[int] = [] if tokenizer is None else prompt_context(tokenizer, prompt)
         self.seen = 0  # the request's tokens looked at
         self.shown = 0  # the request's tokens an answer shows: those looked at, or through a stop string's end
-        self.prefix = self.read = 0  # ids[prefix:read]: the piece decoded last; ids[read:]: not in the text yet
+        # ids[prefix:read]: the piece decoded last (at first the prompt's); ids[read:]: not in the text yet
+        self.prefix, self.read = 0, len(self.ids)
         self.searched = 0  # text[:searched] was searched for stop strings
 
     def update(self, tokens: list[int], done: bool) -> bool:
@@ -67,7 +73,7 @@ class StreamText:
     def _stops_in(self, tokens: list[int]) -> list[int]:
         """Where stop strings start in the whole decode of `tokens` (once per request: when one ended its text), so
         the cut does not depend on how many tokens an update brought."""
-        text = self.tokenizer.decode([t for t in tokens if t < self.known])
+        text = output_text(self.tokenizer, self.prompt, tokens)
         return [at for s in self.stops if (at := text.find(s)) >= 0]
 
     def take(self) -> str:
