@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over an `OnlineEngine` (a Starlette app, served by uvicorn).
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
-/v1/models, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with `allow_runtime_lora`), vLLM's
-POST /tokenize, POST /detokenize and GET /tokenizer_info (lm-eval's remote tokenizer), GET /health, GET
-/metrics. The OpenAI `model` field names the served base model or a loaded adapter. Completions take a list
+/v1/models and /v1/models/{id}, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
+`allow_runtime_lora`), vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (lm-eval's remote
+tokenizer), GET /health, GET /metrics. The OpenAI `model` field names the served base model or a loaded adapter. Completions take a list
 of prompts, `n` and `best_of` choices each, `logprobs` (the top k, OpenAI's legacy format) and `echo` (the
 prompt and, with logprobs, its tokens' log-probabilities; with `max_tokens` 0 nothing is generated: scoring);
 chat takes `n`, `logprobs` and `top_logprobs`. Errors answer 4xx (or 503 when the queue is full) with OpenAI's
@@ -583,15 +583,19 @@ def build_app(online: OnlineEngine, config: ServerConfig) -> Starlette:
         body = await api.read_body(request)
         return await api.run(request, await asyncio.to_thread(api.prepare_chat, body), chat=True)
 
+    def card(name: str) -> dict:
+        """A model's entry in /v1/models: the base model, or an adapter (whose parent is the base)."""
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "jlora", "root": name,
+                "parent": None if name == api.name else api.name}
+
     async def models(request: HTTPRequest) -> Response:
         names = await asyncio.to_thread(api.engine.registry.available)  # a --lora-dir's as it is now
-        created = int(time.time())
-        data = [{"id": api.name, "object": "model", "created": created, "owned_by": "jlora", "root": api.name,
-                 "parent": None}]
-        for name in names:
-            data.append({"id": name, "object": "model", "created": created, "owned_by": "jlora", "root": name,
-                         "parent": api.name})
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [card(name) for name in [api.name, *names]]})
+
+    async def model(request: HTTPRequest) -> Response:  # OpenAI's retrieve: one model's entry, or 404
+        name = request.path_params["name"]
+        adapter = await asyncio.to_thread(api.adapter_of, name)
+        return JSONResponse(card(adapter or api.name))
 
     async def load_lora(request: HTTPRequest) -> Response:
         body = parse(LoadLoraRequest, await api.read_body(request))
@@ -668,6 +672,7 @@ def build_app(online: OnlineEngine, config: ServerConfig) -> Starlette:
     routes = [Route("/v1/completions", handler(completions), methods=["POST"]),
               Route("/v1/chat/completions", handler(chat_completions), methods=["POST"]),
               Route("/v1/models", handler(models), methods=["GET"]),
+              Route("/v1/models/{name:path}", handler(model), methods=["GET"]),
               Route("/tokenize", handler(tokenize), methods=["POST"]),
               Route("/detokenize", handler(detokenize), methods=["POST"]),
               Route("/tokenizer_info", handler(tokenizer_info), methods=["GET"]),

@@ -150,6 +150,10 @@ def test_models_lists_the_base_and_adapters(server, root):
     data = {m.id: m for m in client(server).models.list().data}
     assert set(data) >= {"tiny", *ADAPTERS}
     assert data["a1"].parent == "tiny" and data["a1"].root == "a1"  # names, never server paths
+    api = client(server)  # OpenAI's retrieve: one entry, the same as the list's; an unknown name 404
+    assert [api.models.retrieve(name).parent for name in ("tiny", "a1")] == [None, "tiny"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        api.models.retrieve("nope")
 
 
 @pytest.mark.slow
