@@ -70,7 +70,8 @@ class Metrics:
                                            "device beside the slots)", registry=r)
         self.device_cache_bytes = Gauge("jlora_adapters_device_cache_bytes", "Bytes of the device cache's adapters "
                                         "(all devices together)", registry=r)
-        self.registered = Gauge("jlora_adapters_registered", "Adapters registered", registry=r)
+        self.registered = Gauge("jlora_adapters_registered", "Adapters a request may name now (those GET "
+                                "/v1/models lists)", registry=r)
         self.slot_bytes = Gauge("jlora_adapter_slots_bytes", "Device memory the adapter slots hold (all devices "
                                 "together): the modules some adapter targets, grown when one first targets another",
                                 registry=r)
@@ -103,7 +104,8 @@ class Metrics:
         """Reads the registry's and the tiers' sizes from `engine` at each scrape: a runtime load registers on a
         request's thread and a loader thread fills the tiers, neither between two turns of the engine loop, which
         may be idle (their counters are read under no lock: one int each)."""
-        self.registered.set_function(lambda: len(engine.registry))
+        # less a --lora-dir adapter whose directory is gone, with one added since: `available`, as /v1/models
+        self.registered.set_function(lambda: len(engine.registry.available()))
         self.host_adapters.set_function(lambda: len(engine.tiers.host))
         self.host_bytes.set_function(lambda: engine.tiers.host.nbytes)
         self.device_cache_adapters.set_function(lambda: len(engine.tiers.device))

@@ -137,7 +137,7 @@ def test_an_adapter_added_to_the_lora_dir_while_serving_is_served_by_its_name(se
     assert metric(server, "jlora_adapters_registered") == 107
     (root / "lib" / "late").rename(root / "late-away")  # removed: not listed, not served, until it is back
     models = [m["id"] for m in httpx.get(server + "/v1/models").json()["data"]]
-    assert "late" not in models and len(models) == 107
+    assert "late" not in models and len(models) == 107 and metric(server, "jlora_adapters_registered") == 106
     assert httpx.post(server + "/v1/completions", json=body | {"model": "late"}, timeout=60).status_code == 404
     (root / "late-away").rename(root / "lib" / "late")
     again = httpx.post(server + "/v1/completions", json=body | {"model": "late"}, timeout=60)
