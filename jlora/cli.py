@@ -397,6 +397,7 @@ def _interrupted(who: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         with _ctrl_c_held():  # the seconds JAX and the command's packages take to import
             args = _parser().parse_args(argv)
@@ -404,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                 import_module(module)
     except KeyboardInterrupt:
         return _interrupted("jlora")
+    except ModuleNotFoundError as err:  # an install without one of jlora's packages (pip's --no-deps, say)
+        package, who = (err.name or "").partition(".")[0] or str(err), "jlora" + (f" {args.command}" if args else "")
+        print(f"{who}: error: the package {package!r} is not installed; jlora needs it (pip install jlora installs "
+              "it)", file=sys.stderr)
+        return 1
     try:
         with _ctrl_c_kept_from_collections():
             return _run(args)

@@ -437,6 +437,18 @@ def test_console_entry_point_help():
     assert result.returncode == 0 and "generate" in result.stdout and "demo" in result.stdout
 
 
+def test_a_package_missing_from_the_install_is_named_without_a_traceback(dirs, tmp_path):
+    """`jlora serve` where starlette cannot be imported (an install made with pip's --no-deps, say): exit code 1
+    and one line naming the package, before the model loads."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['starlette'] = None  # import fails\n")
+    result = subprocess.run([sys.executable, "-m", "jlora", "serve", "--model", str(dirs / "m")], capture_output=True,
+                            text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("jlora serve: error: the package 'starlette' is not installed; "
+                                                      "jlora needs it (pip install jlora installs it)")
+    assert "Traceback" not in result.stderr
+
+
 def test_a_ctrl_c_while_the_command_line_loads_waits_for_the_imports_then_ends_it(dirs):
     """`import jlora` loads no JAX: the command line imports it, and the command's packages, in `main` with Ctrl-C
     held back, since an interrupt inside a C extension's import fails with an ImportError traceback or aborts the
