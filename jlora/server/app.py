@@ -3,10 +3,10 @@
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
 /v1/models and /v1/models/{id}, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
 `allow_runtime_lora`), vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (lm-eval's remote
-tokenizer), GET /health, GET /metrics. The OpenAI `model` field names the served base model or a loaded adapter. Completions take a list
-of prompts, `n` and `best_of` choices each, `logprobs` (the top k, OpenAI's legacy format) and `echo` (the
-prompt and, with logprobs, its tokens' log-probabilities; with `max_tokens` 0 nothing is generated: scoring);
-chat takes `n`, `logprobs` and `top_logprobs`. Errors answer 4xx (or 503 when the queue is full) with OpenAI's
+tokenizer), GET /health, GET /metrics. The OpenAI `model` field names the served base model or a loaded
+adapter. Completions take a list of prompts, `n` and `best_of` choices each, `logprobs` (the top k, OpenAI's
+legacy format) and `echo` (the prompt and, with logprobs, its tokens' log-probabilities; with `max_tokens` 0
+nothing is generated: scoring); chat takes `n`, `logprobs` and `top_logprobs`. Errors answer 4xx (or 503 when the queue is full) with OpenAI's
 error body, and the server keeps serving; an unexpected exception answers a JSON 500 with a request id, its
 traceback going only to the log.
 

@@ -71,8 +71,8 @@ class StreamText:
         return self.finish == "stop"
 
     def _stops_in(self, tokens: list[int]) -> list[int]:
-        """Where stop strings start in the whole decode of `tokens` (once per request: when one ended its text), so
-        the cut does not depend on how many tokens an update brought."""
+        """Where stop strings start in the whole text of `tokens` after the prompt (once per request: when one ended
+        its text), so the cut does not depend on how many tokens an update brought."""
         text = output_text(self.tokenizer, self.prompt, tokens)
         return [at for s in self.stops if (at := text.find(s)) >= 0]
 
