@@ -6,9 +6,9 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 tokenizer), GET /health, GET /metrics. The OpenAI `model` field names the served base model or a loaded
 adapter. Completions take a list of prompts, `n` and `best_of` choices each, `logprobs` (the top k, OpenAI's
 legacy format) and `echo` (the prompt and, with logprobs, its tokens' log-probabilities; with `max_tokens` 0
-nothing is generated: scoring); chat takes `n`, `logprobs` and `top_logprobs`. Errors answer 4xx (or 503 when the queue is full) with OpenAI's
-error body, and the server keeps serving; an unexpected exception answers a JSON 500 with a request id, its
-traceback going only to the log.
+nothing is generated: scoring); chat takes `n`, `logprobs` and `top_logprobs`. Errors answer 4xx (or 503 when
+the queue is full) with OpenAI's error body, and the server keeps serving; an unexpected exception answers a
+JSON 500 with a request id, its traceback going only to the log.
 
 A request's cost is bounded before any heavy work: its body by `max_body_bytes` while it is read, a text
 prompt by its characters before it is tokenized; parsing, chat rendering and tokenizing run on worker
