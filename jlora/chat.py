@@ -68,6 +68,28 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def text_content(message, index: int) -> dict:
+    """`message` ({"role", "content"}) with its content one string: a list of OpenAI's text parts ({"type": "text",
+    "text": ...}) is joined by newlines, as vLLM joins them (the chat templates take a string). Raises
+    ChatTemplateError naming the message or part that is neither."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, (str, list)) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError(f"messages[{index}] must be an object with a string 'role' and a 'content' that is "
+                                "a string or a list of text parts")
+    if isinstance(content, str):
+        return message
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ChatTemplateError(f"messages[{index}].content[{j}] is a {kind!r} part: only text parts "
+                                    "({'type': 'text', 'text': ...}) are supported")
+        if "text" not in part:
+            raise ChatTemplateError(f"messages[{index}].content[{j}] is a text part without 'text'")
+        if not isinstance(part["text"], str):
+            raise ChatTemplateError(f"messages[{index}].content[{j}] has a 'text' that is not a string")
+    return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
 class ChatTemplate:
     """The chat template of a model directory (None-safe: `render` raises when the model has none)."""
 
@@ -106,15 +128,14 @@ class ChatTemplate:
             "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
 
     def render(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
-        """The prompt text of `messages` ([{"role", "content"}]): with `add_generation_prompt`, ending with the
+        """The prompt text of `messages` ([{"role", "content"}], content a string or text parts: `text_content`):
+        with `add_generation_prompt`, ending with the
         assistant's turn; with `continue_final_message`, ending inside the last message, cut where its text
         ends (as transformers cuts it); `chat_template_kwargs` are the template's variables beside these."""
         if self.template is None:
             raise ChatTemplateError("the model has no chat template (chat_template.jinja, or chat_template in "
                                     "tokenizer_config.json); give the prompt as text instead")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ChatTemplateError(f"messages[{i}] must be an object with string 'role' and 'content'")
+        messages = [text_content(m, i) for i, m in enumerate(messages)]
         if options.add_generation_prompt and options.continue_final_message:
             raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true")
         reserved = sorted({"messages", "tools", "documents", "add_generation_prompt"}

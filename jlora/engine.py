@@ -515,10 +515,10 @@ class Engine:
 
     def chat(self, conversations: Sequence[Sequence[dict]], adapters: Sequence[str | None], max_new_tokens: int,
              options: ChatOptions = ChatOptions(), **sampling) -> list[Generation]:
-        """A reply to each conversation ([{"role": ..., "content": ...}, ...]) with its adapter: the conversation
-        rendered by the model's chat template as transformers' `apply_chat_template` renders it (`options`: by
-        default ending with the assistant's turn), then generated as `generate` generates (`sampling`: its
-        keywords, temperature to n).
+        """A reply to each conversation ([{"role": ..., "content": ...}, ...]; a content is a string or OpenAI's
+        text parts, joined by newlines) with its adapter: the conversation rendered by the model's chat template as
+        transformers' `apply_chat_template` renders it (`options`: by default ending with the assistant's turn),
+        then generated as `generate` generates (`sampling`: its keywords, temperature to n).
 
         Raises:
           ValueError: no chat template or tokenizer, or a conversation the template cannot render (named).

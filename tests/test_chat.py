@@ -137,7 +137,17 @@ def test_engine_chat_generates_from_the_rendered_conversation(tmp_path):
     cont = engine.chat(conversations[1:], [None], 3, ChatOptions(False, True), temperature=1.0, seed=5)
     assert list(cont[0]) == list(engine.generate([engine.tokenizer.encode(texts[1]).ids], [None], 3,
                                                  temperature=1.0, seed=5)[0])
+    parts = [{"type": "text", "text": "the lazy"}, {"type": "text", "text": "dog"}]  # OpenAI's: joined by newlines
+    assert list(engine.chat([[{"role": "user", "content": parts}]], [None], max_new_tokens=3, temperature=1.0,
+                            seed=4)[0]) == list(want[0])  # "the lazy\ndog" tokenizes as "the lazy dog" here
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     for bad, message in (([[{"role": "user"}]], "conversation 0: messages\\[0\\] must be an object"),
+                         ([[{"role": "user", "content": [parts[0], image]}]],
+                          r"conversation 0: messages\[0\].content\[1\] is a 'image_url' part: only text parts"),
+                         ([[{"role": "user", "content": ["the"]}]], r"content\[0\] is a 'str' part"),
+                         ([[{"role": "user", "content": [{"type": "text"}]}]], "is a text part without 'text'"),
+                         ([[{"role": "user", "content": [{"type": "text", "text": 3}]}]],
+                          "has a 'text' that is not a string"),
                          ([[]], "conversation 0 must be a non-empty list of messages"),
                          ("hi", "conversations must be a list of conversations")):
         with pytest.raises(ValueError, match=message):

@@ -44,7 +44,7 @@ from jlora.logprobs import TokenLogprob
 from jlora.models.loading import GenerationDefaults
 from jlora.sampling import sample_seeds
 from jlora.scheduler import Request
-from jlora.chat import ChatOptions, ChatTemplateError
+from jlora.chat import ChatOptions, ChatTemplateError, text_content
 from jlora.server.config import ServerConfig
 from jlora.server.errors import ApiError
 from jlora.server.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
@@ -128,13 +128,13 @@ class _Api:
     def render(self, request: ChatRequest | TokenizeRequest) -> str:
         """The chat prompt's text of the request's messages, rendered with its options, its size bounded first."""
         self.need_tokenizer("chat", "messages")
-        messages = [_with_text_content(m, i) for i, m in enumerate(request.messages)]
-        if sum(len(m["content"]) for m in messages) > self.max_prompt_chars:
-            raise ApiError(400, "the messages are longer than the maximum context of "
-                                f"{self.engine.config.max_seq_len} tokens can hold", "messages")
         options = ChatOptions(request.add_generation_prompt, request.continue_final_message,
                               request.chat_template_kwargs or {})
         try:
+            messages = [text_content(m, i) for i, m in enumerate(request.messages)]
+            if sum(len(m["content"]) for m in messages) > self.max_prompt_chars:
+                raise ApiError(400, "the messages are longer than the maximum context of "
+                                    f"{self.engine.config.max_seq_len} tokens can hold", "messages")
             return self.chat.render(messages, options)
         except ChatTemplateError as err:
             raise ApiError(400, str(err), "messages") from None
