@@ -1,4 +1,5 @@
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -30,14 +31,18 @@ if _OWN_CACHE is not None:  # in case a plugin imported JAX first
 
 def pytest_collection_modifyitems(config, items):
     """The tests marked slow run first, so that xdist's workers end on short tests together rather than one
-    waiting for the other's last minute-long test. GPU-marked tests skip unless JAX runs on a GPU."""
+    waiting for the other's last minute-long test. GPU-marked tests skip unless JAX runs on a GPU; serving-marked
+    ones where the server's packages are not installed (the GPU machine)."""
     items.sort(key=lambda item: "slow" not in item.keywords)  # stable: otherwise in collection order
-    if jax.default_backend() == "gpu":
-        return
-    skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
+    skips = {}
+    if jax.default_backend() != "gpu":
+        skips["gpu"] = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
+    if importlib.util.find_spec("starlette") is None:
+        skips["serving"] = pytest.mark.skip(reason="needs the server's packages (starlette is not installed)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for mark, skip in skips.items():
+            if mark in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -20,6 +20,7 @@ from jlora import cli, testing
 from tests.cpu_devices import ROOT, cpu_devices_env
 
 CFG = testing.tiny_config("llama")
+SERVING = pytest.mark.serving  # `jlora serve` past its argument parsing: starlette and the rest (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +291,8 @@ def test_bad_lora_spec(dirs, capsys):
     assert "invalid adapter name" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt", "x", "--quiet"], ["serve"], ["serve", "--replicas", "1"]])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x", "--quiet"], pytest.param(["serve"], marks=SERVING),
+                                     ["serve", "--replicas", "1"]])
 def test_a_bad_start_adapter_stops_every_command_before_loading(dirs, tmp_path, capsys, monkeypatch, command):
     """A `--lora` directory without a valid adapter_config.json stops generate, serve and serve on Ray before the
     model loads or Ray starts (on Ray it failed in each replica, after loading, as 'Failed to update the
@@ -318,11 +320,13 @@ def test_a_bad_start_adapter_stops_every_command_before_loading(dirs, tmp_path, 
     (["--max-body-bytes", "0"], "max_body_bytes must be >= 1"),
     (["--header-timeout", "0"], "header_timeout must be > 0 seconds"),
 ])
+@SERVING
 def test_serve_refuses_unsafe_or_bad_options_before_loading(dirs, capsys, args, message):
     assert cli.main(["serve", "--model", str(dirs / "m"), *args]) == 1
     assert message in capsys.readouterr().err
 
 
+@SERVING
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(dirs, capsys, monkeypatch):
     from jlora.engine import Engine
 
@@ -376,6 +380,7 @@ def test_serve_on_a_local_ray_cluster_checks_its_address_before_starting_ray(dir
     ("generation_config.json", '{"max_new_tokens": "64"}', "max_new_tokens must be an integer >= 1, got '64'"),
     ("generation_config.json", '{"repetition_penalty": 2.5}', "repetition_penalty must be a number in (0, 2], got 2.5"),
 ])
+@SERVING
 def test_serve_refuses_a_broken_tokenizer_or_generation_config_before_loading(dirs, tmp_path, capsys, monkeypatch, file,
                                                                         content, message):
     from jlora.engine import Engine
@@ -389,6 +394,7 @@ def test_serve_refuses_a_broken_tokenizer_or_generation_config_before_loading(di
     assert f"jlora serve: error: {model / file}" in err and message in err
 
 
+@SERVING
 def test_serve_says_which_sampling_defaults_come_from_the_model(dirs, tmp_path, capsys, monkeypatch):
     from jlora.engine import Engine
 

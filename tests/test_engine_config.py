@@ -130,6 +130,7 @@ def test_both_commands_take_the_engine_flags(command, capsys):
         assert ("--" + field.name.replace("_", "-") in text) == (field.name not in skipped), field.name
 
 
+@pytest.mark.serving
 def test_serve_refuses_a_bad_option_without_a_traceback(capsys, tmp_path):
     assert cli.main(["serve", "--model", str(tmp_path), "--max-batch", "0"]) == 1
     err = capsys.readouterr().err
