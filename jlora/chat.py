@@ -129,9 +129,9 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
         """The prompt text of `messages` ([{"role", "content"}], content a string or text parts: `text_content`):
-        with `add_generation_prompt`, ending with the
-        assistant's turn; with `continue_final_message`, ending inside the last message, cut where its text
-        ends (as transformers cuts it); `chat_template_kwargs` are the template's variables beside these."""
+        with `add_generation_prompt`, ending with the assistant's turn; with `continue_final_message`, ending
+        inside the last message, cut where its text ends (as transformers cuts it); `chat_template_kwargs` are the
+        template's variables beside these."""
         if self.template is None:
             raise ChatTemplateError("the model has no chat template (chat_template.jinja, or chat_template in "
                                     "tokenizer_config.json); give the prompt as text instead")

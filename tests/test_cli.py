@@ -257,7 +257,8 @@ def test_generate_chat_renders_the_chat_template(dirs, tmp_path, capsys):
     assert "--chat renders text: give 'prompt' or 'messages', not 'prompt_ids'" in capsys.readouterr().err
     prompts.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
     assert cli.main(base + ["--prompts-file", str(prompts)]) == 1
-    assert "conversation 0: messages[0] must be an object with a string 'role' and a 'content' that is" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "conversation 0: messages[0] must be an object with a string 'role' and a 'content' that is" in err
 
 
 def test_generate_tensor_parallel_matches_one_device(dirs, tmp_path):
