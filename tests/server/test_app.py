@@ -73,6 +73,27 @@ def test_runtime_loads_past_the_cap_answer_429(served, monkeypatch):
         online.unload_adapter(name).result(timeout=30)
 
 
+def test_a_model_is_retrieved_by_any_adapter_name_and_gone_once_unloaded(served):
+    """GET /v1/models/{id} (OpenAI's retrieve) for adapter names with "/", ":", "@" and "+", given plain or with
+    "/" percent-encoded: the adapter's entry while it is loaded, 404 once it is unloaded."""
+    engine, app, online = served
+    names = ("org/a", "org:v1@2+a")
+
+    async def scenario(c):
+        for name in names:
+            load = await c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "a"})
+            assert load.status_code == 200, load.text
+        loaded = [(await c.get(f"/v1/models/{path}")).json() for name in names
+                  for path in (name, name.replace("/", "%2F"))]
+        for name in names:
+            assert (await c.post("/v1/unload_lora_adapter", json={"lora_name": name})).status_code == 200
+        return loaded, [await c.get(f"/v1/models/{name}") for name in names]
+
+    loaded, gone = run(app, scenario)
+    assert [(m["id"], m["parent"]) for m in loaded] == [(n, "m") for n in names for _ in range(2)]
+    assert [r.status_code for r in gone] == [404, 404] and "does not exist" in gone[0].json()["error"]["message"]
+
+
 def test_an_unexpected_exception_is_a_json_500_with_a_request_id(served, monkeypatch, caplog):
     engine, app, online = served
 
