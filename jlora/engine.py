@@ -340,15 +340,16 @@ class Engine:
     def encode(self, prompts: Sequence[str | Sequence[int]], add_special_tokens: bool = True,
                kind: str = "prompt") -> list[list[int]]:
         """Token ids of each prompt: text through the model's tokenizer, id lists as they are (Python or numpy
-        integers; anything else, a float or a bool included, is a ValueError naming the `kind` and its index).
+        integers; anything else, a float, a bool or bytes included, is a ValueError naming the `kind` and its index).
         `prompts` itself must be a list of them: one string is refused, not read as one prompt per character."""
         if isinstance(prompts, (str, bytes)):
             raise ValueError(f"{kind}s must be a list, got one {type(prompts).__name__}; for one {kind} give "
                              f"[{kind}]")
         ids = []
         for i, p in enumerate(prompts):
-            if not isinstance(p, (str, Sequence, np.ndarray)):
-                raise ValueError(f"{kind} {i} is neither text nor a sequence of token ids: {type(p).__name__}")
+            if not isinstance(p, (str, Sequence, np.ndarray)) or isinstance(p, (bytes, bytearray)):
+                raise ValueError(f"{kind} {i} is neither text nor a sequence of token ids: {type(p).__name__}"
+                                 + ("; decode it to a str" if isinstance(p, (bytes, bytearray)) else ""))
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"{kind} {i} is text but the model directory has no tokenizer.json; "

@@ -450,6 +450,9 @@ def test_generation_errors(engine):
             engine.generate([prompt], [None], max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt 0 is neither text nor a sequence of token ids: int"):
         engine.generate([5], [None], max_new_tokens=2)
+    for prompt in (b"hello", bytearray(b"hi")):  # not read as the ids of its bytes
+        with pytest.raises(ValueError, match=f"prompt 0 is neither text nor .*: {type(prompt).__name__}; decode it"):
+            engine.generate([prompt], [None], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"prompts must be a list, got one str; for one prompt give \[prompt\]"):
         engine.generate("hello", [None] * 5, max_new_tokens=2)  # not five one-character prompts
     with pytest.raises(ValueError, match="continuations must be a list, got one str"):
