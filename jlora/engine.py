@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import difflib
 import functools
 import gc
 import os
@@ -108,9 +109,16 @@ def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
 
 
 def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
-    """`config`, or an `EngineConfig` of `options` (not both)."""
+    """`config`, or an `EngineConfig` of `options` (not both); an option that is no field is a TypeError naming
+    it and the field nearest its name."""
     if config is not None and options:
         raise TypeError(f"give an EngineConfig or its fields as keywords, not both (got {sorted(options)})")
+    fields = EngineConfig.__dataclass_fields__
+    for name in options:
+        if name not in fields:
+            near = difflib.get_close_matches(name, fields, n=1)
+            raise TypeError(f"unknown engine option {name!r}" + (f"; did you mean {near[0]!r}?" if near else
+                                                                  "; the options are EngineConfig's fields"))
     return config if config is not None else EngineConfig(**options)
 
 

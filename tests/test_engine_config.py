@@ -76,6 +76,15 @@ def test_a_config_and_keywords_together_are_refused():
         Engine.from_pretrained("/nonexistent", EngineConfig(), max_loras=2)
 
 
+def test_an_unknown_option_is_named_with_the_nearest_field_before_the_model_loads():
+    from jlora.engine import Engine
+
+    with pytest.raises(TypeError, match="unknown engine option 'num_blocks'; did you mean 'kv_blocks'"):
+        Engine.from_pretrained("/nonexistent", num_blocks=10)
+    with pytest.raises(TypeError, match="unknown engine option 'zzz'; the options are EngineConfig's fields"):
+        Engine.from_pretrained("/nonexistent", max_loras=2, zzz=1)
+
+
 def test_every_field_is_a_flag_with_its_default():
     parser = argparse.ArgumentParser()
     EngineConfig.add_arguments(parser)
