@@ -108,6 +108,12 @@ def _request_seeds(seed: int | Sequence[int], n: int) -> list[int]:
     return seeds
 
 
+def _check_progress(progress) -> None:
+    """A ValueError unless `progress` is None or callable: found before the run, not at its first update."""
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be None or a callable(n) (such as a tqdm's update), got {progress!r:.60}")
+
+
 def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
     """`config`, or an `EngineConfig` of `options` (not both); an option that is no field is a TypeError naming
     it and the field nearest its name."""
@@ -498,6 +504,7 @@ class Engine:
         """
         check_sampling(max_new_tokens, temperature, top_p, top_k, min_p, stop_token_ids, seed, logprobs, n, ignore_eos,
                        repetition_penalty, frequency_penalty, presence_penalty)
+        _check_progress(progress)
         prompts = self.encode(prompts)
         penalties = dict(repetition_penalty=float(repetition_penalty), frequency_penalty=float(frequency_penalty),
                          presence_penalty=float(presence_penalty))
@@ -575,6 +582,7 @@ class Engine:
           One `Score` per prompt: the sum and per-token log-probabilities of its continuation, and whether
           every continuation token is the most likely one at its position.
         """
+        _check_progress(progress)
         prompts = self.encode(prompts)
         if len(continuations) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations; give one per prompt")

@@ -450,6 +450,10 @@ def test_generation_errors(engine):
             engine.generate([prompt], [None], max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt 0 is neither text nor a sequence of token ids: int"):
         engine.generate([5], [None], max_new_tokens=2)
+    with pytest.raises(ValueError, match="progress must be None or a callable"):
+        engine.generate([[1]], [None], max_new_tokens=2, progress=5)
+    with pytest.raises(ValueError, match="progress must be None or a callable"):
+        engine.score([[1]], [[2]], [None], progress=True)
     for prompt in (b"hello", bytearray(b"hi")):  # not read as the ids of its bytes
         with pytest.raises(ValueError, match=f"prompt 0 is neither text nor .*: {type(prompt).__name__}; decode it"):
             engine.generate([prompt], [None], max_new_tokens=2)
