@@ -16,6 +16,10 @@ measured in the same run. The Pallas kernels:
   share of the [N / BN column blocks x K / BK steps] iterations in order, so no wave is left part-full; a program
   writes an f32 [Mp, BN] partial (Mp: the rows padded to a multiple of 16) for each column block its share
   touches (at most `segments`).
+- `residual` (Pallas on Triton, `--residual`): the decode step's o and down projections as the model rounds them,
+  `r + bf16(x @ w)` with the residual r [M, N], in one kernel with K unsplit: program n computes its [Mp, BN]
+  block over all of K (`num_stages` weight tiles in flight) and adds its block of r, where XLA runs a split-K
+  GEMM and sums the splits with the add in a second kernel (`xla` is then that pair, both kernels counted).
 XLA then sums the splits (counted in their time), the stream-K partials in program order through a static gather.
 `read` times the faster of XLA's two sums of the weight (over either axis), a plain read of its bytes: the floor a
 GEMM of that size could reach, where the copy bandwidth is measured over 512 MiB arrays. Every tiling's output is
@@ -26,6 +30,7 @@ checked against a float32 `jnp.dot` (‖out − ref‖ / ‖ref‖ < 1e-2) befor
                                      [--out bench/results]         # GPU (mosaic: Hopper)
   python bench/studies/small_gemm.py --shapes kv_b32 --kernels ''  # the attention's bytes, read only
   python bench/studies/small_gemm.py --kernels streamk --rows 8,32 # the persistent kernel alone
+  python bench/studies/small_gemm.py --residual --shapes o,down --rows 8,32,64 --kernels residual
   python bench/studies/small_gemm.py --smoke                       # CPU, interpret mode, small shapes
 """
 
@@ -61,13 +66,17 @@ TILES = {"triton": [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
          "mosaic": [dict(block_n=bn, block_k=bk, splits=s, steps=st)
                     for bn, bk, s, st in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8), (4,))],
          "streamk": [dict(block_n=bn, block_k=bk, waves=w, num_stages=st, num_warps=nw)
-                     for bn, bk, w, st, nw in itertools.product((64, 128), (64, 128), (1, 2), (3, 4, 5), (4, 8))]}
+                     for bn, bk, w, st, nw in itertools.product((64, 128), (64, 128), (1, 2), (3, 4, 5), (4, 8))],
+         "residual": [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=4)
+                      for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5))]}
 SMOKE_TILES = {"triton": [dict(block_n=64, block_k=64, splits=2, num_warps=4),
                           dict(block_n=128, block_k=64, splits=1, num_warps=4)],
                "mosaic": [dict(block_n=64, block_k=64, splits=2, steps=2), dict(block_n=128, block_k=64, splits=1,
                                                                                 steps=4)],
                "streamk": [dict(block_n=64, block_k=64, waves=1, num_stages=3, num_warps=4, programs=3),
-                           dict(block_n=128, block_k=64, waves=1, num_stages=3, num_warps=4, programs=5)]}
+                           dict(block_n=128, block_k=64, waves=1, num_stages=3, num_warps=4, programs=5)],
+               "residual": [dict(block_n=16, block_k=64, num_stages=3, num_warps=4),
+                            dict(block_n=32, block_k=128, num_stages=3, num_warps=4)]}
 MOSAIC_ROWS = 64  # wgmma's M: the rows are padded to it
 
 
@@ -227,11 +236,47 @@ def stream_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, wav
     return blocks.transpose(1, 0, 2).reshape(mp, n_dim)[:m].astype(x.dtype)
 
 
+def _residual_kernel(x_ref, w_ref, r_ref, o_ref, *, block_k: int):
+    acc, cols = split_k_block(x_ref, w_ref, block_n=o_ref.shape[-1], block_k=block_k, k_per_split=x_ref.shape[1])
+    o_ref[...] = (r_ref[:, cols].astype(jnp.float32) + acc.astype(o_ref.dtype).astype(jnp.float32)).astype(o_ref.dtype)
+
+
+def residual_matmul(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n: int, block_k: int,
+                    num_stages: int, num_warps: int):
+    """residual [M, N] + (x [M, K] @ w [K, N]) rounded to x's dtype, then the sum rounded: one kernel, K unsplit,
+    rows padded to a multiple of 16."""
+    m, k_dim = x.shape
+    n_dim = w.shape[1]
+    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k)
+    mp = -(-m // 16) * 16
+    xp, rp = jnp.pad(x, ((0, mp - m), (0, 0))), jnp.pad(residual, ((0, mp - m), (0, 0)))
+    out = pl.pallas_call(
+        functools.partial(_residual_kernel, block_k=block_k),
+        out_shape=jax.ShapeDtypeStruct((mp, n_dim), x.dtype),
+        grid=(n_dim // block_n, 1),  # one split of K: `split_k_block`'s program (n, 0)
+        in_specs=[pl.BlockSpec((mp, k_dim), lambda n, s: (0, 0)), pl.BlockSpec((k_dim, n_dim), lambda n, s: (0, 0)),
+                  pl.BlockSpec((mp, n_dim), lambda n, s: (0, 0))],
+        out_specs=pl.BlockSpec((mp, block_n), lambda n, s: (0, n)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=jax.default_backend() != "gpu",
+        name=f"residual_gemm_{k_dim}x{n_dim}",
+    )(xp, w, rp)
+    return out[:m]
+
+
+def xla_residual(x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:
+    """What the model's XLA step computes: the projection rounded, then the residual add."""
+    return residual + jnp.dot(x, w)
+
+
 MATMULS = {"triton": pallas_matmul, "mosaic": mosaic_matmul, "streamk": stream_matmul}
+RESIDUAL = {"residual": residual_matmul}
 
 
-def relative_error(out, x, w) -> float:
+def relative_error(out, x, w, residual=None) -> float:
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    if residual is not None:
+        ref = ref + residual.astype(jnp.float32)
     return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
 
 
@@ -242,10 +287,18 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of activations, M")
     parser.add_argument("--kernels", default=",".join(MATMULS),
                         help="Pallas kernels to time: triton, mosaic, streamk (none: the reads and XLA alone)")
+    parser.add_argument("--residual", action="store_true",
+                        help="time r + x @ w (the o and down projections' residual add): XLA's pair of kernels "
+                             "against the `residual` kernel")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     kernels = [k for k in args.kernels.split(",") if k]
+    matmuls = RESIDUAL if args.residual else MATMULS
+    if args.residual and "--kernels" not in sys.argv:
+        kernels = list(RESIDUAL)
+    if unknown := [k for k in kernels if k not in matmuls]:
+        parser.error(f"--kernels {unknown} not among {list(matmuls)}" + (" with --residual" if args.residual else ""))
     rows, tiles, weights = tuple(int(m) for m in args.rows.split(",")), TILES, WEIGHTS
     if args.smoke:
         shapes, rows, weights, tiles = {"o": (256, 128)}, (1, 8), 2, SMOKE_TILES
@@ -263,19 +316,27 @@ def main() -> None:
               for i in range(weights)]
         # One activation and one weight per call: XLA merged repeated products, and dots that share an operand.
         xs = [jax.random.normal(jax.random.fold_in(key, 99 + i), (m, k_dim), jnp.bfloat16) for i in range(CALLS)]
-        x = xs[0]
+        # The residual of each call: [M, N] of its own (--residual).
+        rs = [jax.random.normal(jax.random.fold_in(key, 199 + i), (m, n_dim), jnp.bfloat16)
+              for i in range(CALLS)] if args.residual else [None] * CALLS
+        x, r = xs[0], rs[0]
+        extra = (r,) if args.residual else ()
         nbytes = k_dim * n_dim * 2
 
-        def timed(matmul):
+        def timed(matmul, residual: bool = args.residual):
+            if residual:
+                fn = jax.jit(lambda xs, ws, rs: [matmul(x, ws[i % len(ws)], rs[i]) for i, x in enumerate(xs)])
+                return device_time_per_call(fn, xs, ws, rs)[0] if gpu else None
             fn = jax.jit(lambda xs, ws: [matmul(x, ws[i % len(ws)]) for i, x in enumerate(xs)])
             return device_time_per_call(fn, xs, ws)[0] if gpu else None
 
         row = {"shape": name, "k": k_dim, "n": n_dim, "m": m, "weight_bytes": nbytes}
         if m == rows[0]:  # the plain read, once a shape
-            reads = [timed(lambda x, w, axis=axis: jnp.sum(w, axis=axis, dtype=jnp.float32)) for axis in (0, 1)]
+            reads = [timed(lambda x, w, axis=axis: jnp.sum(w, axis=axis, dtype=jnp.float32), False)
+                     for axis in (0, 1)]
             row["read_us"] = min(reads) * 1e6 if gpu else None
         if not read_only:
-            row["xla_us"] = (t := timed(jnp.dot)) and t * 1e6
+            row["xla_us"] = (t := timed(xla_residual if args.residual else jnp.dot)) and t * 1e6
         for kernel in () if read_only else kernels:
             best = None
             for tile in tiles[kernel]:
@@ -283,9 +344,9 @@ def main() -> None:
                     check_tiling(k_dim, n_dim, **tile)
                 except ValueError:  # a tiling that does not divide this shape
                     continue
-                matmul = functools.partial(MATMULS[kernel], **tile)
+                matmul = functools.partial(matmuls[kernel], **tile)
                 try:
-                    error = relative_error(jax.jit(matmul)(x, ws[0]), x, ws[0])
+                    error = relative_error(jax.jit(matmul)(x, ws[0], *extra), x, ws[0], r)
                 except Exception as err:  # a tiling the backend cannot lower: noted, not timed
                     if args.smoke:
                         raise
@@ -311,7 +372,7 @@ def main() -> None:
                 for way in ("read", "xla", *kernels) if row.get(f"{way}_us")), flush=True)
         os.makedirs(args.out, exist_ok=True)
         stem = "small_gemm" + ("_smoke" if args.smoke else "") + (
-            "" if set(kernels) == set(MATMULS) else "_" + ("_".join(kernels) or "read"))
+            "" if set(kernels) == set(matmuls) and not args.residual else "_" + ("_".join(kernels) or "read"))
         with open(os.path.join(args.out, stem + ".json"), "w") as f:
             json.dump(result, f, indent=1)
 
