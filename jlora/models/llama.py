@@ -35,6 +35,7 @@ from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.config import delta_expand
 from jlora.pallas.decode_attention import (NewToken, decode_attention, decode_attention_supported,
                                            paged_decode_attention)
+from jlora.pallas.matmul_add import matmul_add, matmul_add_supported
 from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
 
@@ -165,6 +166,7 @@ class _Context:
     options: CallOptions
     norm_kernel: bool
     add_in_norm: bool  # the residual adds too (`residual_add_in_norm`)
+    add_in_gemm: bool  # the residual adds in the o and down GEMMs' kernel (`residual_add_in_gemm`)
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -215,6 +217,24 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
     over [out, in]), which leave each add a kernel of its own. XLA's GEMMs take the add into the kernel that
     sums their split-K partials, so elsewhere the add stays there (docs/performance.md § The model step)."""
     return config.weights_out_in and tokens == 1
+
+
+def residual_add_in_gemm(tokens: int) -> bool:
+    """Whether a call of `tokens` tokens on one device, where the model's Pallas kernels run, computes the o and
+    down projections that have no LoRA in it with the residual add after them in one kernel (`matmul_add`): at
+    16-64 tokens, where XLA's split-K GEMM and its sum with the add in a second kernel were the slower (0.9-4.5 %
+    of an H100's 8B decode step; docs/performance.md § The model step, *The residual add in the o and down
+    GEMMs*)."""
+    return 16 <= tokens <= 64
+
+
+def _adds_in_gemm(proj: Linear, ctx: _Context, group: LayerLoRA | None, name: str) -> bool:
+    """Whether projection `name` (o or down) of this call runs as `matmul_add` with the residual add after it: the
+    call's `add_in_gemm`, no LoRA on it in the call (its delta is added before the residual, as PEFT adds it), no
+    bias, and a weight [in, out] of a dtype and shape the kernel takes."""
+    w = proj.weight[...]
+    return (ctx.add_in_gemm and proj.bias is None and not proj.out_in
+            and (ctx.lora is None or name not in group.a) and matmul_add_supported(w.dtype, *w.shape))
 
 
 def rope_in_attention(qkv_delta_apart: bool) -> bool:
@@ -371,9 +391,11 @@ class Attention(nnx.Module):
                           dtype=dtype, rngs=rngs, out_in=out_in)
         self.o = Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs, out_in=out_in)
 
-    def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
+    def __call__(self, x, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None,
+                 residual: jax.Array | None = None):
         """x [T, H] (the parts' tokens one after another, each part's B·S in row-major order), caches
-        [blocks, kv_heads, P, D], the layer's adapter weights -> ([T, H], caches).
+        [blocks, kv_heads, P, D], the layer's adapter weights -> ([T, H], caches); with `residual` [T, H] the
+        output is residual + the o projection in one kernel (`matmul_add`; see `_adds_in_gemm`).
 
         Each part's request b reads and writes the blocks of its table; tokens with `valid` False leave the
         cache untouched. A part with `kernel` (decode, S = 1) runs attention in a Pallas decode-attention
@@ -403,6 +425,8 @@ class Attention(nnx.Module):
                 outs[i] = self._attend(queries[i], p, k_cache, v_cache)
         outs = [o.reshape(p.b * p.s, c.q_size).astype(x.dtype) for o, p in zip(outs, ctx.parts)]
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+        if residual is not None:
+            return matmul_add(out, self.o.weight[...], residual), k_cache, v_cache
         return _with_lora(self.o, out, ctx, group, "o", (c.hidden_size,), row_parallel=True), k_cache, v_cache
 
     def _write(self, qkv, p: _Part, k_cache, v_cache):
@@ -462,10 +486,14 @@ class MLP(nnx.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, rngs=rngs,
                            out_in=out_in)
 
-    def __call__(self, x, ctx: _Context, group: LayerLoRA | None):
+    def __call__(self, x, ctx: _Context, group: LayerLoRA | None, residual: jax.Array | None = None):
+        """x [T, H] -> the MLP's output [T, H], or with `residual` [T, H] residual + that output in the down
+        projection's kernel (`matmul_add`; see `_adds_in_gemm`)."""
         i = self.config.intermediate_size
         gate_up = _with_lora(self.gate_up, x, ctx, group, "gate_up", (i, i))
         h = jax.nn.silu(gate_up[:, :i].astype(jnp.float32)) * gate_up[:, i:].astype(jnp.float32)
+        if residual is not None:
+            return matmul_add(h.astype(x.dtype), self.down.weight[...], residual)
         return _with_lora(self.down, h.astype(x.dtype), ctx, group, "down", (self.config.hidden_size,),
                           row_parallel=True)
 
@@ -480,10 +508,17 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, pending, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
         """(x, mlp output, k_cache, v_cache): x [T, H] is the residual stream less `pending`, the layer before's
         MLP output (None: nothing), which is added here and the returned MLP output by whoever comes next, so
-        that with `ctx.add_in_norm` each add runs in the kernel of the norm after it."""
+        that with `ctx.add_in_norm` each add runs in the kernel of the norm after it; where `_adds_in_gemm`, the
+        o or down projection's kernel adds it instead (the MLP output returned is then None: added)."""
         x, normed = self.input_norm.added(x, pending, ctx.norm_kernel, ctx.add_in_norm)
-        h, k_cache, v_cache = self.attn(normed, ctx, k_cache, v_cache, group)
-        x, normed = self.post_attn_norm.added(x, h, ctx.norm_kernel, ctx.add_in_norm)
+        if _adds_in_gemm(self.attn.o, ctx, group, "o"):
+            x, k_cache, v_cache = self.attn(normed, ctx, k_cache, v_cache, group, residual=x)
+            normed = self.post_attn_norm(x, ctx.norm_kernel)
+        else:
+            h, k_cache, v_cache = self.attn(normed, ctx, k_cache, v_cache, group)
+            x, normed = self.post_attn_norm.added(x, h, ctx.norm_kernel, ctx.add_in_norm)
+        if _adds_in_gemm(self.mlp.down, ctx, group, "down"):
+            return self.mlp(normed, ctx, group, residual=x), None, k_cache, v_cache
         return x, self.mlp(normed, ctx, group), k_cache, v_cache
 
 
@@ -537,7 +572,10 @@ class Transformer(nnx.Module):
                 factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
         norm_kernel = _pallas_kernels(options.backend) and rms_norm_supported(self.config.hidden_size)
         add_in_norm = norm_kernel and residual_add_in_norm(self.config, x.shape[0])
-        ctx = _Context(self._parts(batch, factor, cache, options), lora, options, norm_kernel, add_in_norm)
+        add_in_gemm = (_pallas_kernels(options.backend) and options.reduce_axis is None
+                       and residual_add_in_gemm(x.shape[0]))
+        ctx = _Context(self._parts(batch, factor, cache, options), lora, options, norm_kernel, add_in_norm,
+                       add_in_gemm)
         ks, vs, pending = [], [], None
         for i, layer in enumerate(self.layers):
             x, pending, k, v = layer(x, pending, ctx, cache.k[i], cache.v[i],
