@@ -1,17 +1,19 @@
-"""The residual add in the o and down GEMMs' kernel (`jlora.pallas.matmul_add`) against XLA's GEMM and add, for #39.
+"""The decode step's q|k|v, o and down projections in Pallas kernels (`jlora.pallas.matmul`, and `matmul_add` with
+the residual add after o and down) against XLA's GEMMs and adds, for #39.
 
-At decode sizes XLA runs the o and down GEMMs split along K and sums the splits with the residual add in a second
-kernel; `matmul_add` computes each projection over the whole of K and adds the residual in one kernel.
-`llama.residual_add_in_gemm` decides at which call sizes the model runs it (for projections without LoRA).
+At decode sizes XLA runs these GEMMs split along K and sums the splits (with the residual add) in a second kernel;
+the kernels compute each projection over the whole of K in one. `llama.projections_in_kernel` decides at which
+call sizes the model runs them (for projections without LoRA), `llama.projection_kernel` for which projections.
 
 Model: the 8B-shaped decode step (`bench/model.py`'s random model, contiguous rows of 1024 positions, query at
 512), each batch as `bench/model.py` runs it (`engine_config`), compiled twice, as shipped and with the decision
 patched to the other answer while the second copy traces, timed in alternating rounds; both variants' logits
 compared first. The base step at each batch, and at `--lora-batches` one r=16 adapter (`--rank`) on q|k|v alone
 (PEFT's default targets for Llama: o and down have no LoRA, so they keep the kernel) and on every projection (the
-kernel unused: the control). JSON: add_in_gemm.json.
+kernel unused: the control). With `--qkv`, the base steps against q|k|v alone back on XLA's GEMM (what q|k|v's
+kernel takes). JSON: add_in_gemm.json.
 
-  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--out DIR]  # GPU
+  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -32,18 +34,24 @@ from jlora.models.lora_weights import LoRAWeights  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 
-def case(model_def, params, name: str, batch: int, lora=None, rank: int = 16) -> dict:
-    """The step as shipped and with `residual_add_in_gemm` answering the other way, alternating rounds."""
+def case(model_def, params, name: str, batch: int, lora=None, rank: int = 16, qkv: bool = False) -> dict:
+    """The step as shipped and with `projections_in_kernel` answering the other way (with `qkv`: with q|k|v alone
+    on XLA's GEMM, `projection_kernel` patched), alternating rounds."""
     config = model_def.merge(params).config
     cache, call = base_decode(config, batch, 1024, 512, False)
     if lora is not None:  # one adapter for every row
         call = Call(call.batch, jnp.zeros(batch, jnp.int32), jnp.full(SLOTS, rank, jnp.int32))
-    shipped = llama.residual_add_in_gemm(batch)
-    labels = ("in gemm", "apart") if shipped else ("apart", "in gemm")
     options = StepOptions(16, "auto", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
-    got, _ = compare_patched(model_def, params, call, cache, lora, options, llama, "residual_add_in_gemm",
+    if qkv:
+        labels = ("kernels", "q|k|v in XLA")
+        got, _ = compare_patched(model_def, params, call, cache, lora, options, llama, "projection_kernel",
+                                 lambda name: name in ("o", "down"), labels)
+        return patched_row(name, got, labels, shipped=labels[0])
+    shipped = llama.projections_in_kernel(batch)
+    labels = ("kernels", "XLA") if shipped else ("XLA", "kernels")
+    got, _ = compare_patched(model_def, params, call, cache, lora, options, llama, "projections_in_kernel",
                              not shipped, labels)
-    return patched_row(name, got, ("in gemm", "apart"), shipped=labels[0])
+    return patched_row(name, got, ("kernels", "XLA"), shipped=labels[0])
 
 
 def qkv_lora(config, rank: int) -> LoRAWeights:
@@ -58,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batches", default="16,32,64,128", help="base decode batch sizes")
     parser.add_argument("--lora-batches", default="32,64", help="batch sizes of the one-adapter cases")
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank")
+    parser.add_argument("--qkv", action="store_true", help="also each base step against q|k|v on XLA's GEMM")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     _, record = row_recorder(args.out, "add_in_gemm.json")
@@ -68,6 +77,8 @@ def main() -> None:
     for batch in sorted(set(map(int, filter(None, args.batches.split(",")))) | lora_batches):
         stored = engine_layout(model_def, params, batch)
         record(case(*stored, f"decode B={batch}", batch))
+        if args.qkv and llama.projections_in_kernel(batch):
+            record(case(*stored, f"decode B={batch}, q|k|v", batch, qkv=True))
         if batch in lora_batches:
             for targets, lora in adapters.items():
                 record(case(*stored, f"decode B={batch}, 1 r={args.rank} on {targets}", batch, lora, args.rank))

@@ -35,7 +35,7 @@ from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.config import delta_expand
 from jlora.pallas.decode_attention import (NewToken, decode_attention, decode_attention_supported,
                                            paged_decode_attention)
-from jlora.pallas.matmul_add import matmul_add, matmul_add_supported
+from jlora.pallas.matmul import matmul, matmul_add, matmul_supported
 from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
 
@@ -166,7 +166,7 @@ class _Context:
     options: CallOptions
     norm_kernel: bool
     add_in_norm: bool  # the residual adds too (`residual_add_in_norm`)
-    add_in_gemm: bool  # the residual adds in the o and down GEMMs' kernel (`residual_add_in_gemm`)
+    gemm_kernels: bool  # q|k|v, o and down without LoRA in the Pallas kernels (`projections_in_kernel`)
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -219,22 +219,29 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
     return config.weights_out_in and tokens == 1
 
 
-def residual_add_in_gemm(tokens: int) -> bool:
-    """Whether a call of `tokens` tokens on one device, where the model's Pallas kernels run, computes the o and
-    down projections that have no LoRA in it with the residual add after them in one kernel (`matmul_add`): at
-    16-64 tokens, where XLA's split-K GEMM and its sum with the add in a second kernel were the slower (0.9-4.5 %
-    of an H100's 8B decode step; docs/performance.md § The model step, *The residual add in the o and down
-    GEMMs*)."""
+def projections_in_kernel(tokens: int) -> bool:
+    """Whether a call of `tokens` tokens on one device, where the model's Pallas kernels run, computes its
+    `projection_kernel` projections that have no LoRA in it in one Pallas kernel each, K unsplit (`matmul`, and
+    `matmul_add` with the residual add after o and down): at 16-64 tokens, where XLA's split-K GEMM and its sum
+    (with the add) in a second kernel were the slower (0.9-4.5 % of an H100's 8B decode step; docs/performance.md
+    § The model step, *The residual add in the o and down GEMMs*)."""
     return 16 <= tokens <= 64
 
 
-def _adds_in_gemm(proj: Linear, ctx: _Context, group: LayerLoRA | None, name: str) -> bool:
-    """Whether projection `name` (o or down) of this call runs as `matmul_add` with the residual add after it: the
-    call's `add_in_gemm`, no LoRA on it in the call (its delta is added before the residual, as PEFT adds it), no
-    bias, and a weight [in, out] of a dtype and shape the kernel takes."""
+def projection_kernel(name: str) -> bool:
+    """Whether projection `name` runs in the Pallas kernel where `projections_in_kernel`: q|k|v, o and down;
+    gate|up keeps XLA's GEMM, which reads its 235 MB near the copy bandwidth where the kernel was 8 µs slower
+    (`bench/studies/small_gemm.py --residual`, an H100)."""
+    return name in ("qkv", "o", "down")
+
+
+def _in_kernel(proj: Linear, ctx: _Context, group: LayerLoRA | None, name: str) -> bool:
+    """Whether projection `name` of this call runs in `matmul` / `matmul_add`: the call's `gemm_kernels`, the
+    projection's `projection_kernel`, no LoRA on it in the call (its delta is added before the residual, as PEFT
+    adds it), no bias, and a weight [in, out] of a dtype and shape the kernel takes."""
     w = proj.weight[...]
-    return (ctx.add_in_gemm and proj.bias is None and not proj.out_in
-            and (ctx.lora is None or name not in group.a) and matmul_add_supported(w.dtype, *w.shape))
+    return (ctx.gemm_kernels and projection_kernel(name) and proj.bias is None and not proj.out_in
+            and (ctx.lora is None or name not in group.a) and matmul_supported(w.dtype, *w.shape))
 
 
 def rope_in_attention(qkv_delta_apart: bool) -> bool:
@@ -395,7 +402,7 @@ class Attention(nnx.Module):
                  residual: jax.Array | None = None):
         """x [T, H] (the parts' tokens one after another, each part's B·S in row-major order), caches
         [blocks, kv_heads, P, D], the layer's adapter weights -> ([T, H], caches); with `residual` [T, H] the
-        output is residual + the o projection in one kernel (`matmul_add`; see `_adds_in_gemm`).
+        output is residual + the o projection in one kernel (`matmul_add`; see `_in_kernel`).
 
         Each part's request b reads and writes the blocks of its table; tokens with `valid` False leave the
         cache untouched. A part with `kernel` (decode, S = 1) runs attention in a Pallas decode-attention
@@ -404,7 +411,10 @@ class Attention(nnx.Module):
         read and XLA updates the donated cache in place.
         """
         c = self.config
-        qkv = _with_lora(self.qkv, x, ctx, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
+        if _in_kernel(self.qkv, ctx, group, "qkv"):
+            qkv = matmul(x, self.qkv.weight[...])
+        else:
+            qkv = _with_lora(self.qkv, x, ctx, group, "qkv", (c.q_size, c.kv_size, c.kv_size))
         qkvs, start = [], 0
         for p in ctx.parts:
             qkvs.append(qkv[start: start + p.b * p.s].reshape(p.b, p.s, -1, c.head_dim))  # [B, S, H + 2·KV, D]
@@ -488,7 +498,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, ctx: _Context, group: LayerLoRA | None, residual: jax.Array | None = None):
         """x [T, H] -> the MLP's output [T, H], or with `residual` [T, H] residual + that output in the down
-        projection's kernel (`matmul_add`; see `_adds_in_gemm`)."""
+        projection's kernel (`matmul_add`; see `_in_kernel`)."""
         i = self.config.intermediate_size
         gate_up = _with_lora(self.gate_up, x, ctx, group, "gate_up", (i, i))
         h = jax.nn.silu(gate_up[:, :i].astype(jnp.float32)) * gate_up[:, i:].astype(jnp.float32)
@@ -508,16 +518,16 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, pending, ctx: _Context, k_cache, v_cache, group: LayerLoRA | None):
         """(x, mlp output, k_cache, v_cache): x [T, H] is the residual stream less `pending`, the layer before's
         MLP output (None: nothing), which is added here and the returned MLP output by whoever comes next, so
-        that with `ctx.add_in_norm` each add runs in the kernel of the norm after it; where `_adds_in_gemm`, the
+        that with `ctx.add_in_norm` each add runs in the kernel of the norm after it; where `_in_kernel`, the
         o or down projection's kernel adds it instead (the MLP output returned is then None: added)."""
         x, normed = self.input_norm.added(x, pending, ctx.norm_kernel, ctx.add_in_norm)
-        if _adds_in_gemm(self.attn.o, ctx, group, "o"):
+        if _in_kernel(self.attn.o, ctx, group, "o"):
             x, k_cache, v_cache = self.attn(normed, ctx, k_cache, v_cache, group, residual=x)
             normed = self.post_attn_norm(x, ctx.norm_kernel)
         else:
             h, k_cache, v_cache = self.attn(normed, ctx, k_cache, v_cache, group)
             x, normed = self.post_attn_norm.added(x, h, ctx.norm_kernel, ctx.add_in_norm)
-        if _adds_in_gemm(self.mlp.down, ctx, group, "down"):
+        if _in_kernel(self.mlp.down, ctx, group, "down"):
             return self.mlp(normed, ctx, group, residual=x), None, k_cache, v_cache
         return x, self.mlp(normed, ctx, group), k_cache, v_cache
 
@@ -572,10 +582,10 @@ class Transformer(nnx.Module):
                 factor = jnp.where(slot >= 0, weights.rope_factor[jnp.maximum(slot, 0)], 1.0)
         norm_kernel = _pallas_kernels(options.backend) and rms_norm_supported(self.config.hidden_size)
         add_in_norm = norm_kernel and residual_add_in_norm(self.config, x.shape[0])
-        add_in_gemm = (_pallas_kernels(options.backend) and options.reduce_axis is None
-                       and residual_add_in_gemm(x.shape[0]))
+        gemm_kernels = (_pallas_kernels(options.backend) and options.reduce_axis is None
+                        and projections_in_kernel(x.shape[0]))
         ctx = _Context(self._parts(batch, factor, cache, options), lora, options, norm_kernel, add_in_norm,
-                       add_in_gemm)
+                       gemm_kernels)
         ks, vs, pending = [], [], None
         for i, layer in enumerate(self.layers):
             x, pending, k, v = layer(x, pending, ctx, cache.k[i], cache.v[i],

@@ -282,51 +282,53 @@ def test_one_token_steps_over_out_in_weights_add_in_the_norms_kernel(tmp_path):
     assert calls == [1] * (2 * layers) * 2, (len(calls), layers)
 
 
-def test_o_and_down_without_lora_add_the_residual_in_their_kernel(tmp_path):
-    """In bfloat16 on the Pallas kernels, a call of 16-64 tokens runs each o and down projection that has no LoRA
-    in it as `matmul_add`, the residual add in its kernel (`residual_add_in_gemm`), prefills and decode steps alike,
-    and computes the logits XLA's GEMM and add do, within bfloat16's rounding; a projection some loaded adapter
-    targets keeps XLA's form in a call with adapters (its delta is added before the residual, as PEFT adds it), and
-    a call of other sizes uses none."""
+def test_projections_without_lora_run_in_the_pallas_kernels(tmp_path):
+    """In bfloat16 on the Pallas kernels, a call of 16-64 tokens runs each q|k|v, o and down projection that has no
+    LoRA in it in a kernel of ours, o's and down's with the residual add after them (`projections_in_kernel`),
+    prefills and decode steps alike, and computes the logits XLA's GEMMs and adds do, within bfloat16's rounding;
+    a projection some loaded adapter targets keeps XLA's form in a call with adapters (its delta is added before
+    the residual, as PEFT adds it), and a call of other sizes uses none."""
     from unittest import mock
 
     from jlora.models import llama
 
-    cfg = testing.tiny_config("llama", hidden_size=256, intermediate_size=512, vocab_size=100)  # sizes it tiles
+    cfg = testing.tiny_config("llama", hidden_size=256, intermediate_size=512, vocab_size=100)  # sizes they tile
     testing.write_model(str(tmp_path / "m"), cfg, seed=3)
     testing.write_adapter(str(tmp_path / "qv"), cfg, r=4, alpha=8, seed=1, target_modules=["q_proj", "v_proj"])
     testing.write_adapter(str(tmp_path / "od"), cfg, r=4, alpha=8, seed=2, target_modules=["o_proj", "down_proj"])
     engine = Engine.from_pretrained(str(tmp_path / "m"), dtype="bfloat16", backend="pallas", max_loras=2,
                                     max_lora_rank=4, max_seq_len=64, max_batch=32, progress=False)
     engine.load_adapter("qv", str(tmp_path / "qv"))
-    calls, matmul_add = [], llama.matmul_add
-    spy = lambda x, w, r: calls.append((x.shape[0], w.shape)) or matmul_add(x, w, r)
+    calls, kernels = [], (llama.matmul, llama.matmul_add)
+    spies = [mock.patch.object(llama, f.__name__, lambda *args, f=f: calls.append((args[0].shape[0], f.__name__,
+                                                                                   args[1].shape)) or f(*args))
+             for f in kernels]
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 100, 40).tolist()
 
-    def logits(adapter, tokens=prompt):
+    def traced(run):
         calls.clear()
-        with mock.patch.object(llama, "matmul_add", spy):
-            return engine.prefill_logits([tokens], [adapter])[0]
+        with spies[0], spies[1]:  # the engine's steps trace inside, where they compile
+            return run()
 
-    o, down = (256, 256), (512, 256)
-    for adapter in (None, "qv"):
+    logits = lambda adapter, tokens=prompt: traced(lambda: engine.prefill_logits([tokens], [adapter])[0])
+    qkv, o, down = ("matmul", (256, 256 + 2 * 128)), ("matmul_add", (256, 256)), ("matmul_add", (512, 256))
+    layer = lambda t, *projections: [(t, *p) for p in projections] * cfg["num_hidden_layers"]
+    for adapter, projections in ((None, (qkv, o, down)), ("qv", (o, down))):
         fused = logits(adapter)
-        assert calls == [(64, o), (64, down)] * cfg["num_hidden_layers"]  # 40 tokens in a bucket of 64
-        with mock.patch.object(llama, "residual_add_in_gemm", lambda tokens: False):
+        assert calls == layer(64, *projections), adapter  # 40 tokens in a bucket of 64
+        with mock.patch.object(llama, "projections_in_kernel", lambda tokens: False):
             apart = logits(adapter)
         assert oracle.rel_err(fused, apart) < 1e-2, adapter
-    with mock.patch.object(llama, "matmul_add", spy):  # decode steps of 32 rows and of 2, traced here
-        calls.clear()
-        engine.generate([[t] for t in prompt[:32]], ["qv"] * 32, max_new_tokens=3)
-        engine.generate([[t] for t in prompt[:2]], ["qv"] * 2, max_new_tokens=3)
-    assert (32, o) in calls and (32, down) in calls and min(t for t, _ in calls) >= 16  # 2 rows: XLA's
+    traced(lambda: (engine.generate([[t] for t in prompt[:32]], ["qv"] * 32, max_new_tokens=3),  # 32 rows
+                    engine.generate([[t] for t in prompt[:2]], ["qv"] * 2, max_new_tokens=3)))  # 2 rows
+    assert (32, *o) in calls and (32, *down) in calls and min(t for t, *_ in calls) >= 16  # 2 rows: XLA's
     engine.load_adapter("od", str(tmp_path / "od"))
     compiled = forward._cache_size()
     logits("qv")
-    assert forward._cache_size() == compiled + 1 and calls == []  # traced again: o and down now carry LoRA weights
-    logits(None, prompt[:20])  # a call of 32 tokens without adapters: the kernel
-    assert calls == [(32, o), (32, down)] * cfg["num_hidden_layers"]
+    assert forward._cache_size() == compiled + 1 and calls == []  # traced again: every kernel's projection has LoRA
+    logits(None, prompt[:20])  # a call of 32 tokens without adapters: the kernels
+    assert calls == layer(32, qkv, o, down)
 
 
 def test_decode_steps_rope_and_write_in_the_attention_kernel_unless_lora_adds_its_delta_apart(tmp_path):
