@@ -223,8 +223,8 @@ def projections_in_kernel(tokens: int) -> bool:
     """Whether a call of `tokens` tokens on one device, where the model's Pallas kernels run, computes its
     `projection_kernel` projections that have no LoRA in it in one Pallas kernel each, K unsplit (`matmul`, and
     `matmul_add` with the residual add after o and down): at 16-64 tokens, where XLA's split-K GEMM and its sum
-    (with the add) in a second kernel were the slower (0.9-4.5 % of an H100's 8B decode step; docs/performance.md
-    § The model step, *The residual add in the o and down GEMMs*)."""
+    (with the add) in a second kernel were the slower (1.6-6.5 % of an H100's 8B decode step; docs/performance.md
+    § The model step, *The small projections in Pallas kernels*)."""
     return 16 <= tokens <= 64
 
 
