@@ -398,9 +398,11 @@ def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 3
     return g, st, cache, tokens, positions, cases, tp
 
 
-# Kernel classes of a profile, by name: cuBLAS / CUTLASS / XLA GEMMs, the Pallas decode attention, the rest
-# (norms, RoPE, elementwise, the gather backend's LoRA fusions, sampling, copies).
-KERNEL_CLASSES = (("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("attention", ("decode_attention",)))
+# Kernel classes of a profile, by name: cuBLAS / CUTLASS / XLA GEMMs and jlora's small projections
+# (`jlora.pallas.matmul`), the Pallas decode attention, the rest (norms, RoPE, elementwise, the gather backend's
+# LoRA fusions, sampling, copies).
+KERNEL_CLASSES = (("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "jlora_matmul")),
+                  ("attention", ("decode_attention",)))
 
 
 def kernel_class(name: str) -> str:
