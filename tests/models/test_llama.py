@@ -331,6 +331,28 @@ def test_projections_without_lora_run_in_the_pallas_kernels(tmp_path):
     assert calls == layer(32, qkv, o, down)
 
 
+def test_a_biased_qkv_keeps_xlas_gemm_beside_o_and_down_in_the_kernels(tmp_path):
+    """Qwen2's q|k|v has a bias, which the kernels do not add: q|k|v stays XLA's GEMM and bias, o and down run in
+    `matmul_add`, and the logits are XLA's within bfloat16's rounding."""
+    from unittest import mock
+
+    from jlora.models import llama
+
+    cfg = testing.tiny_config("qwen2", hidden_size=256, intermediate_size=512, vocab_size=100)
+    testing.write_model(str(tmp_path / "m"), cfg, seed=4)
+    engine = Engine.from_pretrained(str(tmp_path / "m"), dtype="bfloat16", backend="pallas", max_loras=1,
+                                    max_lora_rank=4, max_seq_len=64, progress=False)
+    calls, matmul, matmul_add = [], llama.matmul, llama.matmul_add
+    prompt = list(range(1, 41))
+    with mock.patch.object(llama, "matmul", lambda *a: calls.append("matmul") or matmul(*a)), \
+            mock.patch.object(llama, "matmul_add", lambda *a: calls.append("matmul_add") or matmul_add(*a)):
+        fused = engine.prefill_logits([prompt], [None])[0]
+    assert calls == ["matmul_add", "matmul_add"] * cfg["num_hidden_layers"]
+    with mock.patch.object(llama, "projections_in_kernel", lambda tokens: False):
+        apart = engine.prefill_logits([prompt], [None])[0]
+    assert oracle.rel_err(fused, apart) < 1e-2
+
+
 def test_decode_steps_rope_and_write_in_the_attention_kernel_unless_lora_adds_its_delta_apart(tmp_path):
     """Decode steps on the Pallas kernels hand the attention kernel q|k|v before RoPE (`rope_in_attention`, a
     `NewToken`), except where the Pallas LoRA kernels write q|k|v's delta for XLA to add (an explicit "pallas"
