@@ -16,10 +16,10 @@ measured in the same run. The Pallas kernels:
   share of the [N / BN column blocks x K / BK steps] iterations in order, so no wave is left part-full; a program
   writes an f32 [Mp, BN] partial (Mp: the rows padded to a multiple of 16) for each column block its share
   touches (at most `segments`).
-- `residual` (Pallas on Triton, `--residual`): the decode step's o and down projections as the model rounds them,
-  `r + bf16(x @ w)` with the residual r [M, N], in one kernel with K unsplit: program n computes its [Mp, BN]
-  block over all of K (`num_stages` weight tiles in flight) and adds its block of r, where XLA runs a split-K
-  GEMM and sums the splits with the add in a second kernel (`xla` is then that pair, both kernels counted).
+- `residual` (`--residual`): `jlora.pallas.matmul_add`, the decode step's o and down projections as the model
+  rounds them, `r + bf16(x @ w)` with the residual r [M, N], in one kernel with K unsplit: program n computes its
+  [Mp, BN] block over all of K (`num_stages` weight tiles in flight) and adds its block of r, where XLA runs a
+  split-K GEMM and sums the splits with the add in a second kernel (`xla` is then that pair, both kernels counted).
 XLA then sums the splits (counted in their time), the stream-K partials in program order through a static gather.
 `read` times the faster of XLA's two sums of the weight (over either axis), a plain read of its bytes: the floor a
 GEMM of that size could reach, where the copy bandwidth is measured over 512 MiB arrays. Every tiling's output is
@@ -55,6 +55,7 @@ from common import copy_bandwidth, gpu_facts  # noqa: E402
 from kernels import CALLS, device_time_per_call  # noqa: E402
 
 from jlora.pallas.config import num_sms  # noqa: E402
+from jlora.pallas.matmul import matmul_add  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "kv_b32": (8192, 4096)}
@@ -236,32 +237,11 @@ def stream_matmul(x: jax.Array, w: jax.Array, *, block_n: int, block_k: int, wav
     return blocks.transpose(1, 0, 2).reshape(mp, n_dim)[:m].astype(x.dtype)
 
 
-def _residual_kernel(x_ref, w_ref, r_ref, o_ref, *, block_k: int):
-    acc, cols = split_k_block(x_ref, w_ref, block_n=o_ref.shape[-1], block_k=block_k, k_per_split=x_ref.shape[1])
-    o_ref[...] = (r_ref[:, cols].astype(jnp.float32) + acc.astype(o_ref.dtype).astype(jnp.float32)).astype(o_ref.dtype)
-
-
 def residual_matmul(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n: int, block_k: int,
                     num_stages: int, num_warps: int):
-    """residual [M, N] + (x [M, K] @ w [K, N]) rounded to x's dtype, then the sum rounded: one kernel, K unsplit,
-    rows padded to a multiple of 16."""
-    m, k_dim = x.shape
-    n_dim = w.shape[1]
-    check_tiling(k_dim, n_dim, block_n=block_n, block_k=block_k)
-    mp = -(-m // 16) * 16
-    xp, rp = jnp.pad(x, ((0, mp - m), (0, 0))), jnp.pad(residual, ((0, mp - m), (0, 0)))
-    out = pl.pallas_call(
-        functools.partial(_residual_kernel, block_k=block_k),
-        out_shape=jax.ShapeDtypeStruct((mp, n_dim), x.dtype),
-        grid=(n_dim // block_n, 1),  # one split of K: `split_k_block`'s program (n, 0)
-        in_specs=[pl.BlockSpec((mp, k_dim), lambda n, s: (0, 0)), pl.BlockSpec((k_dim, n_dim), lambda n, s: (0, 0)),
-                  pl.BlockSpec((mp, n_dim), lambda n, s: (0, 0))],
-        out_specs=pl.BlockSpec((mp, block_n), lambda n, s: (0, n)),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=jax.default_backend() != "gpu",
-        name=f"residual_gemm_{k_dim}x{n_dim}",
-    )(xp, w, rp)
-    return out[:m]
+    """`jlora.pallas.matmul_add` (residual + x @ w, K unsplit) at this tiling; its programs run 4 warps."""
+    assert num_warps == 4
+    return matmul_add(x, w, residual, tiling=(block_n, block_k, num_stages))
 
 
 def xla_residual(x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:

@@ -33,12 +33,16 @@ def _tiling(n: int) -> tuple[int, int, int]:
     return next((t for t in TILINGS if n // t[0] <= num_sms()), TILINGS[-1])
 
 
-def matmul_supported(dtype, k: int, n: int) -> bool:
-    """Whether the kernels take a [K, N] weight of `dtype`: a 16-bit float (a float32 product would run in TF32),
-    K and N multiples of their tiling's steps and blocks."""
-    block_n, block_k, _ = _tiling(n)
+def _fits(dtype, k: int, n: int, tiling: tuple[int, int, int]) -> bool:
+    """A 16-bit float (a float32 product would run in TF32), K and N multiples of the tiling's steps and blocks."""
+    block_n, block_k, _ = tiling
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and k % block_k == 0 \
         and n % block_n == 0
+
+
+def matmul_supported(dtype, k: int, n: int) -> bool:
+    """Whether the kernels take a [K, N] weight of `dtype` at the width's tiling (`_fits`)."""
+    return _fits(dtype, k, n, _tiling(n))
 
 
 def _kernel(*refs, block_k: int):
@@ -58,15 +62,15 @@ def _kernel(*refs, block_k: int):
     o_ref[...] = product
 
 
-def _call(x: jax.Array, w: jax.Array, r: jax.Array | None, name: str) -> jax.Array:
+def _call(x: jax.Array, w: jax.Array, r: jax.Array | None, name: str,
+          tiling: tuple[int, int, int] | None) -> jax.Array:
     (t, k), n = x.shape, w.shape[1]
-    if not (x.dtype == w.dtype and matmul_supported(x.dtype, k, n)) or w.shape[0] != k or (
+    block_n, block_k, stages = tiling = tiling or _tiling(n)
+    if x.dtype != w.dtype or not _fits(x.dtype, k, n, tiling) or w.shape[0] != k or (
             r is not None and (r.shape != (t, n) or r.dtype != x.dtype)):
-        block_n, block_k, _ = _tiling(n)
         raise ValueError(f"{name} needs x [T, K], w [K, N]{' and r [T, N]' if r is not None else ''} of one 16-bit "
                          f"float dtype with K % {block_k} == 0 and N % {block_n} == 0, got {x.shape} {x.dtype}, "
                          f"{w.shape} {w.dtype}" + ("" if r is None else f", {r.shape} {r.dtype}"))
-    block_n, block_k, stages = _tiling(n)
     tp = max(16, 1 << (t - 1).bit_length())  # Triton's tiles: a power of two, its dots at least 16 rows
     rows = [jnp.pad(a, ((0, tp - t), (0, 0))) for a in ((x,) if r is None else (x, r))]
     stage = (tp + block_n) * block_k * x.dtype.itemsize  # an x tile and a w tile
@@ -85,13 +89,15 @@ def _call(x: jax.Array, w: jax.Array, r: jax.Array | None, name: str) -> jax.Arr
     return out[:t]
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w rounded to x's dtype: x [T, K] and w [K, N] of one 16-bit dtype -> [T, N]. Raises ValueError for
-    what `matmul_supported` refuses."""
-    return _call(x, w, None, "matmul")
+def matmul(x: jax.Array, w: jax.Array, tiling: tuple[int, int, int] | None = None) -> jax.Array:
+    """x @ w rounded to x's dtype: x [T, K] and w [K, N] of one 16-bit dtype -> [T, N]. `tiling`: (block N,
+    block K, stages), default the width's (a study's sweep sets it). Raises ValueError for what `matmul_supported`
+    refuses."""
+    return _call(x, w, None, "matmul", tiling)
 
 
-def matmul_add(x: jax.Array, w: jax.Array, r: jax.Array) -> jax.Array:
+def matmul_add(x: jax.Array, w: jax.Array, r: jax.Array, tiling: tuple[int, int, int] | None = None) -> jax.Array:
     """r + x @ w: x [T, K], w [K, N] and r [T, N] of one 16-bit dtype -> [T, N] (the product rounded to that
-    dtype before the add, as `Linear` rounds it). Raises ValueError for what `matmul_supported` refuses."""
-    return _call(x, w, r, "matmul_add")
+    dtype before the add, as `Linear` rounds it); `tiling` as `matmul`'s. Raises ValueError for what
+    `matmul_supported` refuses."""
+    return _call(x, w, r, "matmul_add", tiling)
