@@ -399,7 +399,7 @@ def setup(config, model_def, params, degree: int, rank: int = 16, batch: int = 3
 
 
 # Kernel classes of a profile, by name: cuBLAS / CUTLASS / XLA GEMMs and jlora's small projections
-# (`jlora.pallas.matmul`), the Pallas decode attention, the rest (norms, RoPE, elementwise, the gather backend's
+# (`jlora.pallas.projections`), the Pallas decode attention, the rest (norms, RoPE, elementwise, the gather backend's
 # LoRA fusions, sampling, copies).
 KERNEL_CLASSES = (("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "jlora_matmul")),
                   ("attention", ("decode_attention",)))

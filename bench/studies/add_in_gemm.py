@@ -1,4 +1,4 @@
-"""The decode step's q|k|v, o and down projections in Pallas kernels (`jlora.pallas.matmul`, and `matmul_add` with
+"""The decode step's q|k|v, o and down projections in Pallas kernels (`jlora.pallas.projections`, and `matmul_add` with
 the residual add after o and down) against XLA's GEMMs and adds, for #39.
 
 At decode sizes XLA runs these GEMMs split along K and sums the splits (with the residual add) in a second kernel;

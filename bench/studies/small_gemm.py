@@ -55,7 +55,7 @@ from common import copy_bandwidth, gpu_facts  # noqa: E402
 from kernels import CALLS, device_time_per_call  # noqa: E402
 
 from jlora.pallas.config import num_sms  # noqa: E402
-from jlora.pallas.matmul import matmul_add  # noqa: E402
+from jlora.pallas.projections import matmul_add  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "kv_b32": (8192, 4096)}

@@ -35,7 +35,7 @@ from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
 from jlora.pallas.config import delta_expand
 from jlora.pallas.decode_attention import (NewToken, decode_attention, decode_attention_supported,
                                            paged_decode_attention)
-from jlora.pallas.matmul import matmul, matmul_add, matmul_supported
+from jlora.pallas.projections import matmul, matmul_add, matmul_supported
 from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from jlora.precision import dot_precision
 

@@ -5,7 +5,7 @@ from jlora.pallas.config import ExpandConfig, ShrinkConfig, expand_config, shrin
 from jlora.pallas.decode_attention import (NewToken, decode_attention, decode_attention_supported,
                                            paged_decode_attention)
 from jlora.pallas.dispatch import expand, kernel_rank, linear, shrink, supported
-from jlora.pallas.matmul import matmul, matmul_add, matmul_supported
+from jlora.pallas.projections import matmul, matmul_add, matmul_supported
 from jlora.pallas.rms_norm import add_rms_norm, rms_norm, rms_norm_supported
 from jlora.pallas.shrink import shrink_partials
 

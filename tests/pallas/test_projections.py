@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.pallas import matmul as kernels
-from jlora.pallas.matmul import matmul, matmul_add, matmul_supported
+from jlora.pallas import projections as kernels
+from jlora.pallas.projections import matmul, matmul_add, matmul_supported
 from tests import oracle
 
 
