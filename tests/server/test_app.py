@@ -437,3 +437,102 @@ def test_a_cache_salt_keeps_a_prompts_cached_blocks_to_its_own_salt(served):
 
     answers, reused = run(app, scenario)
     assert reused == [0, 0, 32] and len(set(answers)) == 1
+
+
+@pytest.mark.slow  # 100 requests of every kind, and a second engine for the truth
+def test_a_storm_of_requests_cancellations_and_reloads_answers_each_as_alone_and_leaks_nothing(tmp_path):
+    """Completions and chats, streamed or not, with n, log-probabilities, echo and stop strings, over two slots for
+    three adapters and a cache of 8 blocks, while clients hang up mid-answer and an adapter is unloaded and loaded
+    again under its name from the same files: no answer is a 5xx (a request for the adapter while it is unloaded may
+    answer 404), every whole greedy completion is what an engine of one row generates for it alone, and at the end
+    no row, block or adapter hold is left."""
+    import random
+
+    testing.write_model(str(tmp_path / "m"), CFG, seed=5)
+    testing.write_tokenizer(str(tmp_path / "m"), CFG["vocab_size"])
+    for i, name in enumerate("abc"):
+        testing.write_adapter(str(tmp_path / "adapters" / name), CFG, r=4, alpha=8, seed=20 + i)
+    options = dict(dtype="float32", max_lora_rank=8, max_seq_len=64, progress=False)
+    engine = Engine.from_pretrained(str(tmp_path / "m"), max_loras=2, max_batch=4, kv_blocks=8, **options)
+    truth = Engine.from_pretrained(str(tmp_path / "m"), max_loras=3, max_batch=1, **options)
+    for name in "abc":
+        truth.load_adapter(name, str(tmp_path / "adapters" / name))
+    online = OnlineEngine(engine)
+    app = build_app(online, ServerConfig(served_model_name="m", allow_runtime_lora=True,
+                                         lora_roots=(str(tmp_path / "adapters"),)))
+    online.start()
+    rng, words = random.Random(0), [f"w{i}" for i in range(5, 100)]
+    whole, statuses = [], []
+
+    def request() -> tuple[float, str, dict, bool]:
+        """(arrival s, path, body, hang up) of one request, drawn before any runs: the mix does not depend on
+        timing."""
+        body = {"model": rng.choice(["m", "a", "b", "c"]), "max_tokens": rng.randint(1, 16), "temperature": 0,
+                "n": rng.choice([1, 1, 2]), "stream": rng.random() < 0.5}
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 20)))
+        if rng.random() < 0.3:
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+            body.update(logprobs=True, top_logprobs=2) if rng.random() < 0.5 else None
+        else:
+            path, body["prompt"] = "/v1/completions", prompt
+            body.update(logprobs=2) if rng.random() < 0.5 else None
+            body.update(echo=True) if rng.random() < 0.2 and not body["stream"] else None
+            body.update(stop=[rng.choice(words)]) if rng.random() < 0.3 else None
+        return rng.random() * 2, path, body, rng.random() < 0.2
+
+    requests = [request() for _ in range(100)]
+    pauses = [rng.random() * 1.5 for _ in range(4)]  # between the reloads
+
+    async def one(c, arrival, path, body, hang_up):
+        await asyncio.sleep(arrival)
+        if body["stream"]:
+            async with c.stream("POST", path, json=body) as response:
+                statuses.append((body["model"], response.status_code))
+                async for line in response.aiter_lines():
+                    assert '"error"' not in line or response.status_code == 404, line
+                    if hang_up:
+                        return
+            return
+        task = asyncio.create_task(c.post(path, json=body))
+        if hang_up:
+            await asyncio.sleep(arrival / 4)
+            task.cancel()
+            return
+        response = await task
+        statuses.append((body["model"], response.status_code))
+        if response.status_code == 200 and path == "/v1/completions" and not {"echo", "stop"} & set(body):
+            whole.append((body, [choice["token_ids"] for choice in response.json()["choices"]]))
+
+    async def reload(c):
+        for pause in pauses:
+            await asyncio.sleep(pause)
+            for _ in range(500):  # 409 while requests use it
+                unload = await c.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+                if unload.status_code != 409:
+                    break
+                await asyncio.sleep(0.01)
+            load = await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b"})
+            assert (unload.status_code, load.status_code) == (200, 200), (unload.text, load.text)
+
+    async def scenario(c):
+        for name in "abc":
+            assert (await c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name})).status_code == 200
+        await asyncio.gather(*(one(c, *r) for r in requests), reload(c))
+
+    try:
+        run(app, scenario)
+        assert all(status == 200 or (status == 404 and model == "b") for model, status in statuses), statuses
+        assert len(whole) >= 10
+        for body, got in whole:
+            alone = truth.generate([body["prompt"]], [None if body["model"] == "m" else body["model"]],
+                                   max_new_tokens=body["max_tokens"])[0]
+            assert got == [list(alone)] * body["n"], body
+        for _ in range(200):  # the hung-up requests end at the loop's next turns
+            if online.batcher.num_running == 0 and online.num_waiting == 0:
+                break
+            time.sleep(0.05)
+        blocks = online.batcher.blocks
+        assert online.batcher.num_running == 0 and blocks.num_available == blocks.num_blocks
+        assert not online.call(lambda: [n for n in "abc" if engine.pool.in_use(n)]).result(timeout=30)
+    finally:
+        online.stop()
