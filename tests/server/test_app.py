@@ -1,6 +1,8 @@
 """The app in process (httpx's ASGI transport), for what needs the server's insides at hand: runtime loads past
 the cap answer 429, and an unexpected exception answers a JSON 500 with a request id (mid-stream: the stream's
-last event) while its traceback goes only to the log, and the server serves on."""
+last event) while its traceback goes only to the log, and the server serves on; a storm of requests of every kind,
+hang-ups and reloads of an adapter answers each whole greedy completion as an engine alone does and holds nothing
+after."""
 
 import asyncio
 import json
