@@ -10,6 +10,7 @@ base step and against the floor `base step + adapter bytes read / copy bandwidth
 the same run.
 
   python bench/model.py [--quick] [--layers 32] [--backend auto] [--batches 1,8,32,64] [--out bench/results]
+  python bench/model.py --batches 64 --add model.json  # one table over two processes (each device call's limit)
   python bench/model.py --tp 1,2        # tensor parallel: batch-32 decode, base and 32 r=16 adapters, per degree
   python bench/model.py --profile [--tp 2] [--batches 1,8,32]  # decode steps: GPU time by kernel class and kernel
   python bench/model.py --engine [--tp 1,2]  # Engine.generate end to end: ms per decode step vs the bare step
@@ -33,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from common import GpuMonitor, copy_bandwidth, describe_span, kernel_durations, pyplot, trace_events
+from result_files import read_results
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.engine_config import EngineConfig
@@ -200,6 +202,9 @@ def main() -> None:
                         help="32 DoRA, LoRA-bias and added-token adapters against 32 plain ones")
     parser.add_argument("--backend", default="auto",
                         help="LoRA backend (auto: gather below 32 tokens while tokens x rank <= 512, else pallas)")
+    parser.add_argument("--add", metavar="FILE",
+                        help="a result of an earlier process on a card of the same kind: its rows of the batches "
+                             "(and prefill) this run does not time go into this run's table, its processes listed")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     global BACKEND
@@ -229,16 +234,18 @@ def main() -> None:
                                args.out)
     batches = (32,) if args.quick else tuple(int(b) for b in args.batches.split(","))
     ranks_tested = (16,) if args.quick else (16, 64)
-    rows = []
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "model" + "_quick" * args.quick + ("" if BACKEND == "auto" else f"_{BACKEND}"))
     monitor = GpuMonitor()  # the card and its clocks while each batch runs: what tells two runs' tables apart
     print(f"# {monitor.facts}", flush=True)
+    process = {"copy_bandwidth_Bps": bandwidth, "gpu": monitor.facts, "batches": list(batches)}
+    earlier, rows = ([], []) if args.add is None else earlier_rows(args.add, device, batches, args.layers)
+    processes = earlier + [process]
 
     def save() -> None:  # after every row, so a run cut short keeps what it measured
         with open(stem + ".json", "w") as f:
             json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "layers": args.layers, "gpu": monitor.facts,
-                       "rows": rows}, f, indent=1)
+                       **({"processes": processes} if earlier else {}), "rows": rows}, f, indent=1)
         plot(rows, stem + ".png", device)
 
     def timed(runs: dict, cache, **options):
@@ -319,6 +326,28 @@ def main() -> None:
             decode(batch)
     finally:
         monitor.close()
+
+
+def earlier_rows(path: str, device: str, batches: tuple[int, ...], layers: int) -> tuple[list[dict], list[dict]]:
+    """(the processes, the rows) that `--add`'s result `path` gives a run of `batches` on `device`: its rows of the
+    decode batches this run does not time, and its prefill rows unless this run times batch 32 (which runs them).
+    Exits with a message where `path` is no bench/model.py result or was measured on another kind of card or
+    model depth, whose rows would not belong in one table."""
+    results = read_results(path, ("device", "copy_bandwidth_Bps", "rows"), "bench/model.py")
+    if results is None or len(results) != 1:
+        raise SystemExit(f"--add {path}: not one bench/model.py result")
+    (result,) = results
+    if (result["device"], result.get("layers")) != (device, layers):
+        raise SystemExit(f"--add {path}: measured on {result['device']} with {result.get('layers')} layers; this run "
+                         f"is on {device} with {layers}")
+    rows = [r for r in result["rows"] if r["kind"] == "decode"]
+    keep = [r for r in result["rows"] if (r["batch"] not in batches if r["kind"] == "decode" else 32 not in batches)]
+    processes = result.get("processes") or [{"copy_bandwidth_Bps": result["copy_bandwidth_Bps"],
+                                             "gpu": result.get("gpu"), "batches": sorted({r["batch"] for r in rows})}]
+    kept = {r["batch"] for r in keep if r["kind"] == "decode"}
+    processes = [dict(p, batches=[b for b in p["batches"] if b in kept]) for p in processes]
+    print(f"# from {path}: {len(keep)} rows of {len(result['rows'])}", flush=True)
+    return processes, keep
 
 
 def with_features(config: ModelConfig, lora: LoRAWeights, kind: str) -> LoRAWeights:

@@ -6,7 +6,9 @@
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
 #   bash bench/run_gpu.sh full    # the full kernel table (bench/kernels.py --resume): run it again until it says
 #                                 # "done"; copy each call's kernels_full.json into bench/results in between
-#   bash bench/run_gpu.sh model   # end-to-end 8B-shaped benchmark (bench/model.py)
+#   bash bench/run_gpu.sh model [BATCHES [FILE]]  # end-to-end 8B-shaped benchmark (bench/model.py); on an H100 the
+#                                 # whole table does not fit one call: `model 1,8,32`, then with that call's model.json
+#                                 # copied into the tree `model 64 bench/results/model.json` adds batch 64 to it
 #   bash bench/run_gpu.sh profile [ARGS]  # where decode steps spend their time (bench/model.py --profile ARGS,
 #                                 # e.g. --batches 64, or --batches 8,32,64 --rank 64)
 #   bash bench/run_gpu.sh features  # 32 DoRA / bias / added-token adapters against 32 plain ones (bench/model.py)
@@ -54,7 +56,7 @@ case "${1:-}" in
     # stop short of the device tool's 10 minutes so the rows saved so far come back
     timeout 540 python3 bench/kernels.py --resume --out "$out" 2>&1 | grep -E "^#|µs wall|Error" \
       && [ -f "$out/kernels_full.md" ] && echo done ;;
-  model) python3 bench/model.py --out "$out" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
+  model) python3 bench/model.py --out "$out" ${2:+--batches "$2"} ${3:+--add "$3"} 2>&1 | grep -vE "^W1|bfc_alloc" ;;
   profile) python3 bench/model.py --profile --out "$out" "${@:2}" 2>&1 | grep -vE "^W1|bfc_alloc" ;;
   features) python3 bench/model.py --features --out "$out" 2>&1 | grep -E "^#|^decode|^prefill" ;;
   engine) python3 bench/model.py --engine --out "$out" 2>&1 | grep -E "^#|^engine" ;;

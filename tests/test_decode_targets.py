@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
 import decode_targets  # noqa: E402
@@ -84,3 +86,34 @@ def test_the_card_and_the_batches_whose_clock_was_held_down_are_named(tmp_path, 
         "SM clock held below its top while timed: prefill batch 4 (sw_power_cap; SM median 1515 MHz, least 1170)")
     _, out = _run(tmp_path, monkeypatch, capsys, [_row("decode", 1, 0, base_vs_floor=1.1)])
     assert "; card " not in out and "held below" not in out
+
+
+def test_a_table_over_two_processes_keeps_the_batches_the_second_does_not_time(tmp_path, monkeypatch, capsys):
+    """`bench/model.py --batches 64 --add FILE` (a table run in two device calls): FILE's rows of other batches
+    and its prefill rows are kept and each process is listed, which decode_targets names; a file of another kind
+    of card or depth, or no model result, is refused with a message."""
+    import model
+
+    first = {"device": "GPU", "copy_bandwidth_Bps": 4e12, "layers": 32, "gpu": {"uuid": "GPU-1"},
+             "rows": [_row("decode", 32, 0, base_vs_floor=1.1), _row("decode", 64, 0, base_vs_floor=1.3),
+                      _row("prefill", 4, 0)]}
+    path = tmp_path / "first.json"
+    path.write_text(json.dumps(first))
+    processes, rows = model.earlier_rows(str(path), "GPU", (64,), 32)
+    assert rows == first["rows"][::2] and processes == [{"copy_bandwidth_Bps": 4e12, "gpu": {"uuid": "GPU-1"},
+                                                         "batches": [32]}]
+    assert model.earlier_rows(str(path), "GPU", (32, 64), 32)[1] == []  # batch 32 runs the prefill rows again
+    for device, layers in (("Other GPU", 32), ("GPU", 2)):
+        with pytest.raises(SystemExit, match="measured on GPU with 32 layers"):
+            model.earlier_rows(str(path), device, (64,), layers)
+    path.write_text("{}")
+    with pytest.raises(SystemExit, match="not one bench/model.py result"):
+        model.earlier_rows(str(path), "GPU", (64,), 32)
+    second = {"uuid": "GPU-2", "power.limit": "700.00", "kernel": "6.18"}
+    table = first | {"processes": processes + [{"copy_bandwidth_Bps": 3e12, "gpu": second, "batches": [64]}]}
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(path)])
+    decode_targets.main()
+    out = capsys.readouterr().out
+    assert f"# {path}: GPU\n#   decode batches 32 in a process at 4.00 TB/s" in out
+    assert "#   decode batches 64 in a process at 3.00 TB/s; card GPU-2 (700.00 W limit), host kernel 6.18" in out
