@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import compare_patched, patched_row, row_recorder  # noqa: E402
-from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model, shuffled_slots  # noqa: E402
+from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
+                   shuffled_slots)
 from split_attention import base_decode  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
@@ -105,6 +106,7 @@ def main() -> None:
             for targets, lora in adapters.items():
                 record(case(*stored, f"decode B={batch}, 1 r={args.rank} on {targets}", batch, lora, args.rank))
         del stored
+
 
 if __name__ == "__main__":
     main()

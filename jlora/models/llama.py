@@ -302,7 +302,8 @@ def base_first_projection(name: str, reductions: bool) -> bool:
 
 def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | None, name: str,
                slice_sizes: tuple[int, ...], row_parallel: bool = False) -> jax.Array:
-    """The projection's output [T, N], plus its adapters' deltas when LoRA is on.
+    """The projection's output [T, N], plus its adapters' deltas when LoRA is on; the base output in `matmul`
+    where the kernel takes the projection (`_kernel_takes`) and it has no LoRA in the call, or `kernel_beside_lora`.
 
     `row_parallel` (o and down): under tensor parallelism (the options' `reduce_axis`) x, the weight's input
     rows and A's input columns are this device's shard. The expand is linear in the shrink, so each device expands its
