@@ -239,13 +239,14 @@ def main() -> None:
     monitor = GpuMonitor()  # the card and its clocks while each batch runs: what tells two runs' tables apart
     print(f"# {monitor.facts}", flush=True)
     process = {"copy_bandwidth_Bps": bandwidth, "gpu": monitor.facts, "batches": list(batches)}
-    earlier, rows = ([], []) if args.add is None else earlier_rows(args.add, device, batches, args.layers)
+    earlier, rows = ([], []) if args.add is None else earlier_rows(args.add, device, batches, args.layers, BACKEND)
     processes = earlier + [process]
 
     def save() -> None:  # after every row, so a run cut short keeps what it measured
         with open(stem + ".json", "w") as f:
-            json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "layers": args.layers, "gpu": monitor.facts,
-                       **({"processes": processes} if earlier else {}), "rows": rows}, f, indent=1)
+            json.dump({"device": device, "copy_bandwidth_Bps": bandwidth, "layers": args.layers, "backend": BACKEND,
+                       "gpu": monitor.facts, **({"processes": processes} if earlier else {}), "rows": rows}, f,
+                      indent=1)
         plot(rows, stem + ".png", device)
 
     def timed(runs: dict, cache, **options):
@@ -328,18 +329,20 @@ def main() -> None:
         monitor.close()
 
 
-def earlier_rows(path: str, device: str, batches: tuple[int, ...], layers: int) -> tuple[list[dict], list[dict]]:
+def earlier_rows(path: str, device: str, batches: tuple[int, ...], layers: int,
+                 backend: str) -> tuple[list[dict], list[dict]]:
     """(the processes, the rows) that `--add`'s result `path` gives a run of `batches` on `device`: its rows of the
     decode batches this run does not time, and its prefill rows unless this run times batch 32 (which runs them).
-    Exits with a message where `path` is no bench/model.py result or was measured on another kind of card or
-    model depth, whose rows would not belong in one table."""
+    Exits with a message where `path` is no bench/model.py result or was measured on another kind of card, model
+    depth or LoRA backend (a file without one: "auto"), whose rows would not belong in one table."""
     results = read_results(path, ("device", "copy_bandwidth_Bps", "rows"), "bench/model.py")
     if results is None or len(results) != 1:
         raise SystemExit(f"--add {path}: not one bench/model.py result")
     (result,) = results
-    if (result["device"], result.get("layers")) != (device, layers):
-        raise SystemExit(f"--add {path}: measured on {result['device']} with {result.get('layers')} layers; this run "
-                         f"is on {device} with {layers}")
+    their_device, their_layers, their_backend = result["device"], result.get("layers"), result.get("backend", "auto")
+    if (their_device, their_layers, their_backend) != (device, layers, backend):
+        raise SystemExit(f"--add {path}: measured on {their_device} with {their_layers} layers and backend "
+                         f"{their_backend}; this run is on {device} with {layers} and {backend}")
     rows = [r for r in result["rows"] if r["kind"] == "decode"]
     keep = [r for r in result["rows"] if (r["batch"] not in batches if r["kind"] == "decode" else 32 not in batches)]
     processes = result.get("processes") or [{"copy_bandwidth_Bps": result["copy_bandwidth_Bps"],

@@ -91,7 +91,7 @@ def test_the_card_and_the_batches_whose_clock_was_held_down_are_named(tmp_path, 
 def test_a_table_over_two_processes_keeps_the_batches_the_second_does_not_time(tmp_path, monkeypatch, capsys):
     """`bench/model.py --batches 64 --add FILE` (a table run in two device calls): FILE's rows of other batches
     and its prefill rows are kept and each process is listed, which decode_targets names; a file of another kind
-    of card or depth, or no model result, is refused with a message."""
+    of card, depth or LoRA backend, or no model result, is refused with a message."""
     import model
 
     first = {"device": "GPU", "copy_bandwidth_Bps": 4e12, "layers": 32, "gpu": {"uuid": "GPU-1"},
@@ -99,16 +99,16 @@ def test_a_table_over_two_processes_keeps_the_batches_the_second_does_not_time(t
                       _row("prefill", 4, 0)]}
     path = tmp_path / "first.json"
     path.write_text(json.dumps(first))
-    processes, rows = model.earlier_rows(str(path), "GPU", (64,), 32)
+    processes, rows = model.earlier_rows(str(path), "GPU", (64,), 32, "auto")
     assert rows == first["rows"][::2] and processes == [{"copy_bandwidth_Bps": 4e12, "gpu": {"uuid": "GPU-1"},
                                                          "batches": [32]}]
-    assert model.earlier_rows(str(path), "GPU", (32, 64), 32)[1] == []  # batch 32 runs the prefill rows again
-    for device, layers in (("Other GPU", 32), ("GPU", 2)):
-        with pytest.raises(SystemExit, match="measured on GPU with 32 layers"):
-            model.earlier_rows(str(path), device, (64,), layers)
+    assert model.earlier_rows(str(path), "GPU", (32, 64), 32, "auto")[1] == []  # batch 32 runs the prefill rows again
+    for device, layers, backend in (("Other GPU", 32, "auto"), ("GPU", 2, "auto"), ("GPU", 32, "gather")):
+        with pytest.raises(SystemExit, match="measured on GPU with 32 layers and backend auto; this run is on"):
+            model.earlier_rows(str(path), device, (64,), layers, backend)
     path.write_text("{}")
     with pytest.raises(SystemExit, match="not one bench/model.py result"):
-        model.earlier_rows(str(path), "GPU", (64,), 32)
+        model.earlier_rows(str(path), "GPU", (64,), 32, "auto")
     second = {"uuid": "GPU-2", "power.limit": "700.00", "kernel": "6.18"}
     table = first | {"processes": processes + [{"copy_bandwidth_Bps": 3e12, "gpu": second, "batches": [64]}]}
     path.write_text(json.dumps(table))
