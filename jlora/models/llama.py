@@ -166,7 +166,7 @@ class _Context:
     options: CallOptions
     norm_kernel: bool
     add_in_norm: bool  # the residual adds too (`residual_add_in_norm`)
-    gemm_kernels: bool  # q|k|v, o and down without LoRA in the Pallas kernels (`projections_in_kernel`)
+    gemm_kernels: bool  # q|k|v, o and down may run in the Pallas kernels (`projections_in_kernel`, `_kernel_takes`)
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
