@@ -11,12 +11,9 @@ patched to the other answer while the second copy traces, timed in alternating r
 compared first. The base step at each batch, and at `--lora-batches` one r=16 adapter (`--rank`) on q|k|v alone
 (PEFT's default targets for Llama: o and down have no LoRA, so they keep the kernel) and on every projection (the
 kernel unused: the control). With `--qkv`, the base steps against q|k|v alone back on XLA's GEMM (what q|k|v's
-kernel takes). With `--beside-lora`, at `--lora-batches` the steps whose adapters (1 or 32, r=16 and r=64) target
-every projection against `llama.kernel_beside_lora` patched: q|k|v's, o's and down's base output in `matmul` beside
-their LoRA kernels, the delta added after it as after XLA's GEMM. JSON: add_in_gemm.json.
+kernel takes). JSON: add_in_gemm.json.
 
-  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--beside-lora]
-      [--out DIR]  # GPU
+  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
 from common import compare_patched, patched_row, row_recorder  # noqa: E402
-from model import (SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model,  # noqa: E402
-                   shuffled_slots)
+from model import SLOTS, engine_config, engine_layout, llama3_8b, random_lora, random_model  # noqa: E402
 from split_attention import base_decode  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
@@ -38,21 +34,14 @@ from jlora.models.lora_weights import LoRAWeights  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 
-def case(model_def, params, name: str, batch: int, lora=None, rank: int = 16, qkv: bool = False,
-         adapters: int = 1, beside_lora: bool = False) -> dict:
+def case(model_def, params, name: str, batch: int, lora=None, rank: int = 16, qkv: bool = False) -> dict:
     """The step as shipped and with `projections_in_kernel` answering the other way (with `qkv`: with q|k|v alone
-    on XLA's GEMM, `projection_kernel` patched; with `beside_lora`: `kernel_beside_lora`), alternating rounds."""
+    on XLA's GEMM, `projection_kernel` patched), alternating rounds."""
     config = model_def.merge(params).config
     cache, call = base_decode(config, batch, 1024, 512, False)
-    if lora is not None:  # `adapters` adapters over the rows
-        call = Call(call.batch, shuffled_slots(batch, adapters), jnp.full(SLOTS, rank, jnp.int32))
+    if lora is not None:  # one adapter for every row
+        call = Call(call.batch, jnp.zeros(batch, jnp.int32), jnp.full(SLOTS, rank, jnp.int32))
     options = StepOptions(16, "auto", attention_chunk=engine_config(batch).attention_chunk(config.num_kv_heads))
-    if beside_lora:
-        shipped = llama.kernel_beside_lora("qkv")
-        labels = ("kernels", "XLA") if shipped else ("XLA", "kernels")
-        got, _ = compare_patched(model_def, params, call, cache, lora, options, llama, "kernel_beside_lora",
-                                 lambda name: not shipped, labels)
-        return patched_row(name, got, ("kernels", "XLA"), shipped=labels[0])
     if qkv:
         labels = ("kernels", "q|k|v in XLA")
         got, _ = compare_patched(model_def, params, call, cache, lora, options, llama, "projection_kernel",
@@ -78,24 +67,12 @@ def main() -> None:
     parser.add_argument("--lora-batches", default="32,64", help="batch sizes of the one-adapter cases")
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank")
     parser.add_argument("--qkv", action="store_true", help="also each base step against q|k|v on XLA's GEMM")
-    parser.add_argument("--beside-lora", action="store_true",
-                        help="only the LoRA steps, each against its base outputs in the kernels beside the LoRA")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     _, record = row_recorder(args.out, "add_in_gemm.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)
     lora_batches = set(map(int, filter(None, args.lora_batches.split(","))))
-    if args.beside_lora:
-        loras = {rank: random_lora(config, rank) for rank in (16, 64)}
-        for batch in sorted(lora_batches):
-            stored = engine_layout(model_def, params, batch)
-            for rank, lora in loras.items():
-                for count in (1, 32):
-                    record(case(*stored, f"decode B={batch}, {count} r={rank}", batch, lora, rank, adapters=count,
-                                beside_lora=True))
-            del stored
-        return
     adapters = {"q|k|v": qkv_lora(config, args.rank), "every projection": random_lora(config, args.rank)}
     for batch in sorted(set(map(int, filter(None, args.batches.split(",")))) | lora_batches):
         stored = engine_layout(model_def, params, batch)

@@ -166,7 +166,7 @@ class _Context:
     options: CallOptions
     norm_kernel: bool
     add_in_norm: bool  # the residual adds too (`residual_add_in_norm`)
-    gemm_kernels: bool  # q|k|v, o and down may run in the Pallas kernels (`projections_in_kernel`, `_kernel_takes`)
+    gemm_kernels: bool  # q|k|v, o and down may run in the Pallas kernels (`projections_in_kernel`, `_in_kernel`)
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -235,31 +235,20 @@ def projection_kernel(name: str) -> bool:
     return name in ("qkv", "o", "down")
 
 
-def kernel_beside_lora(name: str) -> bool:
-    """Whether projection `name`, where it has LoRA in a call whose `gemm_kernels` hold, computes its base output
-    in `matmul` (the delta then added as after XLA's GEMM): not yet measured in the step, so no."""
-    del name  # one rule for every projection; the name is the seam bench/studies patch by
-    return False
-
-
-def _kernel_takes(proj: Linear, ctx: _Context, name: str) -> bool:
-    """Whether projection `name` of this call may run in `matmul` / `matmul_add`: the call's `gemm_kernels`, the
-    projection's `projection_kernel`, no bias, and a weight [in, out] of a dtype and shape the kernel takes."""
-    w = proj.weight[...]
-    return (ctx.gemm_kernels and projection_kernel(name) and proj.bias is None and not proj.out_in
-            and matmul_supported(w.dtype, *w.shape))
-
-
 def _has_lora(ctx: _Context, group: LayerLoRA | None, name: str) -> bool:
     """Whether projection `name` has LoRA in this call (a group no loaded adapter targets is left out)."""
     return ctx.lora is not None and name in group.a
 
 
 def _in_kernel(proj: Linear, ctx: _Context, group: LayerLoRA | None, name: str) -> bool:
-    """Whether projection `name` of this call runs with its residual add in `matmul_add` (o and down): where the
-    kernel takes it (`_kernel_takes`) and it has no LoRA in the call (its delta is added before the residual, as
-    PEFT adds it)."""
-    return _kernel_takes(proj, ctx, name) and not _has_lora(ctx, group, name)
+    """Whether projection `name` of this call runs in `matmul` / `matmul_add`: the call's `gemm_kernels`, the
+    projection's `projection_kernel`, no LoRA on it in the call, no bias, and a weight [in, out] of a dtype and
+    shape the kernel takes. With LoRA its delta is added before the residual, as PEFT adds it, and the delta's add
+    took the place of XLA's split-K sum: the kernel beside the LoRA kernels was no faster (docs/performance.md §
+    The model step, *A projection with LoRA over the projections' kernel*)."""
+    w = proj.weight[...]
+    return (ctx.gemm_kernels and projection_kernel(name) and not _has_lora(ctx, group, name) and proj.bias is None
+            and not proj.out_in and matmul_supported(w.dtype, *w.shape))
 
 
 def rope_in_attention(qkv_delta_apart: bool) -> bool:
@@ -303,7 +292,7 @@ def base_first_projection(name: str, reductions: bool) -> bool:
 def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | None, name: str,
                slice_sizes: tuple[int, ...], row_parallel: bool = False) -> jax.Array:
     """The projection's output [T, N], plus its adapters' deltas when LoRA is on; the base output in `matmul`
-    where the kernel takes the projection (`_kernel_takes`) and it has no LoRA in the call, or `kernel_beside_lora`.
+    where `_in_kernel`.
 
     `row_parallel` (o and down): under tensor parallelism (the options' `reduce_axis`) x, the weight's input
     rows and A's input columns are this device's shard. The expand is linear in the shrink, so each device expands its
@@ -313,12 +302,8 @@ def _with_lora(proj: Linear, x: jax.Array, ctx: _Context, group: LayerLoRA | Non
     """
     lora, options = ctx.lora, ctx.options
     reduce_axis = options.reduce_axis if row_parallel else None
-    with_lora = _has_lora(ctx, group, name)
-    if _kernel_takes(proj, ctx, name) and (not with_lora or kernel_beside_lora(name)):
-        out = matmul(x, proj.weight[...])
-    else:
-        out = proj(x)
-    if with_lora:
+    out = matmul(x, proj.weight[...]) if _in_kernel(proj, ctx, group, name) else proj(x)
+    if _has_lora(ctx, group, name):
         if (options.base_first and base_first_projection(name, proj.out_in and x.shape[0] == 1)
                 and resolve_backend(options.backend, x.shape[0], group.b[name].shape[2]) != "pallas"):
             out, x = jax.lax.optimization_barrier((out, x))

@@ -331,33 +331,6 @@ def test_projections_without_lora_run_in_the_pallas_kernels(tmp_path):
     assert calls == layer(32, qkv, o, down)
 
 
-def test_a_lora_projections_base_output_in_matmul_beside_its_lora(tmp_path):
-    """Under `kernel_beside_lora` (the seam `bench/studies/add_in_gemm.py --beside-lora` patches), a projection with
-    LoRA computes its base output in `matmul` and its adapter's delta is added after it, never in `matmul_add`
-    (the delta goes in before the residual): the logits are those of XLA's GEMMs within bfloat16's rounding."""
-    from unittest import mock
-
-    from jlora.models import llama
-
-    cfg = testing.tiny_config("llama", hidden_size=256, intermediate_size=512, vocab_size=100)
-    testing.write_model(str(tmp_path / "m"), cfg, seed=5)
-    testing.write_adapter(str(tmp_path / "a"), cfg, r=4, alpha=8, seed=3, target_modules=LINEAR_MODULES)
-    engine = Engine.from_pretrained(str(tmp_path / "m"), dtype="bfloat16", backend="pallas", max_loras=1,
-                                    max_lora_rank=4, max_seq_len=64, progress=False)
-    engine.load_adapter("a", str(tmp_path / "a"))
-    calls, matmul, matmul_add = [], llama.matmul, llama.matmul_add
-    prompt = list(range(1, 41))
-    with mock.patch.object(llama, "matmul", lambda *a: calls.append(a[1].shape) or matmul(*a)), \
-            mock.patch.object(llama, "matmul_add", lambda *a: calls.append("matmul_add") or matmul_add(*a)), \
-            mock.patch.object(llama, "kernel_beside_lora", lambda name: True):
-        fused = engine.prefill_logits([prompt], ["a"])[0]
-    assert calls == [(256, 256 + 2 * 128), (256, 256), (512, 256)] * cfg["num_hidden_layers"]
-    with mock.patch.object(llama, "projections_in_kernel", lambda tokens: False):
-        apart = engine.prefill_logits([prompt], ["a"])[0]
-    base = engine.prefill_logits([prompt], [None])[0]
-    assert oracle.rel_err(fused, apart) < 1e-2 and oracle.rel_err(apart, base) > 1e-2  # the deltas are there
-
-
 def test_a_biased_qkv_keeps_xlas_gemm_beside_o_and_down_in_the_kernels(tmp_path):
     """Qwen2's q|k|v has a bias, which the kernels do not add: q|k|v stays XLA's GEMM and bias, o and down run in
     `matmul_add`, and the logits are XLA's within bfloat16's rounding."""
