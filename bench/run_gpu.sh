@@ -6,9 +6,9 @@
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
 #   bash bench/run_gpu.sh full    # the full kernel table (bench/kernels.py --resume): run it again until it says
 #                                 # "done"; copy each call's kernels_full.json into bench/results in between
-#   bash bench/run_gpu.sh model [BATCHES [FILE]]  # end-to-end 8B-shaped benchmark (bench/model.py); on an H100 the
-#                                 # whole table does not fit one call: `model 1,8,32`, then with that call's model.json
-#                                 # copied into the tree `model 64 bench/results/model.json` adds batch 64 to it
+#   bash bench/run_gpu.sh model [BATCHES [FILE]]  # end-to-end 8B-shaped benchmark (bench/model.py); one table can
+#                                 # take two calls: `model 1,8,32`, then with that call's model.json copied into the
+#                                 # tree `model 64 bench/results/model.json` adds batch 64 to it (on an H100: 155 + 44 s)
 #   bash bench/run_gpu.sh profile [ARGS]  # where decode steps spend their time (bench/model.py --profile ARGS,
 #                                 # e.g. --batches 64, or --batches 8,32,64 --rank 64)
 #   bash bench/run_gpu.sh features  # 32 DoRA / bias / added-token adapters against 32 plain ones (bench/model.py)
