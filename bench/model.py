@@ -348,7 +348,8 @@ def earlier_rows(path: str, device: str, batches: tuple[int, ...], layers: int,
     processes = result.get("processes") or [{"copy_bandwidth_Bps": result["copy_bandwidth_Bps"],
                                              "gpu": result.get("gpu"), "batches": sorted({r["batch"] for r in rows})}]
     kept = {r["batch"] for r in keep if r["kind"] == "decode"}
-    processes = [dict(p, batches=[b for b in p["batches"] if b in kept]) for p in processes]
+    processes = [dict(p, batches=[b for b in p["batches"] if b in kept]) for p in processes
+                 if kept.intersection(p["batches"])]  # a process whose every row this run times again goes
     print(f"# from {path}: {len(keep)} rows of {len(result['rows'])}", flush=True)
     return processes, keep
 

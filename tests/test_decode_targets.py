@@ -102,7 +102,7 @@ def test_a_table_over_two_processes_keeps_the_batches_the_second_does_not_time(t
     processes, rows = model.earlier_rows(str(path), "GPU", (64,), 32, "auto")
     assert rows == first["rows"][::2] and processes == [{"copy_bandwidth_Bps": 4e12, "gpu": {"uuid": "GPU-1"},
                                                          "batches": [32]}]
-    assert model.earlier_rows(str(path), "GPU", (32, 64), 32, "auto")[1] == []  # batch 32 runs the prefill rows again
+    assert model.earlier_rows(str(path), "GPU", (32, 64), 32, "auto") == ([], [])  # batch 32 runs the prefill again
     for device, layers, backend in (("Other GPU", 32, "auto"), ("GPU", 2, "auto"), ("GPU", 32, "gather")):
         with pytest.raises(SystemExit, match="measured on GPU with 32 layers and backend auto; this run is on"):
             model.earlier_rows(str(path), device, (64,), layers, backend)
