@@ -9,13 +9,14 @@ measured ratio, its bound and whether it is met; exit status 1 when one is not (
 The kernel table's rows (within 3 % of the last run) come from bench/kernels.py, not this file. Where the run
 recorded its GPU (`common.GpuMonitor`), the header names the card, and a line after the table names the batches
 whose SM clock was held below its top while they ran (a power or thermal cap), which a ratio between runs should
-be read with.
+be read with. `--table` prints instead the rows docs/performance.md shows, as its table.
 
-  python bench/decode_targets.py [bench/results/model.json]
+  python bench/decode_targets.py [--table] [bench/results/model.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from result_files import read_results
@@ -64,11 +65,43 @@ def capped(rows: list[dict]) -> list[str]:
     return [f"{name} ({why})" for name, why in seen.items()]
 
 
+# The rows docs/performance.md's table shows, in its order: (kind, batch, rank, adapters); rank 0 is the base step.
+SHOWN = [("decode", 1, 0, 0), ("decode", 1, 16, 1), ("decode", 8, 0, 0), ("decode", 8, 16, 8),
+         ("decode", 32, 0, 0), ("decode", 32, 16, 1), ("decode", 32, 16, 8), ("decode", 32, 16, 32),
+         ("decode", 32, 64, 32), ("decode", 64, 0, 0), ("decode", 64, 16, 32), ("decode", 64, 64, 32),
+         ("prefill", 4, 0, 0), ("prefill", 4, 16, 4), ("prefill", 16, 0, 0), ("prefill", 16, 16, 16)]
+
+
+def table(rows: list[dict]) -> list[str]:
+    """docs/performance.md's table of the model step: the SHOWN rows that `rows` holds, one markdown line each."""
+    lines = ["| kind | batch | tokens | r | adapters | ms | tokens/s | × base | × floor | base step's floor ms (× it) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for kind, batch, rank, adapters in SHOWN:
+        r = next((r for r in rows if (r["kind"], r["batch"], r["rank"], r["adapters"]) == (kind, batch, rank,
+                                                                                             adapters)), None)
+        if r is None:
+            continue
+        floor = "—" if r.get("vs_floor") is None else f"{r['vs_floor']:.2f}"
+        base_floor = ("—" if r.get("base_floor_ms") is None or adapters
+                      else f"{r['base_floor_ms']:.2f} ({r['base_vs_floor']:.2f})")
+        lines.append(f"| {kind} | {batch} | {r['tokens']} | {rank or '—'} | {adapters} | {r['ms']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['overhead_vs_base']:.2f} | {floor} | {base_floor} |")
+    return lines
+
+
 def main() -> int:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/model.json"
+    parser = argparse.ArgumentParser(description="#39's decode-floor targets read from a bench/model.py result")
+    parser.add_argument("path", nargs="?", default="bench/results/model.json")
+    parser.add_argument("--table", action="store_true", help="print docs/performance.md's table of the rows instead")
+    args = parser.parse_args()
+    path = args.path
     results = read_results(path, ("device", "copy_bandwidth_Bps", "rows"), "bench/model.py")
     if results is None:
         return 2
+    if args.table:
+        for result in results:
+            print("\n".join(table(result["rows"])))
+        return 0
     met = True
     for i, result in enumerate(results):  # one bench/model.py result, or several gathered under "runs"
         processes = result.get("processes")  # a table over several processes (`bench/model.py --add`)

@@ -117,3 +117,23 @@ def test_a_table_over_two_processes_keeps_the_batches_the_second_does_not_time(t
     out = capsys.readouterr().out
     assert f"# {path}: GPU\n#   decode batches 32 in a process at 4.00 TB/s" in out
     assert "#   decode batches 64 in a process at 3.00 TB/s; card GPU-2 (700.00 W limit), host kernel 6.18" in out
+
+
+def test_the_table_shows_the_docs_rows_in_their_order(tmp_path, monkeypatch, capsys):
+    """`--table` prints docs/performance.md's table: the shown rows the file holds in the docs' order, a base
+    decode step with its own floor, a LoRA row with its floor, and rows the docs leave out (r=64 at batch 1) not
+    at all; exit status 0 whatever the targets."""
+    def row(kind, batch, adapters, rank=16, **more):
+        return _row(kind, batch, adapters, rank, ms=5.0, tokens_per_s=batch / 5e-3, **more)
+
+    rows = [row("decode", 32, 1, overhead_vs_base=1.2, vs_floor=1.19),
+            row("decode", 1, 0, base_vs_floor=1.3, base_floor_ms=3.85), row("decode", 1, 1, 64, vs_floor=1.5),
+            row("prefill", 4, 0)]
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"device": "GPU", "copy_bandwidth_Bps": 4e12, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["decode_targets.py", "--table", str(path)])
+    assert decode_targets.main() == 0
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "| decode | 1 | 1 | — | 0 | 5.00 | 200 | 1.00 | — | 3.85 (1.30) |",
+        "| decode | 32 | 32 | 16 | 1 | 5.00 | 6400 | 1.20 | 1.19 | — |",
+        "| prefill | 4 | 2048 | — | 0 | 5.00 | 800 | 1.00 | — | — |"]
