@@ -219,13 +219,21 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
     return config.weights_out_in and tokens == 1
 
 
+# The call sizes (least, most tokens) at which the projections' kernels beat XLA's split-K GEMM and sum in the 8B
+# decode step, by the device kind's name: an H200's faster memory keeps XLA's pair the faster below 64 rows
+# (docs/performance.md § The model step, *The small projections in Pallas kernels*); other kinds (the H100) 16-64.
+KERNEL_TOKENS = {"H200": (64, 64)}
+
+
 def projections_in_kernel(tokens: int) -> bool:
     """Whether a call of `tokens` tokens on one device, where the model's Pallas kernels run, computes its
     `projection_kernel` projections that have no LoRA in it in one Pallas kernel each, K unsplit (`matmul`, and
-    `matmul_add` with the residual add after o and down): at 16-64 tokens, where XLA's split-K GEMM and its sum
-    (with the add) in a second kernel were the slower (1.6-6.5 % of an H100's 8B decode step; docs/performance.md
-    § The model step, *The small projections in Pallas kernels*)."""
-    return 16 <= tokens <= 64
+    `matmul_add` with the residual add after o and down): at the device's `KERNEL_TOKENS`, where XLA's split-K
+    GEMM and its sum (with the add) in a second kernel were the slower (1.6-6.5 % of an H100's 8B decode step at
+    16-64 tokens, 4.5 % of an H200's at 64)."""
+    kind = jax.devices()[0].device_kind
+    low, high = next((bounds for name, bounds in KERNEL_TOKENS.items() if name in kind), (16, 64))
+    return low <= tokens <= high
 
 
 def projection_kernel(name: str) -> bool:

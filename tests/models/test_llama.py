@@ -331,6 +331,23 @@ def test_projections_without_lora_run_in_the_pallas_kernels(tmp_path):
     assert calls == layer(32, qkv, o, down)
 
 
+def test_the_projections_kernels_run_at_the_call_sizes_measured_faster_on_the_device():
+    """`projections_in_kernel` by the device kind: an H200 at 64 tokens alone (XLA's split-K pair was the faster
+    at 16-48 there), an H100 and any other kind (the CPU here) at 16-64."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import jax
+
+    from jlora.models import llama
+
+    sizes = (1, 8, 15, 16, 32, 48, 63, 64, 65, 128)
+    for kind, runs in (("NVIDIA H200", (64,)), ("NVIDIA H200 NVL", (64,)),
+                       ("NVIDIA H100 80GB HBM3", (16, 32, 48, 63, 64)), ("cpu", (16, 32, 48, 63, 64))):
+        with mock.patch.object(jax, "devices", lambda kind=kind: [SimpleNamespace(device_kind=kind)]):
+            assert tuple(t for t in sizes if llama.projections_in_kernel(t)) == runs, kind
+
+
 def test_a_biased_qkv_keeps_xlas_gemm_beside_o_and_down_in_the_kernels(tmp_path):
     """Qwen2's q|k|v has a bias, which the kernels do not add: q|k|v stays XLA's GEMM and bias, o and down run in
     `matmul_add`, and the logits are XLA's within bfloat16's rounding."""
