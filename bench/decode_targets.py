@@ -77,8 +77,8 @@ def table(rows: list[dict]) -> list[str]:
     lines = ["| kind | batch | tokens | r | adapters | ms | tokens/s | × base | × floor | base step's floor ms (× it) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for kind, batch, rank, adapters in SHOWN:
-        r = next((r for r in rows if (r["kind"], r["batch"], r["rank"], r["adapters"]) == (kind, batch, rank,
-                                                                                             adapters)), None)
+        r = next((row for row in rows if (row["kind"], row["batch"], row["rank"], row["adapters"])
+                  == (kind, batch, rank, adapters)), None)
         if r is None:
             continue
         floor = "—" if r.get("vs_floor") is None else f"{r['vs_floor']:.2f}"

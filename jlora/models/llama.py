@@ -221,7 +221,8 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
 
 # The call sizes (least, most tokens) at which the projections' kernels beat XLA's split-K GEMM and sum in the 8B
 # decode step, by the device kind's name: an H200's faster memory keeps XLA's pair the faster below 64 rows
-# (docs/performance.md § The model step, *The small projections in Pallas kernels*); other kinds (the H100) 16-64.
+# (docs/performance.md § The model step, *On an H200 the kernels run at 64 tokens alone*); other kinds 16-64 (the
+# H100's range).
 KERNEL_TOKENS = {"H200": (64, 64)}
 
 

@@ -4,9 +4,9 @@ after it, as the model rounds them.
 At decode sizes XLA runs the q|k|v, o and down GEMMs split along K and sums the splits in a second kernel (with
 the residual add after o and down). Here each program computes one column block [T, BN] over the whole of K,
 several weight tiles in flight, and writes it (adding its block of the residual): one kernel, and at 16-64 rows
-faster than XLA's pair on an H100, at 64 on an H200 (docs/performance.md § The model step, *The small projections in Pallas kernels*). The
-rounding is the model's: the product summed in f32 and rounded to x's dtype, then added to r in f32 and rounded
-again.
+faster than XLA's pair on an H100, at 64 on an H200 (docs/performance.md § The model step, *The small projections
+in Pallas kernels*). The rounding is the model's: the product summed in f32 and rounded to x's dtype, then added
+to r in f32 and rounded again.
 """
 
 from __future__ import annotations
