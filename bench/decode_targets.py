@@ -99,7 +99,9 @@ def main() -> int:
     if results is None:
         return 2
     if args.table:
-        for result in results:
+        for i, result in enumerate(results):
+            if len(results) > 1:  # several gathered under "runs": each table under its run's name
+                print(("\n" if i else "") + f"# {path}, run {i + 1}: {result['device']}")
             print("\n".join(table(result["rows"])))
         return 0
     met = True

@@ -122,7 +122,7 @@ def test_a_table_over_two_processes_keeps_the_batches_the_second_does_not_time(t
 def test_the_table_shows_the_docs_rows_in_their_order(tmp_path, monkeypatch, capsys):
     """`--table` prints docs/performance.md's table: the shown rows the file holds in the docs' order, a base
     decode step with its own floor, a LoRA row with its floor, and rows the docs leave out (r=64 at batch 1) not
-    at all; exit status 0 whatever the targets."""
+    at all; exit status 0 whatever the targets; a file of several runs, each run's table under its name."""
     def row(kind, batch, adapters, rank=16, **more):
         return _row(kind, batch, adapters, rank, ms=5.0, tokens_per_s=batch / 5e-3, **more)
 
@@ -137,3 +137,9 @@ def test_the_table_shows_the_docs_rows_in_their_order(tmp_path, monkeypatch, cap
         "| decode | 1 | 1 | — | 0 | 5.00 | 200 | 1.00 | — | 3.85 (1.30) |",
         "| decode | 32 | 32 | 16 | 1 | 5.00 | 6400 | 1.20 | 1.19 | — |",
         "| prefill | 4 | 2048 | — | 0 | 5.00 | 800 | 1.00 | — | — |"]
+    one = {"device": "GPU", "copy_bandwidth_Bps": 4e12, "rows": rows[1:2]}
+    path.write_text(json.dumps({"runs": [one, one | {"device": "Other GPU"}]}))
+    assert decode_targets.main() == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"# {path}, run 1: GPU", *decode_targets.table(rows[1:2]), "", f"# {path}, run 2: Other GPU",
+        *decode_targets.table(rows[1:2])]
