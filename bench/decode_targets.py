@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from result_files import read_results
+from result_files import read_model_results
 
 BOUNDS = {"base": 1.15, "one adapter": 1.04, "decode": 1.08, "prefill": 1.09}
 
@@ -95,7 +95,7 @@ def main() -> int:
     parser.add_argument("--table", action="store_true", help="print docs/performance.md's table of the rows instead")
     args = parser.parse_args()
     path = args.path
-    results = read_results(path, ("device", "copy_bandwidth_Bps", "rows"), "bench/model.py")
+    results = read_model_results(path)
     if results is None:
         return 2
     if args.table:

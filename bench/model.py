@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from common import GpuMonitor, copy_bandwidth, describe_span, kernel_durations, pyplot, trace_events
-from result_files import read_results
+from result_files import read_model_results
 from jlora.adapters.peft import LINEAR_MODULES
 from jlora.engine import Engine
 from jlora.engine_config import EngineConfig
@@ -335,7 +335,7 @@ def earlier_rows(path: str, device: str, batches: tuple[int, ...], layers: int,
     decode batches this run does not time, and its prefill rows unless this run times batch 32 (which runs them).
     Exits with a message where `path` is no bench/model.py result or was measured on another kind of card, model
     depth or LoRA backend (a file without one: "auto"), whose rows would not belong in one table."""
-    results = read_results(path, ("device", "copy_bandwidth_Bps", "rows"), "bench/model.py")
+    results = read_model_results(path)
     if results is None or len(results) != 1:
         raise SystemExit(f"--add {path}: not one bench/model.py result")
     (result,) = results

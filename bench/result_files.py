@@ -7,9 +7,12 @@ import json
 import sys
 
 
-def read_results(path: str, keys: tuple[str, ...], script: str) -> list[dict] | None:
+def read_results(path: str, keys: tuple[str, ...], script: str,
+                 row_keys: tuple[str, ...] = ()) -> list[dict] | None:
     """The results in JSON file `path`: the one it holds, or those it gathers under "runs"; None, said on stderr,
-    where it cannot be read or one of them is not a `script` result (a dict with every one of `keys`)."""
+    where it cannot be read or one of them is not a `script` result (a dict with every one of `keys`, and with
+    `row_keys`, a list under "rows" of dicts with every one of them: another script's rows, as the profile's of
+    bench/model.py, lack some)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -20,4 +23,16 @@ def read_results(path: str, keys: tuple[str, ...], script: str) -> list[dict] | 
     if not isinstance(results, list) or not all(isinstance(r, dict) and set(keys) <= r.keys() for r in results):
         print(f"{path}: not a {script} result (no {', '.join(keys[:-1])} and {keys[-1]})", file=sys.stderr)
         return None
+    if row_keys and not all(isinstance(r["rows"], list) and all(isinstance(row, dict) and set(row_keys) <= row.keys()
+                                                                for row in r["rows"]) for r in results):
+        print(f"{path}: not a {script} result (a row lacks one of {', '.join(row_keys)})", file=sys.stderr)
+        return None
     return results
+
+
+def read_model_results(path: str) -> list[dict] | None:
+    """`read_results` of a `bench/model.py` table (its profile's and --tp's results, whose rows are of other kinds,
+    are refused)."""
+    return read_results(path, ("device", "copy_bandwidth_Bps", "rows"), "bench/model.py",
+                        ("kind", "batch", "tokens", "rank", "adapters", "ms", "tokens_per_s", "overhead_vs_base",
+                         "vs_floor"))

@@ -14,8 +14,8 @@ import decode_targets  # noqa: E402
 
 def _row(kind, batch, adapters, rank=16, **ratios):
     return {"kind": kind, "batch": batch, "tokens": batch * (512 if kind == "prefill" else 1), "adapters": adapters,
-            "rank": rank if adapters else 0, "overhead_vs_base": 1.0, "vs_floor": None, "base_vs_floor": None,
-            **ratios}
+            "rank": rank if adapters else 0, "ms": 5.0, "tokens_per_s": batch / 5e-3, "overhead_vs_base": 1.0,
+            "vs_floor": None, "base_vs_floor": None, **ratios}
 
 
 def _run(tmp_path, monkeypatch, capsys, rows):
@@ -46,7 +46,11 @@ def test_a_file_that_is_not_a_model_result_is_refused_without_a_traceback(tmp_pa
     path = tmp_path / "x.json"
     for text, message in (("{not json", "cannot read it"), ("[1]", "not a bench/model.py result"),
                           (json.dumps({"rows": []}), "not a bench/model.py result"),
-                          (json.dumps({"runs": 5}), "not a bench/model.py result")):
+                          (json.dumps({"runs": 5}), "not a bench/model.py result"),
+                          # bench/model.py --profile's result: its rows are of another kind
+                          (json.dumps({"device": "GPU", "copy_bandwidth_Bps": 4e12, "rows": [{"batch": 32}]}),
+                           "a row lacks one of kind, batch"),
+                          (json.dumps({"device": "GPU", "copy_bandwidth_Bps": 4e12, "rows": 5}), "a row lacks")):
         path.write_text(text)
         monkeypatch.setattr(sys, "argv", ["decode_targets.py", str(path)])
         assert decode_targets.main() == 2
@@ -123,12 +127,9 @@ def test_the_table_shows_the_docs_rows_in_their_order(tmp_path, monkeypatch, cap
     """`--table` prints docs/performance.md's table: the shown rows the file holds in the docs' order, a base
     decode step with its own floor, a LoRA row with its floor, and rows the docs leave out (r=64 at batch 1) not
     at all; exit status 0 whatever the targets; a file of several runs, each run's table under its name."""
-    def row(kind, batch, adapters, rank=16, **more):
-        return _row(kind, batch, adapters, rank, ms=5.0, tokens_per_s=batch / 5e-3, **more)
-
-    rows = [row("decode", 32, 1, overhead_vs_base=1.2, vs_floor=1.19),
-            row("decode", 1, 0, base_vs_floor=1.3, base_floor_ms=3.85), row("decode", 1, 1, 64, vs_floor=1.5),
-            row("prefill", 4, 0)]
+    rows = [_row("decode", 32, 1, overhead_vs_base=1.2, vs_floor=1.19),
+            _row("decode", 1, 0, base_vs_floor=1.3, base_floor_ms=3.85), _row("decode", 1, 1, 64, vs_floor=1.5),
+            _row("prefill", 4, 0)]
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"device": "GPU", "copy_bandwidth_Bps": 4e12, "rows": rows}))
     monkeypatch.setattr(sys, "argv", ["decode_targets.py", "--table", str(path)])
