@@ -51,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the product benchmarks in bench/
-from common import copy_bandwidth, gpu_facts  # noqa: E402
+from common import copy_bandwidth, gpu_facts, trace_events  # noqa: E402
 from kernels import CALLS, device_time_per_call  # noqa: E402
 
 from jlora.pallas.config import num_sms  # noqa: E402
@@ -69,7 +69,9 @@ TILES = {"triton": [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
          "streamk": [dict(block_n=bn, block_k=bk, waves=w, num_stages=st, num_warps=nw)
                      for bn, bk, w, st, nw in itertools.product((64, 128), (64, 128), (1, 2), (3, 4, 5), (4, 8))],
          "residual": [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=4)
-                      for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5))]}
+                      for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5))],
+         "fixup": [dict(block_n=bn, block_k=bk, splits=s, num_stages=4, num_warps=4)
+                   for bn, bk, s in itertools.product((32, 64, 128), (128, 256), (2, 4, 8))]}
 SMOKE_TILES = {"triton": [dict(block_n=64, block_k=64, splits=2, num_warps=4),
                           dict(block_n=128, block_k=64, splits=1, num_warps=4)],
                "mosaic": [dict(block_n=64, block_k=64, splits=2, steps=2), dict(block_n=128, block_k=64, splits=1,
@@ -77,7 +79,9 @@ SMOKE_TILES = {"triton": [dict(block_n=64, block_k=64, splits=2, num_warps=4),
                "streamk": [dict(block_n=64, block_k=64, waves=1, num_stages=3, num_warps=4, programs=3),
                            dict(block_n=128, block_k=64, waves=1, num_stages=3, num_warps=4, programs=5)],
                "residual": [dict(block_n=16, block_k=64, num_stages=3, num_warps=4),
-                            dict(block_n=32, block_k=128, num_stages=3, num_warps=4)]}
+                            dict(block_n=32, block_k=128, num_stages=3, num_warps=4)],
+               "fixup": [dict(block_n=32, block_k=64, splits=2, num_stages=3, num_warps=4),
+                         dict(block_n=64, block_k=32, splits=4, num_stages=3, num_warps=4)]}
 MOSAIC_ROWS = 64  # wgmma's M: the rows are padded to it
 
 
@@ -241,7 +245,14 @@ def residual_matmul(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n:
                     num_stages: int, num_warps: int):
     """`jlora.pallas.matmul_add` (residual + x @ w, K unsplit) at this tiling; its programs run 4 warps."""
     assert num_warps == 4
-    return matmul_add(x, w, residual, tiling=(block_n, block_k, num_stages))
+    return matmul_add(x, w, residual, tiling=(block_n, block_k, num_stages, 1))
+
+
+def fixup_matmul(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n: int, block_k: int, splits: int,
+                 num_stages: int, num_warps: int):
+    """`jlora.pallas.matmul_add` with K in `splits`: the block's last program to arrive sums the partials."""
+    assert num_warps == 4
+    return matmul_add(x, w, residual, tiling=(block_n, block_k, num_stages, splits))
 
 
 def xla_residual(x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:
@@ -250,7 +261,7 @@ def xla_residual(x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:
 
 
 MATMULS = {"triton": pallas_matmul, "mosaic": mosaic_matmul, "streamk": stream_matmul}
-RESIDUAL = {"residual": residual_matmul}
+RESIDUAL = {"residual": residual_matmul, "fixup": fixup_matmul}
 
 
 def relative_error(out, x, w, residual=None) -> float:
@@ -310,6 +321,14 @@ def main() -> None:
             fn = jax.jit(lambda xs, ws: [matmul(x, ws[i % len(ws)]) for i, x in enumerate(xs)])
             return device_time_per_call(fn, xs, ws)[0] if gpu else None
 
+        def span(matmul) -> float:
+            """--residual: µs a call from the first kernel's start to the last one's end, the gaps between the
+            kernels counted (XLA's pair has one a call)."""
+            fn = jax.jit(lambda xs, ws, rs: [matmul(x, ws[i % len(ws)], rs[i]) for i, x in enumerate(xs)])
+            jax.block_until_ready(fn(xs, ws, rs))
+            events = trace_events(lambda: fn(xs, ws, rs))
+            return (max(t + d for _, t, d, _, _ in events) - min(t for _, t, _, _, _ in events)) / CALLS
+
         row = {"shape": name, "k": k_dim, "n": n_dim, "m": m, "weight_bytes": nbytes}
         if m == rows[0]:  # the plain read, once a shape
             reads = [timed(lambda x, w, axis=axis: jnp.sum(w, axis=axis, dtype=jnp.float32), False)
@@ -341,6 +360,11 @@ def main() -> None:
                     print(f"  {name} M={m} {kernel} {tile}: relative error {error:.2e}", flush=True)
             if best is not None:
                 row[f"{kernel}_us"], row[f"{kernel}_tile"] = best[0] * 1e6, best[1]
+        if args.residual and gpu:
+            row["xla_span_us"] = span(xla_residual)
+            for kernel in kernels:
+                if f"{kernel}_tile" in row:
+                    row[f"{kernel}_span_us"] = span(functools.partial(matmuls[kernel], **row[f"{kernel}_tile"]))
         for way in ("read", "xla", *kernels):
             if row.get(f"{way}_us"):
                 row[f"{way}_TBps"] = nbytes / row[f"{way}_us"] / 1e6
@@ -348,7 +372,8 @@ def main() -> None:
         result["rows"].append(row)
         if gpu:
             print(f"{name:8s} M={m:2d}: " + " | ".join(
-                f"{way} {row[f'{way}_us']:6.1f} µs {row[f'{way}_TBps']:.2f} TB/s {row.get(f'{way}_tile', '')}"
+                f"{way} {row[f'{way}_us']:6.1f} µs {row[f'{way}_TBps']:.2f} TB/s"
+                + (f" (span {row[f'{way}_span_us']:.1f})" if f"{way}_span_us" in row else "") + f" {row.get(f'{way}_tile', '')}"
                 for way in ("read", "xla", *kernels) if row.get(f"{way}_us")), flush=True)
         os.makedirs(args.out, exist_ok=True)
         stem = "small_gemm" + ("_smoke" if args.smoke else "") + (
