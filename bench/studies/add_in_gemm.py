@@ -11,9 +11,10 @@ patched to the other answer while the second copy traces, timed in alternating r
 compared first. The base step at each batch, and at `--lora-batches` one r=16 adapter (`--rank`) on q|k|v alone
 (PEFT's default targets for Llama: o and down have no LoRA, so they keep the kernel) and on every projection (the
 kernel unused: the control). With `--qkv`, the base steps against q|k|v alone back on XLA's GEMM (what q|k|v's
-kernel takes). JSON: add_in_gemm.json.
+kernel takes). With `--tiling`, the kernels at that one tiling (K split or not). JSON: add_in_gemm.json.
 
-  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--out DIR]  # GPU
+  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--tiling BN,BK,ST,S]
+                                      [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from split_attention import base_decode  # noqa: E402
 
 from jlora.models import llama  # noqa: E402
 from jlora.models.lora_weights import LoRAWeights  # noqa: E402
+from jlora.pallas import projections  # noqa: E402
 from jlora.step import Call, StepOptions  # noqa: E402
 
 
@@ -67,8 +69,12 @@ def main() -> None:
     parser.add_argument("--lora-batches", default="32,64", help="batch sizes of the one-adapter cases")
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank")
     parser.add_argument("--qkv", action="store_true", help="also each base step against q|k|v on XLA's GEMM")
+    parser.add_argument("--tiling", help="BN,BK,STAGES,SPLITS: the kernels' one tiling for every width (default: "
+                        "`projections.TILINGS`), e.g. 64,128,4,2 for K in two splits")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
+    if args.tiling:
+        projections.TILINGS = (tuple(map(int, args.tiling.split(","))),)
     _, record = row_recorder(args.out, "add_in_gemm.json")
     config = llama3_8b(32)
     model_def, params = random_model(config)

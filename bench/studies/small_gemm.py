@@ -20,17 +20,23 @@ measured in the same run. The Pallas kernels:
   rounds them, `r + bf16(x @ w)` with the residual r [M, N], in one kernel with K unsplit: program n computes its
   [Mp, BN] block over all of K (`num_stages` weight tiles in flight) and adds its block of r, where XLA runs a
   split-K GEMM and sums the splits with the add in a second kernel (`xla` is then that pair, both kernels counted).
+- `fixup` (`--residual --kernels fixup`): the same kernel with K split: program (n, s) stores its f32 partial of
+  column block n and the block's last program to arrive (an atomic count) sums the partials in split order, rounds
+  and adds r, still one kernel (the counts zeroed before it, a memset, counted).
+For `--residual` each row also records `span`: µs a call from the first kernel's start to the last one's end, the
+gaps between kernels counted (XLA's pair has one a call).
 XLA then sums the splits (counted in their time), the stream-K partials in program order through a static gather.
 `read` times the faster of XLA's two sums of the weight (over either axis), a plain read of its bytes: the floor a
 GEMM of that size could reach, where the copy bandwidth is measured over 512 MiB arrays. Every tiling's output is
 checked against a float32 `jnp.dot` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed. JSON: small_gemm.json
-(small_gemm_mosaic.json for `--kernels mosaic`, small_gemm_streamk.json for `--kernels streamk`).
+(small_gemm_mosaic.json for `--kernels mosaic`, small_gemm_streamk.json for `--kernels streamk`, and so on).
 
   python bench/studies/small_gemm.py [--shapes qkv,o,gate_up,down] [--rows 1,8,32] [--kernels triton,mosaic,streamk]
                                      [--out bench/results]         # GPU (mosaic: Hopper)
   python bench/studies/small_gemm.py --shapes kv_b32 --kernels ''  # the attention's bytes, read only
   python bench/studies/small_gemm.py --kernels streamk --rows 8,32 # the persistent kernel alone
   python bench/studies/small_gemm.py --residual --shapes o,down --rows 8,32,64 --kernels residual
+  python bench/studies/small_gemm.py --residual --shapes o,down,qkv --rows 32 --kernels residual,fixup
   python bench/studies/small_gemm.py --smoke                       # CPU, interpret mode, small shapes
 """
 
