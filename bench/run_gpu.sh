@@ -36,6 +36,9 @@
 #                                 # 8B decode step (bench/studies/capped_grid.py ARGS, e.g. --cases 32x16x1,32x16x32)
 #   bash bench/run_gpu.sh projections [ARGS]  # the gather forms on some projections' LoRA, Pallas on the rest
 #                                 # (bench/studies/backend_by_projection.py ARGS)
+#   bash bench/run_gpu.sh split [ROWS]  # the projections' kernels with K split against K unsplit and XLA's pair
+#                                 # (bench/studies/small_gemm.py --residual, ROWS default 32), then the 8B step at
+#                                 # batches 32 and 48 with two splits (bench/studies/add_in_gemm.py --tiling)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,5 +92,10 @@ case "${1:-}" in
   epilogue) python3 bench/studies/epilogue_expand.py --out "$out" 2>&1 | grep -E "^#|µs|Error" ;;
   capped) python3 bench/studies/capped_grid.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
   projections) python3 bench/studies/backend_by_projection.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped|projections" >&2; exit 2 ;;
+  split)
+    python3 bench/studies/small_gemm.py --residual --kernels residual,fixup --shapes o,down,qkv --rows "${2:-32}" \
+      --out "$out" 2>&1 | grep -E "^#|M=|Error"
+    python3 bench/studies/add_in_gemm.py --batches 32,48 --lora-batches '' --tiling 64,128,4,2 --out "$out" 2>&1 \
+      | grep -E "^#|^decode|Error" ;;
+  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped|projections|split" >&2; exit 2 ;;
 esac
