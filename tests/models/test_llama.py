@@ -285,7 +285,7 @@ def test_one_token_steps_over_out_in_weights_add_in_the_norms_kernel(tmp_path):
 def test_projections_without_lora_run_in_the_pallas_kernels(tmp_path, monkeypatch):
     """In bfloat16 on the Pallas kernels, a call of 16-64 tokens runs each q|k|v, o and down projection that has no
     LoRA in it in a kernel of ours, o's and down's with the residual add after them (`projections_in_kernel`),
-    prefills and decode steps alike, and computes the logits XLA's GEMMs and adds do, within bfloat16's rounding;
+    prefills, decode and mixed steps alike (a mixed step's tokens need not be a power of two), and computes the logits XLA's GEMMs and adds do, within bfloat16's rounding;
     a projection some loaded adapter targets keeps XLA's form in a call with adapters (its delta is added before
     the residual, as PEFT adds it), and a call of other sizes uses none. On every device kind: the H100's range
     (`KERNEL_TOKENS` left empty; an H200 runs them at 64 tokens alone, the test below)."""
@@ -326,6 +326,7 @@ def test_projections_without_lora_run_in_the_pallas_kernels(tmp_path, monkeypatc
     traced(lambda: (engine.generate([[t] for t in prompt[:32]], ["qv"] * 32, max_new_tokens=3),  # 32 rows
                     engine.generate([[t] for t in prompt[:2]], ["qv"] * 2, max_new_tokens=3)))  # 2 rows
     assert (32, *o) in calls and (32, *down) in calls and min(t for t, *_ in calls) >= 16  # 2 rows: XLA's
+    assert any(t & (t - 1) for t, *_ in calls)  # a mixed step's rows and prompt tokens: rows masked in the tile
     engine.load_adapter("od", str(tmp_path / "od"))
     compiled = forward._cache_size()
     logits("qv")
