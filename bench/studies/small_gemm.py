@@ -379,7 +379,8 @@ def main() -> None:
         if gpu:
             print(f"{name:8s} M={m:2d}: " + " | ".join(
                 f"{way} {row[f'{way}_us']:6.1f} µs {row[f'{way}_TBps']:.2f} TB/s"
-                + (f" (span {row[f'{way}_span_us']:.1f})" if f"{way}_span_us" in row else "") + f" {row.get(f'{way}_tile', '')}"
+                + (f" (span {row[f'{way}_span_us']:.1f})" if f"{way}_span_us" in row else "")
+                + f" {row.get(f'{way}_tile', '')}"
                 for way in ("read", "xla", *kernels) if row.get(f"{way}_us")), flush=True)
         os.makedirs(args.out, exist_ok=True)
         stem = "small_gemm" + ("_smoke" if args.smoke else "") + (
