@@ -222,7 +222,7 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
 # The call sizes (least, most tokens) at which the projections' kernels beat XLA's split-K GEMM and sum in the 8B
 # decode step, by the device kind's name: an H200's faster memory keeps XLA's pair the faster below 64 rows
 # (docs/performance.md § The model step, *On an H200 the kernels run at 64 tokens alone*); other kinds 16-64 (the
-# H100's range, measured at 16, 32, 48 and 64).
+# H100's range, measured at 16, 24, 32, 40, 48 and 64).
 KERNEL_TOKENS = {"H200": (64, 64)}
 
 
