@@ -285,7 +285,8 @@ def test_one_token_steps_over_out_in_weights_add_in_the_norms_kernel(tmp_path):
 def test_projections_without_lora_run_in_the_pallas_kernels(tmp_path, monkeypatch):
     """In bfloat16 on the Pallas kernels, a call of 16-64 tokens runs each q|k|v, o and down projection that has no
     LoRA in it in a kernel of ours, o's and down's with the residual add after them (`projections_in_kernel`),
-    prefills, decode and mixed steps alike (a mixed step's tokens need not be a power of two), and computes the logits XLA's GEMMs and adds do, within bfloat16's rounding;
+    prefills, decode and mixed steps alike (a mixed step's tokens need not be a power of two), and computes the
+    logits XLA's GEMMs and adds do, within bfloat16's rounding;
     a projection some loaded adapter targets keeps XLA's form in a call with adapters (its delta is added before
     the residual, as PEFT adds it), and a call of other sizes uses none. On every device kind: the H100's range
     (`KERNEL_TOKENS` left empty; an H200 runs them at 64 tokens alone, the test below)."""
