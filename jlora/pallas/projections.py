@@ -104,7 +104,6 @@ def _kernel(*refs, block_k: int, splits: int, residual: bool, tokens: int):
         partial = lambda i: pltriton.load(part_ref.at[pl.ds(i, 1), :, cols], volatile=True)[0]
         _write(o_ref, r_ref, cols, functools.reduce(lambda total, i: total + partial(i), range(1, splits),
                                                     partial(0)), mask)
-        count_ref[j] = jnp.zeros((), jnp.int32)
 
 
 def _call(x: jax.Array, w: jax.Array, r: jax.Array | None, name: str, tiling: Tiling | None) -> jax.Array:
@@ -123,7 +122,7 @@ def _call(x: jax.Array, w: jax.Array, r: jax.Array | None, name: str, tiling: Ti
     # x and r [T, *] in tiles of Tp rows, the rows past T masked (no padded copies); the output [T, N] alike
     inputs, in_specs, aliases = [x, w] + [r] * (r is not None), [whole((tp, k)), whole((k, n))] + [
         whole((tp, n))] * (r is not None), {}
-    if splits > 1:  # the counts start at zero, and the block's last program sets its count back to zero
+    if splits > 1:  # the counts start at zero on every call
         counts = jnp.zeros((n // block_n,), jnp.int32)
         aliases = {len(inputs): 2}
         inputs, in_specs = inputs + [counts], in_specs + [whole(counts.shape)]
