@@ -11,7 +11,8 @@ patched to the other answer while the second copy traces, timed in alternating r
 compared first. The base step at each batch, and at `--lora-batches` one r=16 adapter (`--rank`) on q|k|v alone
 (PEFT's default targets for Llama: o and down have no LoRA, so they keep the kernel) and on every projection (the
 kernel unused: the control). With `--qkv`, the base steps against q|k|v alone back on XLA's GEMM (what q|k|v's
-kernel takes). With `--tiling`, the kernels at that one tiling (K split or not). JSON: add_in_gemm.json.
+kernel takes). With `--tiling`, the kernels at that one tiling (K split or not). JSON: add_in_gemm.json, each row
+with the kernels' tilings (BN, BK, stages, splits).
 
   python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--tiling BN,BK,ST,S]
                                       [--out DIR]  # GPU
@@ -75,7 +76,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiling:
         projections.TILINGS = (tuple(map(int, args.tiling.split(","))),)
-    _, record = row_recorder(args.out, "add_in_gemm.json")
+    _, record_row = row_recorder(args.out, "add_in_gemm.json")
+    tilings = [list(t) for t in projections.TILINGS]
+    record = lambda row: record_row({**row, "tilings": tilings})  # each row names the kernels' tilings
     config = llama3_8b(32)
     model_def, params = random_model(config)
     lora_batches = set(map(int, filter(None, args.lora_batches.split(","))))
