@@ -64,18 +64,29 @@ def qkv_lora(config, rank: int) -> LoRAWeights:
     return LoRAWeights(layers=layers, embed_a=None, embed_b=None, lm_head_a=None, lm_head_b=None)
 
 
+def tiling_arg(text: str) -> projections.Tiling:
+    """--tiling's value: four positive integers, BN,BK,STAGES,SPLITS."""
+    try:
+        tiling = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        tiling = ()
+    if len(tiling) != 4 or min(tiling) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not four positive integers BN,BK,STAGES,SPLITS")
+    return tiling
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="16,32,64,128", help="base decode batch sizes")
     parser.add_argument("--lora-batches", default="32,64", help="batch sizes of the one-adapter cases")
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank")
     parser.add_argument("--qkv", action="store_true", help="also each base step against q|k|v on XLA's GEMM")
-    parser.add_argument("--tiling", help="BN,BK,STAGES,SPLITS: the kernels' one tiling for every width (default: "
+    parser.add_argument("--tiling", type=tiling_arg, help="BN,BK,STAGES,SPLITS: the kernels' one tiling for every width (default: "
                         "`projections.TILINGS`), e.g. 64,128,4,2 for K in two splits")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.tiling:
-        projections.TILINGS = (tuple(map(int, args.tiling.split(","))),)
+        projections.TILINGS = (args.tiling,)
     _, record_row = row_recorder(args.out, "add_in_gemm.json")
     tilings = [list(t) for t in projections.TILINGS]
     record = lambda row: record_row({**row, "tilings": tilings})  # each row names the kernels' tilings
