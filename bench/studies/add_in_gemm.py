@@ -81,8 +81,8 @@ def main() -> None:
     parser.add_argument("--lora-batches", default="32,64", help="batch sizes of the one-adapter cases")
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank")
     parser.add_argument("--qkv", action="store_true", help="also each base step against q|k|v on XLA's GEMM")
-    parser.add_argument("--tiling", type=tiling_arg, help="BN,BK,STAGES,SPLITS: the kernels' one tiling for every width (default: "
-                        "`projections.TILINGS`), e.g. 64,128,4,2 for K in two splits")
+    parser.add_argument("--tiling", type=tiling_arg, help="BN,BK,STAGES,SPLITS: the kernels' one tiling for every "
+                        "width (default: `projections.TILINGS`), e.g. 64,128,4,2 for K in two splits")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.tiling:
