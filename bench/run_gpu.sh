@@ -94,6 +94,7 @@ case "${1:-}" in
   capped) python3 bench/studies/capped_grid.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
   projections) python3 bench/studies/backend_by_projection.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
   split)
+    rm -f "$out/small_gemm_residual_fixup.json"  # a failed sweep must not leave an earlier run's tiling to be read
     python3 bench/studies/small_gemm.py --residual --kernels residual,fixup --shapes o,down,qkv --rows "${2:-32}" \
       --out "$out" 2>&1 | grep -E "^#|M=|Error"
     # the step at o's best split tiling from the sweep, then K unsplit (the rows masked) against XLA's pair
