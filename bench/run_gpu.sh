@@ -94,13 +94,14 @@ case "${1:-}" in
   capped) python3 bench/studies/capped_grid.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
   projections) python3 bench/studies/backend_by_projection.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
   split)
-    rm -f "$out/small_gemm_residual_fixup.json"  # a failed sweep must not leave an earlier run's tiling to be read
+    sweep="$out/small_gemm_residual_fixup.json"
+    rm -f "$sweep"  # a failed sweep must not leave an earlier run's tiling to be read
     python3 bench/studies/small_gemm.py --residual --kernels residual,fixup --shapes o,down,qkv --rows "${2:-32}" \
       --out "$out" 2>&1 | grep -E "^#|M=|Error"
     # the step at o's best split tiling from the sweep, then K unsplit (the rows masked) against XLA's pair
     tiling=$(python3 -c 'import json, sys; t = next(r["fixup_tile"] for r in json.load(open(sys.argv[1]))["rows"]
 if r["shape"] == "o"); print(t["block_n"], t["block_k"], t["num_stages"], t["splits"], sep=",")' \
-      "$out/small_gemm_residual_fixup.json") \
+      "$sweep") \
       || { tiling=64,128,4,2; echo "# the sweep gave no o row: the step runs at the H100's best, $tiling"; }
     mkdir -p "$out/split" "$out/unsplit"
     python3 bench/studies/add_in_gemm.py --batches 32,48 --lora-batches '' --tiling "$tiling" --out "$out/split" \
