@@ -98,10 +98,11 @@ case "${1:-}" in
     rm -f "$sweep"  # a failed sweep must not leave an earlier run's tiling to be read
     python3 bench/studies/small_gemm.py --residual --kernels residual,fixup --shapes o,down,qkv --rows "${2:-32}" \
       --out "$out" 2>&1 | grep -E "^#|M=|Error"
-    # the step at o's best split tiling from the sweep, then K unsplit (the rows masked) against XLA's pair
+    # the step at o's best split tiling from the sweep (where the sweep wrote none, it printed its own error
+    # above), then K unsplit (the rows masked) against XLA's pair
     tiling=$(python3 -c 'import json, sys; t = next(r["fixup_tile"] for r in json.load(open(sys.argv[1]))["rows"]
 if r["shape"] == "o"); print(t["block_n"], t["block_k"], t["num_stages"], t["splits"], sep=",")' \
-      "$sweep") \
+      "$sweep" 2>/dev/null) \
       || { tiling=64,128,4,2; echo "# the sweep gave no o row: the step runs at the H100's best, $tiling"; }
     mkdir -p "$out/split" "$out/unsplit"
     python3 bench/studies/add_in_gemm.py --batches 32,48 --lora-batches '' --tiling "$tiling" --out "$out/split" \
