@@ -220,10 +220,10 @@ def residual_add_in_norm(config: ModelConfig, tokens: int) -> bool:
 
 
 # The call sizes (least, most tokens) at which the projections' kernels beat XLA's split-K GEMM and sum in the 8B
-# decode step, by the device kind's name: an H200's faster memory keeps XLA's pair the faster below 64 rows
-# (docs/performance.md § The model step, *On an H200 the kernels run at 64 tokens alone*); other kinds 16-64 (the
-# H100's range, measured at 16, 24, 32, 40, 48 and 64).
-KERNEL_TOKENS = {"H200": (64, 64)}
+# decode step, by the device kind's name: an H200's faster memory keeps XLA's pair the faster at 32 rows and below
+# (docs/performance.md § The model step, *On an H200 with the rows masked*: measured at 32, 36, 40, 48, 56 and 64);
+# other kinds 16-64 (the H100's range, measured at 16, 24, 32, 40, 48 and 64).
+KERNEL_TOKENS = {"H200": (36, 64)}
 
 
 def projections_in_kernel(tokens: int) -> bool:
@@ -231,7 +231,7 @@ def projections_in_kernel(tokens: int) -> bool:
     `projection_kernel` projections that have no LoRA in it in one Pallas kernel each, K unsplit (`matmul`, and
     `matmul_add` with the residual add after o and down): at the device's `KERNEL_TOKENS`, where XLA's split-K
     GEMM and its sum (with the add) in a second kernel were the slower (1.6-6.5 % of an H100's 8B decode step at
-    16-64 tokens, 4.5 % of an H200's at 64)."""
+    16-64 tokens, 2.9-4.5 % of an H200's at 36-64)."""
     kind = jax.devices()[0].device_kind
     low, high = next((bounds for name, bounds in KERNEL_TOKENS.items() if name in kind), (16, 64))
     return low <= tokens <= high
