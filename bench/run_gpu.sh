@@ -36,10 +36,6 @@
 #                                 # 8B decode step (bench/studies/capped_grid.py ARGS, e.g. --cases 32x16x1,32x16x32)
 #   bash bench/run_gpu.sh projections [ARGS]  # the gather forms on some projections' LoRA, Pallas on the rest
 #                                 # (bench/studies/backend_by_projection.py ARGS)
-#   bash bench/run_gpu.sh split [ROWS]  # the projections' kernels with K split against K unsplit and XLA's pair
-#                                 # (bench/studies/small_gemm.py --residual, ROWS default 32), then the 8B step at
-#                                 # batches 32 and 48 at o's best split tiling (bench/studies/add_in_gemm.py
-#                                 # --tiling), and K unsplit; add_in_gemm.json in split/ and unsplit/
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,21 +89,5 @@ case "${1:-}" in
   epilogue) python3 bench/studies/epilogue_expand.py --out "$out" 2>&1 | grep -E "^#|µs|Error" ;;
   capped) python3 bench/studies/capped_grid.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
   projections) python3 bench/studies/backend_by_projection.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
-  split)
-    sweep="$out/small_gemm_residual_fixup.json"
-    rm -f "$sweep"  # a failed sweep must not leave an earlier run's tiling to be read
-    python3 bench/studies/small_gemm.py --residual --kernels residual,fixup --shapes o,down,qkv --rows "${2:-32}" \
-      --out "$out" 2>&1 | grep -E "^#|M=|Error"
-    # the step at o's best split tiling from the sweep (where the sweep wrote none, it printed its own error
-    # above), then K unsplit (the rows masked) against XLA's pair
-    tiling=$(python3 -c 'import json, sys; t = next(r["fixup_tile"] for r in json.load(open(sys.argv[1]))["rows"]
-if r["shape"] == "o"); print(t["block_n"], t["block_k"], t["num_stages"], t["splits"], sep=",")' \
-      "$sweep" 2>/dev/null) \
-      || { tiling=64,128,4,2; echo "# the sweep gave no o row: the step runs at the H100's best, $tiling"; }
-    mkdir -p "$out/split" "$out/unsplit"
-    python3 bench/studies/add_in_gemm.py --batches 32,48 --lora-batches '' --tiling "$tiling" --out "$out/split" \
-      2>&1 | grep -E "^#|^decode|Error"
-    python3 bench/studies/add_in_gemm.py --batches 48,32 --lora-batches '' --out "$out/unsplit" 2>&1 \
-      | grep -E "^#|^decode|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped|projections|split" >&2; exit 2 ;;
+  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped|projections" >&2; exit 2 ;;
 esac

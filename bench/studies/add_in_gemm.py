@@ -11,10 +11,10 @@ patched to the other answer while the second copy traces, timed in alternating r
 compared first. The base step at each batch, and at `--lora-batches` one r=16 adapter (`--rank`) on q|k|v alone
 (PEFT's default targets for Llama: o and down have no LoRA, so they keep the kernel) and on every projection (the
 kernel unused: the control). With `--qkv`, the base steps against q|k|v alone back on XLA's GEMM (what q|k|v's
-kernel takes). With `--tiling`, the kernels at that one tiling (K split or not). JSON: add_in_gemm.json, each row
-with the kernels' tilings (BN, BK, stages, splits).
+kernel takes). With `--tiling`, the kernels at that one tiling. JSON: add_in_gemm.json, each row with the kernels'
+tilings (BN, BK, stages).
 
-  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--tiling BN,BK,ST,S]
+  python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--tiling BN,BK,ST]
                                       [--out DIR]  # GPU
 """
 
@@ -65,13 +65,13 @@ def qkv_lora(config, rank: int) -> LoRAWeights:
 
 
 def tiling_arg(text: str) -> projections.Tiling:
-    """--tiling's value: four positive integers, BN,BK,STAGES,SPLITS."""
+    """--tiling's value: three positive integers, BN,BK,STAGES."""
     try:
         tiling = tuple(int(part) for part in text.split(","))
     except ValueError:
         tiling = ()
-    if len(tiling) != 4 or min(tiling) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not four positive integers BN,BK,STAGES,SPLITS")
+    if len(tiling) != 3 or min(tiling) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not three positive integers BN,BK,STAGES")
     return tiling
 
 
@@ -81,8 +81,8 @@ def main() -> None:
     parser.add_argument("--lora-batches", default="32,64", help="batch sizes of the one-adapter cases")
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank")
     parser.add_argument("--qkv", action="store_true", help="also each base step against q|k|v on XLA's GEMM")
-    parser.add_argument("--tiling", type=tiling_arg, help="BN,BK,STAGES,SPLITS: the kernels' one tiling for every "
-                        "width (default: `projections.TILINGS`), e.g. 64,128,4,2 for K in two splits")
+    parser.add_argument("--tiling", type=tiling_arg, help="BN,BK,STAGES: the kernels' one tiling for every width "
+                        "(default: `projections.TILINGS`), e.g. 64,128,4")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.tiling:

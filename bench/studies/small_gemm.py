@@ -20,9 +20,6 @@ measured in the same run. The Pallas kernels:
   rounds them, `r + bf16(x @ w)` with the residual r [M, N], in one kernel with K unsplit: program n computes its
   [Mp, BN] block over all of K (`num_stages` weight tiles in flight) and adds its block of r, where XLA runs a
   split-K GEMM and sums the splits with the add in a second kernel (`xla` is then that pair, both kernels counted).
-- `fixup` (`--residual --kernels fixup`): the same kernel with K split: program (n, s) stores its f32 partial of
-  column block n and the block's last program to arrive (an atomic count) sums the partials in split order, rounds
-  and adds r, still one kernel (the counts zeroed before it, a memset, counted).
 For `--residual` each row also records `span`: µs a call from the first kernel's start to the last one's end, the
 gaps between kernels counted (XLA's pair has one a call).
 XLA then sums the splits (counted in their time), the stream-K partials in program order through a static gather.
@@ -36,7 +33,6 @@ checked against a float32 `jnp.dot` (‖out − ref‖ / ‖ref‖ < 1e-2) befor
   python bench/studies/small_gemm.py --shapes kv_b32 --kernels ''  # the attention's bytes, read only
   python bench/studies/small_gemm.py --kernels streamk --rows 8,32 # the persistent kernel alone
   python bench/studies/small_gemm.py --residual --shapes o,down --rows 8,32,64 --kernels residual
-  python bench/studies/small_gemm.py --residual --shapes o,down,qkv --rows 32 --kernels residual,fixup
   python bench/studies/small_gemm.py --smoke                       # CPU, interpret mode, small shapes
 """
 
@@ -75,9 +71,7 @@ TILES = {"triton": [dict(block_n=bn, block_k=bk, splits=s, num_warps=4)
          "streamk": [dict(block_n=bn, block_k=bk, waves=w, num_stages=st, num_warps=nw)
                      for bn, bk, w, st, nw in itertools.product((64, 128), (64, 128), (1, 2), (3, 4, 5), (4, 8))],
          "residual": [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=4)
-                      for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5))],
-         "fixup": [dict(block_n=bn, block_k=bk, splits=s, num_stages=4, num_warps=4)
-                   for bn, bk, s in itertools.product((32, 64, 128), (128, 256), (2, 4, 8))]}
+                      for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5))]}
 SMOKE_TILES = {"triton": [dict(block_n=64, block_k=64, splits=2, num_warps=4),
                           dict(block_n=128, block_k=64, splits=1, num_warps=4)],
                "mosaic": [dict(block_n=64, block_k=64, splits=2, steps=2), dict(block_n=128, block_k=64, splits=1,
@@ -85,9 +79,7 @@ SMOKE_TILES = {"triton": [dict(block_n=64, block_k=64, splits=2, num_warps=4),
                "streamk": [dict(block_n=64, block_k=64, waves=1, num_stages=3, num_warps=4, programs=3),
                            dict(block_n=128, block_k=64, waves=1, num_stages=3, num_warps=4, programs=5)],
                "residual": [dict(block_n=16, block_k=64, num_stages=3, num_warps=4),
-                            dict(block_n=32, block_k=128, num_stages=3, num_warps=4)],
-               "fixup": [dict(block_n=32, block_k=64, splits=2, num_stages=3, num_warps=4),
-                         dict(block_n=64, block_k=32, splits=4, num_stages=3, num_warps=4)]}
+                            dict(block_n=32, block_k=128, num_stages=3, num_warps=4)]}
 MOSAIC_ROWS = 64  # wgmma's M: the rows are padded to it
 
 
@@ -251,14 +243,7 @@ def residual_matmul(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n:
                     num_stages: int, num_warps: int):
     """`jlora.pallas.matmul_add` (residual + x @ w, K unsplit) at this tiling; its programs run 4 warps."""
     assert num_warps == 4
-    return matmul_add(x, w, residual, tiling=(block_n, block_k, num_stages, 1))
-
-
-def fixup_matmul(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n: int, block_k: int, splits: int,
-                 num_stages: int, num_warps: int):
-    """`jlora.pallas.matmul_add` with K in `splits`: the block's last program to arrive sums the partials."""
-    assert num_warps == 4
-    return matmul_add(x, w, residual, tiling=(block_n, block_k, num_stages, splits))
+    return matmul_add(x, w, residual, tiling=(block_n, block_k, num_stages))
 
 
 def xla_residual(x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:
@@ -267,7 +252,7 @@ def xla_residual(x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:
 
 
 MATMULS = {"triton": pallas_matmul, "mosaic": mosaic_matmul, "streamk": stream_matmul}
-RESIDUAL = {"residual": residual_matmul, "fixup": fixup_matmul}
+RESIDUAL = {"residual": residual_matmul}
 
 
 def relative_error(out, x, w, residual=None) -> float:

@@ -2,15 +2,13 @@
 the model rounds them.
 
 At decode sizes XLA runs the q|k|v, o and down GEMMs split along K and sums the splits in a second kernel (with
-the residual add after o and down). Here program (j, s) computes column block j [T, BN] over K split s, several
-weight tiles in flight, the T rows in a tile of a power of two with the rows past T masked (no padded copies).
-K unsplit (the shipped tilings), it writes its block (adding its block of the residual): one kernel, and at 16-64
-rows faster than XLA's pair on an H100, at 64 on an H200 (docs/performance.md § The model step, *The small
-projections in Pallas kernels*). K split (a study's tiling), each program stores its f32 partial and the block's
-last program to arrive (an atomic count per block) sums the partials in split order and writes the block: one
-kernel still, its sum's order the same whichever program ran when; on an H100 it was slower than K unsplit
-(docs/performance.md, *K split in the kernel*). The rounding is the model's: the product summed in f32 and
-rounded to x's dtype, then added to r in f32 and rounded again.
+the residual add after o and down). Here program j computes column block j [T, BN] over all of K, several
+weight tiles in flight, the T rows in a tile of a power of two with the rows past T masked (no padded copies),
+and writes its block (adding its block of the residual): one kernel, and at 16-64 rows faster than XLA's pair on
+an H100, at 36-64 on an H200 (docs/performance.md § The model step, *The small projections in Pallas kernels*).
+A K split summed in the kernel was slower in the model's step on both cards (docs/performance.md, *K split in
+the kernel, not adopted*). The rounding is the model's: the product summed in f32 and rounded to x's dtype, then
+added to r in f32 and rounded again.
 """
 
 from __future__ import annotations
@@ -26,12 +24,11 @@ from jlora.pallas.config import num_sms
 
 __all__ = ["matmul", "matmul_add", "matmul_supported"]
 
-Tiling = tuple[int, int, int, int]  # (block N, block K, stages, splits of K)
+Tiling = tuple[int, int, int]  # (block N, block K, stages)
 
 # The best of 27 tilings at 32 and 64 rows (bench/studies/small_gemm.py --residual): 32-column blocks where they
-# fill at most one wave of programs (o, down: 128 of them), else 64 (q|k|v: 96); K unsplit (two splits' best,
-# --kernels fixup, was 0.8-1.3 µs slower a call on an H100).
-TILINGS: tuple[Tiling, ...] = ((32, 256, 4, 1), (64, 128, 5, 1))
+# fill at most one wave of programs (o, down: 128 of them), else 64 (q|k|v: 96).
+TILINGS: tuple[Tiling, ...] = ((32, 256, 4), (64, 128, 5))
 SHARED_BYTES = 200 << 10  # of the 227 KB a Hopper program may hold: the x and w tiles of its stages in flight
 
 
@@ -41,9 +38,9 @@ def _tiling(n: int) -> Tiling:
 
 
 def _fits(dtype, k: int, n: int, tiling: Tiling) -> bool:
-    """A 16-bit float (a float32 product would run in TF32), K a multiple of splits x block K, N of block N."""
-    block_n, block_k, _, splits = tiling
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and k % (splits * block_k) == 0 \
+    """A 16-bit float (a float32 product would run in TF32), K a multiple of block K, N of block N."""
+    block_n, block_k, _ = tiling
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and k % block_k == 0 \
         and n % block_n == 0
 
 
@@ -57,10 +54,24 @@ def _rows(ref, index, mask: jax.Array | None) -> jax.Array:
     return ref[index] if mask is None else pltriton.load(ref.at[index], mask=mask, other=0)
 
 
-def _write(o_ref, r_ref, cols, total: jax.Array, mask: jax.Array | None) -> None:
-    """The program's output block [Tp, BN] from its f32 sum: rounded to the output's dtype (then added to r's block
-    `cols` in f32 and rounded again); the rows past T not stored."""
-    product = total.astype(o_ref.dtype)
+def _kernel(*refs, block_k: int, residual: bool, tokens: int):
+    """Program j: columns [j·BN, (j + 1)·BN) of x @ w (r + x @ w with `residual`), for the `tokens` rows of x
+    [T, K] in a tile of Tp (a power of two: the rows past T masked, neither loaded nor stored). refs: x, w[, r],
+    out. The product is summed in f32 and rounded to the output's dtype (then added to r's block in f32 and
+    rounded again)."""
+    x_ref, w_ref = refs[:2]
+    r_ref = refs[2] if residual else None
+    o_ref = refs[-1]
+    tile, block_n = o_ref.shape
+    cols = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
+    mask = None if tokens == tile else jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < tokens
+
+    def step(i, acc):
+        k = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        return acc + pltriton.dot(_rows(x_ref, (slice(None), k), mask), w_ref[k, cols])
+
+    acc = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((tile, block_n), jnp.float32))
+    product = acc.astype(o_ref.dtype)
     if r_ref is not None:
         residual = _rows(r_ref, (slice(None), cols), mask)
         product = (residual.astype(jnp.float32) + product.astype(jnp.float32)).astype(o_ref.dtype)
@@ -70,81 +81,35 @@ def _write(o_ref, r_ref, cols, total: jax.Array, mask: jax.Array | None) -> None
         pltriton.store(o_ref, product, mask=mask)
 
 
-def _kernel(*refs, block_k: int, splits: int, residual: bool, tokens: int):
-    """Program (j, s): columns [j·BN, (j + 1)·BN) of x @ w (r + x @ w with `residual`) over K split s, for the
-    `tokens` rows of x [T, K] in a tile of Tp (a power of two: the rows past T masked). refs: x, w[, r], then out
-    alone (K unsplit) or counts [N / BN] (zeros, aliased to the last output), out, partials [splits, Tp, N] f32,
-    counts."""
-    x_ref, w_ref = refs[:2]
-    r_ref = refs[2] if residual else None
-    o_ref, part_ref, count_ref = (refs[-1], None, None) if splits == 1 else refs[-3:]
-    block_n = o_ref.shape[1]
-    j, s = pl.program_id(0), pl.program_id(1)
-    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
-    k_split = x_ref.shape[1] // splits
-    tile = x_ref.shape[0]
-    mask = None if tokens == tile else jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < tokens
-
-    def step(i, acc):
-        k = pl.ds(pl.multiple_of(s * k_split + i * block_k, block_k), block_k)
-        return acc + pltriton.dot(_rows(x_ref, (slice(None), k), mask), w_ref[k, cols])
-
-    acc = jax.lax.fori_loop(0, k_split // block_k, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
-    if splits == 1:
-        _write(o_ref, r_ref, cols, acc, mask)
-        return
-    part_ref[pl.ds(s, 1), :, cols] = acc[None]
-    if jax.default_backend() == "gpu":  # every thread's store issued before the count's release below
-        pltriton.debug_barrier()
-    arrived = pltriton.atomic_add(count_ref, j, jnp.ones((), jnp.int32))  # acquire-release, the GPU's scope
-
-    @pl.when(arrived == splits - 1)
-    def _():  # the last of the block's programs: every partial is stored
-        # volatile: from L2, where the other programs' stores landed, not from this SM's L1
-        partial = lambda i: pltriton.load(part_ref.at[pl.ds(i, 1), :, cols], volatile=True)[0]
-        _write(o_ref, r_ref, cols, functools.reduce(lambda total, i: total + partial(i), range(1, splits),
-                                                    partial(0)), mask)
-
-
 def _call(x: jax.Array, w: jax.Array, r: jax.Array | None, name: str, tiling: Tiling | None) -> jax.Array:
     (t, k), n = x.shape, w.shape[1]
-    block_n, block_k, stages, splits = tiling = tiling or _tiling(n)
+    block_n, block_k, stages = tiling = tiling or _tiling(n)
     if x.dtype != w.dtype or not _fits(x.dtype, k, n, tiling) or w.shape[0] != k or (
             r is not None and (r.shape != (t, n) or r.dtype != x.dtype)):
         raise ValueError(f"{name} needs x [T, K], w [K, N]{' and r [T, N]' if r is not None else ''} of one 16-bit "
-                         f"float dtype with K % {splits * block_k} == 0 and N % {block_n} == 0, got {x.shape} "
+                         f"float dtype with K % {block_k} == 0 and N % {block_n} == 0, got {x.shape} "
                          f"{x.dtype}, {w.shape} {w.dtype}" + ("" if r is None else f", {r.shape} {r.dtype}"))
     tp = max(16, 1 << (t - 1).bit_length())  # Triton's tiles: a power of two, its dots at least 16 rows
     stage = (tp + block_n) * block_k * x.dtype.itemsize  # an x tile and a w tile
     stages = max(1, min(stages, SHARED_BYTES // stage))  # fewer where many rows fill the shared memory
-    whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,) * len(shape))
-    out_shape, out_specs = jax.ShapeDtypeStruct((t, n), x.dtype), pl.BlockSpec((tp, block_n), lambda j, s: (0, j))
+    whole = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))
     # x and r [T, *] in tiles of Tp rows, the rows past T masked (no padded copies); the output [T, N] alike
-    inputs, in_specs, aliases = [x, w] + [r] * (r is not None), [whole((tp, k)), whole((k, n))] + [
-        whole((tp, n))] * (r is not None), {}
-    if splits > 1:  # the counts start at zero on every call
-        counts = jnp.zeros((n // block_n,), jnp.int32)
-        aliases = {len(inputs): 2}
-        inputs, in_specs = inputs + [counts], in_specs + [whole(counts.shape)]
-        out_shape = (out_shape, jax.ShapeDtypeStruct((splits, tp, n), jnp.float32), counts)
-        out_specs = (out_specs, whole((splits, tp, n)), whole(counts.shape))
-    out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, splits=splits, residual=r is not None, tokens=t),
-        out_shape=out_shape,
-        grid=(n // block_n, splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        input_output_aliases=aliases,
+    inputs = [x, w] + [r] * (r is not None)
+    return pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k, residual=r is not None, tokens=t),
+        out_shape=jax.ShapeDtypeStruct((t, n), x.dtype),
+        grid=(n // block_n,),
+        in_specs=[whole((tp, k)), whole((k, n))] + [whole((tp, n))] * (r is not None),
+        out_specs=pl.BlockSpec((tp, block_n), lambda j: (0, j)),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=stages),
         interpret=jax.default_backend() != "gpu",
         name=f"jlora_{name}_{k}x{n}",
     )(*inputs)
-    return out[0] if splits > 1 else out
 
 
 def matmul(x: jax.Array, w: jax.Array, tiling: Tiling | None = None) -> jax.Array:
     """x @ w rounded to x's dtype: x [T, K] and w [K, N] of one 16-bit dtype -> [T, N]. `tiling`: (block N,
-    block K, stages, splits), default the width's (a study's sweep sets it). Raises ValueError for what
+    block K, stages), default the width's (a study's sweep sets it). Raises ValueError for what
     `matmul_supported` refuses."""
     return _call(x, w, None, "matmul", tiling)
 
