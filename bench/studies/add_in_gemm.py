@@ -11,11 +11,12 @@ patched to the other answer while the second copy traces, timed in alternating r
 compared first. The base step at each batch, and at `--lora-batches` one r=16 adapter (`--rank`) on q|k|v alone
 (PEFT's default targets for Llama: o and down have no LoRA, so they keep the kernel) and on every projection (the
 kernel unused: the control). With `--qkv`, the base steps against q|k|v alone back on XLA's GEMM (what q|k|v's
-kernel takes). With `--tiling`, the kernels at that one tiling. JSON: add_in_gemm.json, each row with the kernels'
-tilings (BN, BK, stages).
+kernel takes). With `--tiling`, the kernels at that one tiling; with `--min-rows`, their rows in a tile of at
+least that many (`projections.MIN_ROWS`; 64 puts 16-32 rows in the tile that 33-64 take). JSON: add_in_gemm.json,
+each row with the kernels' tilings (BN, BK, stages) and fewest rows a tile.
 
   python bench/studies/add_in_gemm.py [--batches 16,32,64,128] [--lora-batches 32,64] [--qkv] [--tiling BN,BK,ST]
-                                      [--out DIR]  # GPU
+                                      [--min-rows 16|32|64] [--out DIR]  # GPU
 """
 
 from __future__ import annotations
@@ -83,13 +84,16 @@ def main() -> None:
     parser.add_argument("--qkv", action="store_true", help="also each base step against q|k|v on XLA's GEMM")
     parser.add_argument("--tiling", type=tiling_arg, help="BN,BK,STAGES: the kernels' one tiling for every width "
                         "(default: `projections.TILINGS`), e.g. 64,128,4")
+    parser.add_argument("--min-rows", type=int, choices=(16, 32, 64), default=projections.MIN_ROWS,
+                        help="the fewest rows a kernel's tile holds (a power of two; default: `projections.MIN_ROWS`)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.tiling:
         projections.TILINGS = (args.tiling,)
+    projections.MIN_ROWS = args.min_rows
     _, record_row = row_recorder(args.out, "add_in_gemm.json")
     tilings = [list(t) for t in projections.TILINGS]
-    record = lambda row: record_row({**row, "tilings": tilings})  # each row names the kernels' tilings
+    record = lambda row: record_row({**row, "tilings": tilings, "min_rows": args.min_rows})  # the kernels' tiles
     config = llama3_8b(32)
     model_def, params = random_model(config)
     lora_batches = set(map(int, filter(None, args.lora_batches.split(","))))

@@ -29,6 +29,7 @@ Tiling = tuple[int, int, int]  # (block N, block K, stages)
 # The best of 27 tilings at 32 and 64 rows (bench/studies/small_gemm.py --residual): 32-column blocks where they
 # fill at most one wave of programs (o, down: 128 of them), else 64 (q|k|v: 96).
 TILINGS: tuple[Tiling, ...] = ((32, 256, 4), (64, 128, 5))
+MIN_ROWS = 16  # the fewest rows a tile holds: Triton's dots take at least 16
 SHARED_BYTES = 200 << 10  # of the 227 KB a Hopper program may hold: the x and w tiles of its stages in flight
 
 
@@ -89,7 +90,7 @@ def _call(x: jax.Array, w: jax.Array, r: jax.Array | None, name: str, tiling: Ti
         raise ValueError(f"{name} needs x [T, K], w [K, N]{' and r [T, N]' if r is not None else ''} of one 16-bit "
                          f"float dtype with K % {block_k} == 0 and N % {block_n} == 0, got {x.shape} "
                          f"{x.dtype}, {w.shape} {w.dtype}" + ("" if r is None else f", {r.shape} {r.dtype}"))
-    tp = max(16, 1 << (t - 1).bit_length())  # Triton's tiles: a power of two, its dots at least 16 rows
+    tp = max(MIN_ROWS, 1 << (t - 1).bit_length())  # Triton's tiles: a power of two
     stage = (tp + block_n) * block_k * x.dtype.itemsize  # an x tile and a w tile
     stages = max(1, min(stages, SHARED_BYTES // stage))  # fewer where many rows fill the shared memory
     whole = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))
