@@ -40,6 +40,20 @@ def test_matches_the_float64_oracle_in_every_column_block(dtype, residual, seed,
         assert np.linalg.norm(got[:, cols] - want[:, cols]) <= 1e-2 * np.linalg.norm(want[:, cols])
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 20, 32])
+def test_a_larger_tile_masks_the_rows_it_does_not_hold(monkeypatch, tokens):
+    """With the fewest rows a tile holds raised to 64 (`add_in_gemm.py --min-rows`), 1-32 rows are masked in a
+    tile of 64: each of the T rows still the oracle's."""
+    monkeypatch.setattr(kernels, "MIN_ROWS", 64)
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 64)) / 16, jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((tokens, 64)), jnp.bfloat16)
+    for got, want in ((matmul_add(x, w, r), _oracle(x, w, r)), (matmul(x, w), _oracle(x, w))):
+        assert got.shape == (tokens, 64)
+        assert oracle.worst_row_err(np.asarray(got, np.float64), want) < 1e-2
+
+
 def test_the_tiling_follows_the_width():
     """32-column blocks while they make at most one program per SM (o and down of an 8B layer: 128), else 64
     (q|k|v: 6144 columns, 96 programs)."""
