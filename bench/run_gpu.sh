@@ -36,6 +36,8 @@
 #                                 # 8B decode step (bench/studies/capped_grid.py ARGS, e.g. --cases 32x16x1,32x16x32)
 #   bash bench/run_gpu.sh projections [ARGS]  # the gather forms on some projections' LoRA, Pallas on the rest
 #                                 # (bench/studies/backend_by_projection.py ARGS)
+#   bash bench/run_gpu.sh tile [BATCHES]  # the projections' kernels with their rows in a tile of at least 64, then
+#                                 # 16, against XLA's pair (bench/studies/add_in_gemm.py --min-rows; BATCHES 32,16)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,5 +91,11 @@ case "${1:-}" in
   epilogue) python3 bench/studies/epilogue_expand.py --out "$out" 2>&1 | grep -E "^#|µs|Error" ;;
   capped) python3 bench/studies/capped_grid.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
   projections) python3 bench/studies/backend_by_projection.py --out "$out" "${@:2}" 2>&1 | grep -E "^#|^decode|Error" ;;
-  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped|projections" >&2; exit 2 ;;
+  tile)
+    for rows in 64 16; do
+      mkdir -p "$out/min_rows_$rows"
+      python3 bench/studies/add_in_gemm.py --batches "${2:-32,16}" --lora-batches '' --min-rows "$rows" \
+        --out "$out/min_rows_$rows" 2>&1 | grep -E "^#|^decode|Error"
+    done ;;
+  *) echo "usage: $0 check|kernels|full|model|profile|features|engine|serve|limits|gather|attention|delta|norm|scheduling|chunk|tp|tiers|scoring|paging|tenancy|copies|epilogue|capped|projections|tile" >&2; exit 2 ;;
 esac
