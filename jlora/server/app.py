@@ -420,21 +420,6 @@ class _Api:
             self._cancel_unfinished([s.request for s in samples])  # a client that left mid-stream: rows free
 
 
-def _with_text_content(message: dict, index: int) -> dict:
-    """`message` with its content one text: a list of text parts is joined by newlines, as vLLM joins them (the
-    chat templates take a string)."""
-    content = message["content"]
-    if isinstance(content, str):
-        return message
-    for j, part in enumerate(content):
-        if part.get("type") != "text":
-            raise ApiError(400, f"messages[{index}].content[{j}] is a {part.get('type')!r} part: only text parts "
-                                "({'type': 'text', 'text': ...}) are supported", "messages")
-        if "text" not in part:
-            raise ApiError(400, f"messages[{index}].content[{j}] is a text part without 'text'", "messages")
-    return {**message, "content": "\n".join(part["text"] for part in content)}
-
-
 async def read_body(http: HTTPRequest, config: ServerConfig) -> bytes:
     """The request's body, refused (413) once it passes max_body_bytes and (408) after body_timeout."""
     limit = config.max_body_bytes
