@@ -32,7 +32,7 @@ from jlora.batch_info import LoRABatchInfo
 from jlora.models.config import ModelConfig
 from jlora.models.lora_weights import LayerLoRA, LoRAWeights, RowOverrides
 from jlora.ops import lora_embedding, lora_linear, lora_shrink, resolve_backend
-from jlora.pallas.config import delta_expand
+from jlora.pallas.config import by_device, delta_expand
 from jlora.pallas.decode_attention import (NewToken, decode_attention, decode_attention_supported,
                                            paged_decode_attention)
 from jlora.pallas.projections import matmul, matmul_add, matmul_supported
@@ -232,8 +232,7 @@ def projections_in_kernel(tokens: int) -> bool:
     `matmul_add` with the residual add after o and down): at the device's `KERNEL_TOKENS`, where XLA's split-K
     GEMM and its sum (with the add) in a second kernel were the slower (1.6-6.5 % of an H100's 8B decode step at
     16-64 tokens, 2.9-4.5 % of an H200's at 36-64)."""
-    kind = jax.devices()[0].device_kind
-    low, high = next((bounds for name, bounds in KERNEL_TOKENS.items() if name in kind), (16, 64))
+    low, high = by_device(KERNEL_TOKENS, (16, 64))
     return low <= tokens <= high
 
 

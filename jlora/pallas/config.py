@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TypeVar
 
 import jax
 
+T = TypeVar("T")
+
 __all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "delta_expand", "pow2_divisor",
-           "num_sms"]
+           "num_sms", "by_device"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +73,14 @@ def num_sms() -> int:
     does not say (the H100 / H200 the rules were measured on; interpret mode on the CPU)."""
     device = jax.devices()[0]
     return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
+
+
+def by_device(table: dict[str, T], default: T) -> T:
+    """The value of the first entry of `table` whose name is whole words of the default device's kind ("H200" for
+    an "NVIDIA H200" or "NVIDIA H200 NVL", not an "NVIDIA GH200 480GB"), else `default`: a rule measured on one
+    card that another card's measurements did not bear."""
+    kind = f" {jax.devices()[0].device_kind} "
+    return next((value for name, value in table.items() if f" {name} " in kind), default)
 
 
 def shrink_config(
