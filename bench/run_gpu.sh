@@ -2,7 +2,8 @@
 # What a GPU session runs (each part fits one 10-minute device call):
 #   bash bench/run_gpu.sh check [TESTS]  # GPU tests (kernels at real sizes, HF agreement, model on pallas) + demo;
 #                                 # the whole suite no longer fits one call: `check tests/pallas tests/models
-#                                 # tests/adapters tests/paging`, then `check tests/server`, then `check tests/test_*.py`
+#                                 # tests/adapters tests/paging`, then `check tests/server`, then
+#                                 # `check tests/test_[a-l]*.py`, then `check tests/test_[m-z]*.py`
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
 #   bash bench/run_gpu.sh full    # the full kernel table (bench/kernels.py --resume): run it again until it says
 #                                 # "done"; copy each call's kernels_full.json into bench/results in between
@@ -46,9 +47,9 @@ out="${OUT:-bench/results}"
 case "${1:-}" in
   check)
     # 4 workers share the GPU (no preallocation); the whole suite took over 400 s on an H200. The log goes to
-    # $OUT (or /tmp), so a call cut short still shows how far it got.
+    # $OUT (or /tmp), a line per test, so a call cut short still shows how far it got and which tests were running.
     shift
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 4 -p no:cacheprovider \
       -W ignore::DeprecationWarning "${@:-tests/}" > "${OUT:-/tmp}/check.log" 2>&1
     tail -15 "${OUT:-/tmp}/check.log"
     python3 -m jlora demo 2>&1 | grep -v "loading model" | tail -16 ;;
