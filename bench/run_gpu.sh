@@ -47,7 +47,8 @@ out="${OUT:-bench/results}"
 case "${1:-}" in
   check)
     # 4 workers share the GPU (no preallocation); the whole suite took over 400 s on an H200. The log goes to
-    # $OUT (or /tmp), a line per test, so a call cut short still shows how far it got and which tests were running.
+    # $OUT (or /tmp), a line per finished test, so a call cut short still shows how far it got and which tests
+    # had not finished.
     shift
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 4 -p no:cacheprovider \
       -W ignore::DeprecationWarning "${@:-tests/}" > "${OUT:-/tmp}/check.log" 2>&1
