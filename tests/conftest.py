@@ -12,11 +12,6 @@ _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jlora-tests-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the tiny models compile in well under 1 s
-    # A size limit turns on JAX's file lock around each entry's read and write, so an xdist worker never reads an
-    # entry another is still writing ("Error reading persistent compilation cache entry", then a compile again).
-    # The limit is far above what a session writes; the lock needs the filelock package (huggingface_hub's).
-    if importlib.util.find_spec("filelock") is not None:
-        os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 << 30)
 
 # On the CPU the tiny models' tests are compile-bound (XLA's compilation is most of a slow test's time), and LLVM's
 # optimization level 0 compiles their steps about a quarter faster: the same programs, under XLA's same math
@@ -32,8 +27,6 @@ import pytest  # noqa: E402
 if _OWN_CACHE is not None:  # in case a plugin imported JAX first
     jax.config.update("jax_compilation_cache_dir", _OWN_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
-        jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 def pytest_collection_modifyitems(config, items):
