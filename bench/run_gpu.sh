@@ -47,9 +47,8 @@ export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 out="${OUT:-bench/results}"
 case "${1:-}" in
   check)
-    # 4 workers share the GPU (no preallocation); the whole suite took over 400 s on an H200. The log goes to
-    # $OUT (or /tmp), a line per finished test, so a call cut short still shows how far it got and which tests
-    # had not finished.
+    # 4 workers share the GPU (no preallocation). The log goes to $OUT (or /tmp), a line per finished test, so a
+    # call cut short still shows how far it got and which tests had not finished.
     # A quoted glob (`"tests/test_[a-d]*.py"`) is expanded here, as pytest would take it for one missing path;
     # other arguments (`-k "a and b"`) pass as given.
     shift
