@@ -3,8 +3,8 @@
 #   bash bench/run_gpu.sh check [TESTS]  # GPU tests (kernels at real sizes, HF agreement, model on pallas) + demo;
 #                                 # the whole suite no longer fits one call: `check tests/pallas tests/models
 #                                 # tests/adapters tests/paging`, then `check tests/server`, then
-#                                 # `check tests/test_[a-d]*.py`, `check tests/test_[e-o]*.py`, `check tests/test_[p-z]*.py`
-#                                 # (about 270, 420 and 390 s on 2 CPU cores; test_[a-l] alone outran 560 s on an H100)
+#                                 # `check tests/test_[a-d]*.py`, `check tests/test_[e-n]*.py`, `check tests/test_[o-z]*.py`
+#                                 # (on an H100: 442, 188 and 264 s a call; test_[a-l] alone outran 560 s)
 #   bash bench/run_gpu.sh kernels # kernel table (bench/kernels.py --quick)
 #   bash bench/run_gpu.sh full    # the full kernel table (bench/kernels.py --resume): run it again until it says
 #                                 # "done"; copy each call's kernels_full.json into bench/results in between
